@@ -1,0 +1,72 @@
+# dymem_tf — the two commands a new machine needs:
+#   make demo   trains a Keras model with and without Dymem and prints the memory table (the main job)
+#   make test   builds the native libraries and runs the whole test suite
+# Both create .venv, install TensorFlow and build dymem_tf/cc against it first.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.dymem-installed
+CXX    ?= g++
+NATIVE_SRC := $(wildcard dymem_tf/cc/*.cc dymem_tf/cc/*.h)
+
+.PHONY: all install demo test test-fast native-test asan ubsan bench bench-quick browser-deps clean
+
+all: install
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+# TensorFlow first (the build compiles against it), then dymem_tf itself, editable, without build isolation so the
+# libraries are built against exactly the TF in the venv.
+$(STAMP): $(PY) pyproject.toml setup.py $(NATIVE_SRC)
+	$(PIP) install -q "tensorflow>=2.21,<2.22" "setuptools>=68" wheel
+	$(PIP) install -q --no-build-isolation -e ".[test]"
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(PY) examples/train_resnet50.py --compare
+
+test: install browser-deps
+	$(PY) -m pytest -q -ra
+
+# Without the browser and the slow model tests: the edit-compile-test loop.
+test-fast: install
+	$(PY) -m pytest -q -ra -m "not slow and not browser"
+
+# Headless Chromium for the TensorBoard plugin's browser test (Debian packages; best effort, the test skips
+# with the reason when it cannot be installed).
+browser-deps:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver) \
+	    >/dev/null 2>&1 || echo "note: chromium could not be installed; browser tests will skip"; }
+
+build:
+	mkdir -p build
+
+native-test: build
+	$(CXX) -std=c++17 -O2 -Wall -Wextra -Werror -pthread dymem_tf/cc/gtbm_core.cc dymem_tf/cc/tests/gtbm_core_test.cc -o build/gtbm_core_test
+	./build/gtbm_core_test
+
+asan: build
+	$(CXX) -std=c++17 -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all -pthread \
+	  dymem_tf/cc/gtbm_core.cc dymem_tf/cc/tests/gtbm_core_test.cc -o build/gtbm_core_test_asan
+	ASAN_OPTIONS=detect_leaks=1 ./build/gtbm_core_test_asan
+
+ubsan: build
+	$(CXX) -std=c++17 -O1 -g -fsanitize=undefined -fno-sanitize-recover=all -pthread \
+	  dymem_tf/cc/gtbm_core.cc dymem_tf/cc/tests/gtbm_core_test.cc -o build/gtbm_core_test_ubsan
+	./build/gtbm_core_test_ubsan
+
+bench: install
+	$(PY) bench/run_all.py
+
+bench-quick: install
+	$(PY) bench/run_all.py --quick
+
+clean:
+	rm -rf build dist *.egg-info dymem_tf/*.so dymem_tf/_build_info.json

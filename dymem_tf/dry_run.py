@@ -1,0 +1,79 @@
+"""Trace a model's train step without running it, and plan it under every policy (``python -m dymem_tf plan``)."""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import keras
+import tensorflow as tf
+
+from dymem_tf import graph_capture, planner, step_pass
+
+
+@dataclasses.dataclass
+class TracedStep:
+    """The analysed train step of a model at one batch size, ready to be planned."""
+
+    step_graph: object
+    persistent_bytes: int
+    batch_size: int
+    num_ops: int
+
+
+def application_names() -> list[str]:
+    """Names of the ``keras.applications`` model builders, lower-cased (``resnet50``, ``densenet121``, ...)."""
+    names = []
+    for name, obj in inspect.getmembers(keras.applications):
+        if inspect.isfunction(obj) and name[0].isupper():
+            names.append(name.lower())
+    return sorted(names)
+
+
+def build_model(model: str, image_size: int, classes: int = 10) -> keras.Model:
+    """A compiled ``keras.applications`` model by name (random weights: no download), or a saved ``.keras`` file."""
+    if model.endswith(".keras") or model.endswith(".h5"):
+        loaded = keras.models.load_model(model, compile=False)
+        loaded.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+        return loaded
+    builders = {name.lower(): obj for name, obj in inspect.getmembers(keras.applications) if inspect.isfunction(obj)}
+    if model.lower() not in builders:
+        raise ValueError(f"unknown model {model!r}: use a saved .keras file or one of "
+                         f"{', '.join(application_names())}")
+    net = builders[model.lower()](weights=None, input_shape=(image_size, image_size, 3), classes=classes)
+    net.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9), loss="sparse_categorical_crossentropy")
+    return net
+
+
+def trace_train_step(model: keras.Model, batch_size: int) -> TracedStep:
+    """Trace ``model.train_step`` on symbolic inputs of ``batch_size`` and return its analysed step graph."""
+    x_spec = tf.TensorSpec((batch_size,) + tuple(model.input_shape[1:]), tf.float32)
+    out_shape = model.output_shape
+    y_spec = tf.TensorSpec((batch_size,), tf.int64) if len(out_shape) == 2 else tf.TensorSpec(
+        (batch_size,) + tuple(out_shape[1:]), tf.float32)
+    model._symbolic_build(data_batch=(x_spec, y_spec, None))  # pylint: disable=protected-access
+    captured = {}
+
+    def step(x, y):
+        graph = tf.compat.v1.get_default_graph()
+        start = len(graph.get_operations())
+        out = model.train_step((x, y))
+        new_ops = graph.get_operations()[start:]
+        captured["graph"] = graph_capture.capture_step_graph(new_ops, batch_size=batch_size)
+        captured["num_ops"] = len(new_ops)
+        return out
+
+    tf.function(step).get_concrete_function(x_spec, y_spec)
+    return TracedStep(captured["graph"], step_pass.persistent_bytes(model), batch_size, captured["num_ops"])
+
+
+def plan_all(traced: TracedStep, policies, budget_bytes, device, **kwargs) -> dict:
+    """A plan (or the error that stopped it) per policy for one traced step."""
+    results = {}
+    for policy in policies:
+        try:
+            results[policy] = planner.make_plan(traced.step_graph, policy=policy, budget_bytes=budget_bytes,
+                                                persistent_bytes=traced.persistent_bytes, profile=device,
+                                                batch_size=traced.batch_size, **kwargs)
+        except ValueError as err:
+            results[policy] = err
+    return results

@@ -1,0 +1,119 @@
+"""Finds and loads dymem_tf's native libraries, checking that they match the running TensorFlow.
+
+Two libraries live next to the package (built by ``pip install .``):
+
+* ``_dymem_ops``: the ``DymemSwapOut`` / ``DymemSwapIn`` kernels and the host pool; safe to load at any time.
+* ``_dymem_gtbm``: the GTBM allocator. It registers with TF's allocator factory from a static initializer, which
+  TensorFlow turns into a process-killing CHECK failure once its CPU allocator exists. It is therefore loaded only
+  while TF's eager context is not yet initialised (see :func:`gtbm_load_is_safe`).
+"""
+from __future__ import annotations
+
+import ctypes
+import glob
+import json
+import os
+import threading
+
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_lock = threading.Lock()
+_loaded: dict[str, object] = {}
+
+
+class LibraryNotBuiltError(ImportError):
+    """The native library is missing: the package was not installed with ``pip install .``."""
+
+
+class TensorFlowVersionMismatchError(ImportError):
+    """The native libraries were compiled against a different TensorFlow version."""
+
+
+def library_path(name: str) -> str:
+    """Path of the shared library ``_dymem_<name>`` shipped in the package (``name`` is ``ops`` or ``gtbm``)."""
+    matches = sorted(glob.glob(os.path.join(PACKAGE_DIR, f"_dymem_{name}*.so")))
+    if not matches:
+        raise LibraryNotBuiltError(
+            f"dymem_tf's native library _dymem_{name} was not found in {PACKAGE_DIR}. Install the package with "
+            "`pip install .` (or `pip install -e .`) so that dymem_tf/cc is compiled against your TensorFlow."
+        )
+    return matches[-1]
+
+
+def build_info() -> dict:
+    """What the native libraries were built against (written by setup.py at build time)."""
+    path = os.path.join(PACKAGE_DIR, "_build_info.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as fh:
+        return json.load(fh)
+
+
+def check_tensorflow_version() -> None:
+    """Raise :class:`TensorFlowVersionMismatchError` unless the running TF is the one the libraries were built for."""
+    import tensorflow as tf
+
+    built_for = build_info().get("tensorflow_version")
+    if built_for and built_for != tf.__version__:
+        raise TensorFlowVersionMismatchError(
+            f"dymem_tf's native libraries were built for TensorFlow {built_for}, but TensorFlow {tf.__version__} "
+            f"is installed. The op ABI is tied to the exact version: reinstall dymem_tf (`pip install "
+            f"--force-reinstall --no-binary dymem_tf .`) or install tensorflow=={built_for}."
+        )
+
+
+def load_ops_library():
+    """Load ``_dymem_ops`` with ``tf.load_op_library`` (once) and return the generated op module."""
+    import tensorflow as tf
+
+    with _lock:
+        if "ops" not in _loaded:
+            check_tensorflow_version()
+            _loaded["ops"] = tf.load_op_library(library_path("ops"))
+        return _loaded["ops"]
+
+
+def ops_cdll() -> ctypes.CDLL:
+    """The ops library as a ctypes handle (host-pool statistics), loading it first if needed."""
+    load_ops_library()
+    return _cdll("ops")
+
+
+def tensorflow_context_initialized() -> bool:
+    """True once TF's eager context exists, i.e. once TF may have created its CPU allocator."""
+    from tensorflow.python.eager import context
+
+    ctx = context.context_safe()
+    return ctx is not None and ctx._context_handle is not None  # pylint: disable=protected-access
+
+
+def gtbm_load_is_safe() -> bool:
+    """Whether registering the GTBM allocator factory now cannot trip TF's registration CHECK."""
+    return "gtbm" in _loaded or not tensorflow_context_initialized()
+
+
+def load_gtbm_library():
+    """Load ``_dymem_gtbm`` (registers the allocator) if that is still safe; return its ctypes handle or None."""
+    import tensorflow as tf
+
+    with _lock:
+        if "gtbm" not in _loaded:
+            if not gtbm_load_is_safe():
+                return None
+            check_tensorflow_version()
+            tf.load_op_library(library_path("gtbm"))
+            _loaded["gtbm"] = True
+        return _cdll("gtbm")
+
+
+def gtbm_cdll() -> ctypes.CDLL | None:
+    """The GTBM library's ctypes handle, or None when it was not loaded in this process."""
+    with _lock:
+        return _cdll("gtbm") if "gtbm" in _loaded else None
+
+
+def _cdll(name: str) -> ctypes.CDLL:
+    key = f"cdll:{name}"
+    if key not in _loaded:
+        # dlopen of an already-loaded library returns the same handle: same globals as TF's copy.
+        _loaded[key] = ctypes.CDLL(library_path(name), mode=ctypes.RTLD_GLOBAL)
+    return _loaded[key]  # type: ignore[return-value]

@@ -1,0 +1,91 @@
+"""Compiles the native libraries of dymem_tf against the installed TensorFlow.
+
+Two shared libraries are built from ``dymem_tf/cc``:
+
+* ``_dymem_gtbm``: the GTBM allocator (files ``gtbm_*.cc``). It registers itself with TF's allocator factory, so
+  it must be loaded before TF's first CPU allocation; it is kept apart from the ops for that reason.
+* ``_dymem_ops``: the swap kernels and the host pool (every other ``*.cc``).
+
+Flags come from ``tf.sysconfig``; TF's headers are included with ``-isystem`` so that ``-Wall -Wextra -Werror``
+applies to our own sources only.
+"""
+import glob
+import json
+import os
+import sys
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CC_DIR = os.path.join("dymem_tf", "cc")
+
+
+def _sources(pattern, exclude=()):
+    files = sorted(glob.glob(os.path.join(CC_DIR, pattern)))
+    return [f for f in files if os.path.basename(f) not in exclude]
+
+
+GTBM_SOURCES = _sources("gtbm_*.cc")
+OPS_SOURCES = _sources("*.cc", exclude={os.path.basename(f) for f in GTBM_SOURCES})
+
+
+class TensorFlowBuildExt(build_ext):
+    """build_ext that adds TensorFlow's compile and link flags and records the TF version."""
+
+    def build_extensions(self):
+        import tensorflow as tf  # imported lazily: only the build needs it
+
+        compile_flags, include_dirs = [], []
+        for flag in tf.sysconfig.get_compile_flags():
+            if flag.startswith("-I"):
+                include_dirs.append(flag[2:])
+            else:
+                compile_flags.append(flag)
+        system_includes = [arg for inc in include_dirs for arg in ("-isystem", inc)]
+        link_flags = tf.sysconfig.get_link_flags()
+        tf_lib_dir = [f[2:] for f in link_flags if f.startswith("-L")]
+        warnings = ["-Wall", "-Wextra", "-Werror"]
+        if os.environ.get("DYMEM_NO_WERROR"):
+            warnings.remove("-Werror")
+        # setuptools adds the interpreter's CFLAGS; drop the C-only ones g++ warns about.
+        for attr in ("compiler_so", "compiler_so_cxx"):
+            cmd = getattr(self.compiler, attr, None)
+            if cmd:
+                setattr(self.compiler, attr, [a for a in cmd if a not in ("-Wstrict-prototypes",)])
+        for ext in self.extensions:
+            ext.extra_compile_args = (
+                compile_flags + system_includes + warnings
+                + ["-O2", "-fPIC", "-fvisibility=default", f'-DDYMEM_TF_VERSION="{tf.__version__}"']
+            )
+            ext.extra_link_args = link_flags + [f"-Wl,-rpath,{d}" for d in tf_lib_dir] + ["-lpthread"]
+        self._tf_version = tf.__version__
+        self._flags = tf.sysconfig.get_compile_flags()
+        super().build_extensions()
+        self._write_build_info()
+
+    def _write_build_info(self):
+        info = {
+            "tensorflow_version": self._tf_version,
+            "python": sys.version.split()[0],
+            "compile_flags": [f for f in self._flags if not f.startswith("-I")],
+        }
+        targets = {os.path.join(self.build_lib, "dymem_tf")}
+        if self.inplace or self.editable_mode:
+            targets.add(os.path.join(HERE, "dymem_tf"))
+        for target in targets:
+            os.makedirs(target, exist_ok=True)
+            with open(os.path.join(target, "_build_info.json"), "w") as fh:
+                json.dump(info, fh, indent=2)
+
+    def get_outputs(self):
+        return super().get_outputs() + [os.path.join(self.build_lib, "dymem_tf", "_build_info.json")]
+
+
+ext_modules = []
+if GTBM_SOURCES:
+    ext_modules.append(Extension("dymem_tf._dymem_gtbm", sources=GTBM_SOURCES, language="c++"))
+if OPS_SOURCES:
+    ext_modules.append(Extension("dymem_tf._dymem_ops", sources=OPS_SOURCES, language="c++"))
+
+setup(ext_modules=ext_modules, cmdclass={"build_ext": TensorFlowBuildExt})
