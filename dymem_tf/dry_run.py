@@ -36,10 +36,11 @@ def build_model(model: str, image_size: int, classes: int = 10) -> keras.Model:
         loaded.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
         return loaded
     builders = {name.lower(): obj for name, obj in inspect.getmembers(keras.applications) if inspect.isfunction(obj)}
-    if model.lower() not in builders:
+    key = model.lower().replace("_", "").replace("-", "")
+    if key not in builders:
         raise ValueError(f"unknown model {model!r}: use a saved .keras file or one of "
                          f"{', '.join(application_names())}")
-    net = builders[model.lower()](weights=None, input_shape=(image_size, image_size, 3), classes=classes)
+    net = builders[key](weights=None, input_shape=(image_size, image_size, 3), classes=classes)
     net.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9), loss="sparse_categorical_crossentropy")
     return net
 

@@ -40,9 +40,9 @@ class PassConfig:
 
 @dataclasses.dataclass
 class TraceRecord:
-    """One application of the pass to one traced step."""
+    """One application of the pass to one traced step (``graph`` is the rewritten FuncGraph)."""
 
-    graph_name: str
+    graph: tf.Graph
     batch_size: int | None
     step_graph: object
     plan: object
@@ -84,7 +84,7 @@ class StepPass:
         for name in report.swap_in_ops:
             plan.mobility[name] = "mobile"
         _install_mobility(plan.mobility)
-        record = TraceRecord(graph.name, batch_size, step_graph, plan, report)
+        record = TraceRecord(graph, batch_size, step_graph, plan, report)
         self.records.append(record)
         if self.config.verbose:
             self._print(plan.summary())

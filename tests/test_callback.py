@@ -1,0 +1,182 @@
+"""End-to-end tests of DymemCallback: the rewrite happens, and training results are bit-identical."""
+import numpy as np
+import pytest
+import tensorflow as tf
+import keras
+
+import dymem_tf
+from dymem_tf import step_pass
+
+tf.config.experimental.enable_op_determinism()
+
+
+def small_cnn(kind: str = "functional", size: int = 16) -> keras.Model:
+    """A small CNN with a residual branch (nonlinear) in three Keras styles."""
+    if kind == "sequential":
+        return keras.Sequential([
+            keras.Input((size, size, 3)),
+            keras.layers.Conv2D(8, 3, padding="same", activation="relu"),
+            keras.layers.Conv2D(8, 3, padding="same", activation="relu"),
+            keras.layers.MaxPooling2D(),
+            keras.layers.Conv2D(16, 3, padding="same", activation="relu"),
+            keras.layers.GlobalAveragePooling2D(),
+            keras.layers.Dense(10),
+        ])
+    if kind == "subclassed":
+        class Net(keras.Model):
+            def __init__(self):
+                super().__init__()
+                self.c1 = keras.layers.Conv2D(8, 3, padding="same", activation="relu")
+                self.c2 = keras.layers.Conv2D(8, 3, padding="same")
+                self.bn = keras.layers.BatchNormalization()
+                self.pool = keras.layers.GlobalAveragePooling2D()
+                self.out = keras.layers.Dense(10)
+
+            def call(self, x, training=False):
+                h = self.c1(x)
+                h = keras.activations.relu(self.bn(self.c2(h), training=training) + h)
+                return self.out(self.pool(h))
+        return Net()
+    inp = keras.Input((size, size, 3))
+    a = keras.layers.Conv2D(8, 3, padding="same", activation="relu")(inp)
+    b = keras.layers.Conv2D(8, 3, padding="same")(a)
+    b = keras.layers.BatchNormalization()(b)
+    c = keras.layers.Activation("relu")(keras.layers.Add()([a, b]))
+    d = keras.layers.Conv2D(16, 3, padding="same", activation="relu")(c)
+    e = keras.layers.Concatenate()([c, keras.layers.Conv2D(8, 1)(d)])
+    out = keras.layers.Dense(10)(keras.layers.GlobalAveragePooling2D()(e))
+    return keras.Model(inp, out)
+
+
+def train(build, callbacks, steps=3, batch=8, size=16, seed=1):
+    keras.utils.set_random_seed(seed)
+    model = build()
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(batch * steps, size, size, 3)).astype("float32")
+    y = rng.integers(0, 10, size=(batch * steps,))
+    hist = model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
+    return hist.history["loss"], [w.numpy() for w in model.weights], model
+
+
+@pytest.mark.parametrize("kind", ["functional", "sequential", "subclassed"])
+def test_swapping_gives_bit_identical_training(kind):
+    base_loss, base_w, _ = train(lambda: small_cnn(kind), [])
+    cb = dymem_tf.DymemCallback(min_swap_bytes=0, verbose=0)
+    loss, weights, model = train(lambda: small_cnn(kind), [cb])
+    assert cb.plan is not None and cb.plan.swaps, "the pass should have swapped some feature maps"
+    report = cb.records[-1].report
+    assert report.swap_out_ops and report.swap_in_ops and report.rerouted_inputs > 0
+    assert loss == base_loss
+    for a, b in zip(weights, base_w):
+        np.testing.assert_array_equal(a, b)
+    # the train step is restored after fit: a new fit traces the plain step
+    assert model.train_function is None
+
+
+def test_rewrite_inserts_swap_pairs_reroutes_backward_consumers_and_keeps_a_dag():
+    import networkx as nx
+
+    cb = dymem_tf.DymemCallback(min_swap_bytes=0, verbose=0)
+    train(small_cnn, [cb], steps=1)
+    record = cb.records[-1]
+    graph, plan = record.graph, cb.plan
+    assert len(record.report.swap_out_ops) == record.report.swapped_tensors == len(plan.swaps)
+    for decision in plan.swaps:
+        original = graph.get_tensor_by_name(decision.tensor)
+        consumers = {op.name for op in original.consumers()}
+        # forward consumers untouched, backward consumers moved to the swap-ins
+        assert set(decision.forward_consumers) <= consumers
+        assert not consumers & {c for s in decision.swap_ins for c in s.consumers}
+        swap_out = [op for op in original.consumers() if op.type == "DymemSwapOut"]
+        assert len(swap_out) == 1
+        swap_ins = [op for op in swap_out[0].outputs[0].consumers() if op.type == "DymemSwapIn"]
+        assert len(swap_ins) == len(decision.swap_ins)
+        for op in swap_ins:
+            assert op.control_inputs, "a swap-in waits for its trigger op"
+            assert op.outputs[0].shape == original.shape and op.outputs[0].dtype == original.dtype
+            for trigger in op.control_inputs:
+                layer = record.step_graph.ops[trigger.name].layer if trigger.name in record.step_graph.ops else -1
+                consumer_layers = [record.step_graph.ops[c.name].layer for c in op.outputs[0].consumers()]
+                assert layer < min(consumer_layers)
+    dag = nx.DiGraph()
+    for op in graph.get_operations():
+        for inp in op.inputs:
+            dag.add_edge(inp.op.name, op.name)
+        for ctrl in op.control_inputs:
+            dag.add_edge(ctrl.name, op.name)
+    assert nx.is_directed_acyclic_graph(dag)
+
+
+def test_custom_train_step_is_rewritten():
+    class Custom(keras.Model):
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+            grads = tape.gradient(loss, self.trainable_variables)
+            self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+            return {"loss": loss}
+
+    def build():
+        base = small_cnn()
+        return Custom(base.inputs, base.outputs)
+
+    base_loss, base_w, _ = train(build, [])
+    cb = dymem_tf.DymemCallback(min_swap_bytes=0, verbose=0)
+    loss, weights, _ = train(build, [cb])
+    assert cb.plan.swaps
+    assert loss == base_loss
+    for a, b in zip(weights, base_w):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_policy_none_leaves_graph_unchanged():
+    cb = dymem_tf.DymemCallback(policy="none", verbose=0)
+    train(small_cnn, [cb], steps=1)
+    assert cb.plan.swaps == []
+    assert cb.records[-1].report.swap_out_ops == []
+
+
+@pytest.mark.parametrize("policy", ["vdnn", "tflms"])
+def test_baseline_policies_train_identically(policy):
+    base_loss, _, _ = train(small_cnn, [], steps=2)
+    cb = dymem_tf.DymemCallback(policy=policy, min_swap_bytes=0, verbose=0)
+    loss, _, _ = train(small_cnn, [cb], steps=2)
+    assert cb.plan.policy == policy and cb.plan.swaps
+    assert loss == base_loss
+
+
+def test_invalid_arguments_have_clear_errors():
+    with pytest.raises(ValueError, match="unknown policy"):
+        dymem_tf.DymemCallback(policy="fastest")
+    with pytest.raises(ValueError):
+        dymem_tf.DymemCallback(memory_budget="lots")
+    with pytest.raises(ValueError):
+        dymem_tf.DymemCallback(memory_budget=-5)
+    with pytest.raises(ValueError, match="h200"):
+        dymem_tf.DymemCallback(device="tpu-v9")
+    with pytest.raises(ValueError, match="swapin_ahead"):
+        dymem_tf.DymemCallback(swapin_ahead=0)
+
+
+def test_budget_smaller_than_weights_fails_before_training():
+    keras.utils.set_random_seed(0)
+    model = small_cnn()
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    before = [w.numpy() for w in model.weights]
+    cb = dymem_tf.DymemCallback(memory_budget=1024, verbose=0)
+    with pytest.raises(ValueError, match="smaller than the model"):
+        model.fit(np.zeros((4, 16, 16, 3), "float32"), np.zeros((4,)), batch_size=4, verbose=0, callbacks=[cb])
+    for a, b in zip(before, model.weights):
+        np.testing.assert_array_equal(a, b.numpy())
+
+
+def test_persistent_bytes_counts_weights_and_slots():
+    model = small_cnn()
+    model.compile(optimizer=keras.optimizers.Adam(), loss="mse")
+    weights = sum(int(np.prod(w.shape)) * 4 for w in model.weights)
+    assert step_pass.persistent_bytes(model) == weights
+    model.optimizer.build(model.trainable_variables)
+    assert step_pass.persistent_bytes(model) > 2 * sum(int(np.prod(w.shape)) * 4 for w in model.trainable_weights)
