@@ -27,7 +27,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     import dymem_tf  # noqa: F401  (loads the allocator before TF allocates)
-    from dymem_tf import allocator, device_profiles, dry_run, planner
+    from dymem_tf import allocator, device_profiles, dry_run, planner, units
 
     if args.batch <= 0 or args.image_size <= 0:
         print("error: --batch and --image-size must be positive", file=sys.stderr)
@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     traced = dry_run.trace_train_step(model, args.batch)
     print(f"{args.model}: batch {args.batch}, {args.image_size}x{args.image_size}, {traced.num_ops} ops in the "
           f"train step, {len(traced.step_graph.layers)} dependency layers, persistent "
-          f"{allocator.format_bytes(traced.persistent_bytes)}, device profile {profile.name}")
+          f"{units.format_bytes(traced.persistent_bytes)}, device profile {profile.name}")
     plans = dry_run.plan_all(traced, policies, budget, profile)
     rows = []
     for policy, plan in plans.items():
@@ -54,7 +54,7 @@ def main(argv=None) -> int:
             rows.append((policy, "-", "-", "-", "-", f"error: {plan}"))
             continue
         pred = plan.predicted
-        rows.append((policy, str(len(plan.swaps)), allocator.format_bytes(pred["peak_bytes"]),
+        rows.append((policy, str(len(plan.swaps)), units.format_bytes(pred["peak_bytes"]),
                      f"{pred['step_time_s'] * 1e3:.1f}", f"{pred['stall_s'] * 1e3:.1f}", ""))
     if "dymem" in plans and not isinstance(plans["dymem"], Exception):
         print(plans["dymem"].summary())

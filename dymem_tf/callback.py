@@ -4,7 +4,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from dymem_tf import allocator, device_profiles, planner, step_pass
+from dymem_tf import allocator, device_profiles, planner, step_pass, units
 
 POLICIES = planner.POLICIES
 
@@ -23,11 +23,14 @@ class DymemCallback(keras.callbacks.Callback):
         min_swap_bytes: tensors smaller than this are never swapped.
         log_dir: where to write ``tf.summary`` scalars and the plan for TensorBoard's "Dymem" dashboard. Defaults
             to the log dir of a Keras ``TensorBoard`` callback in the same ``fit`` call, if any.
+        trace_allocations: with a log dir, record the GTBM allocator's allocations during ``fit`` and save them in
+            the run (the dashboard's pool map and tensors at the peak need them).
         verbose: 0 silent, 1 prints the plan summary when the step is traced.
     """
 
     def __init__(self, memory_budget=None, policy: str = "dymem", device=None, swapin_ahead: int = 1,
-                 min_swap_bytes: int = 1 << 16, log_dir: str | None = None, verbose: int = 1):
+                 min_swap_bytes: int = 1 << 16, log_dir: str | None = None, trace_allocations: bool = False,
+                 verbose: int = 1):
         super().__init__()
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}: choose one of {', '.join(POLICIES)}")
@@ -40,6 +43,7 @@ class DymemCallback(keras.callbacks.Callback):
         self.profile = device_profiles.get_profile(device or default_device_profile())
         self.policy = policy
         self.log_dir = log_dir
+        self.trace_allocations = trace_allocations
         self.verbose = verbose
         self.pass_ = step_pass.StepPass(step_pass.PassConfig(
             policy=policy, budget_bytes=self.budget_bytes, device=self.profile, swapin_ahead=swapin_ahead,
@@ -64,7 +68,9 @@ class DymemCallback(keras.callbacks.Callback):
         if log_dir:
             from dymem_tf import summaries
 
-            self._writer = summaries.DymemSummaryWriter(log_dir)
+            self._writer = summaries.DymemSummaryWriter(log_dir, profile=self.profile)
+            if self.trace_allocations:
+                self._writer.start_allocator_trace()
 
     def on_train_batch_end(self, batch, logs=None):
         if self._writer is not None:
@@ -168,4 +174,4 @@ def _step_stats(pass_) -> dict:
 
 
 def _fmt(n: int) -> str:
-    return allocator.format_bytes(n)
+    return units.format_bytes(n)

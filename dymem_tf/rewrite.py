@@ -84,7 +84,7 @@ def apply_plan(graph: tf.Graph, plan, layers: list[list[str]] | None = None,
             if reason:
                 report.skipped.append((decision.tensor, reason))
                 continue
-            with tf.device(tensor.op.device or None), tf.name_scope(None):
+            with tf.device(tensor.op.device or None), graph.name_scope(None):
                 host = swap_ops.swap_out(tensor, name=f"{tensor.op.name}/dymem_swap_out_{tensor.value_index}")
             report.swap_out_ops.append(host.op.name)
             report.swapped_tensors += 1
@@ -96,7 +96,7 @@ def apply_plan(graph: tf.Graph, plan, layers: list[list[str]] | None = None,
                 if trigger is None or trigger.name != swap_in.trigger_op:
                     report.retargeted_triggers += 1
                 deps = [trigger] if trigger is not None else []
-                with tf.device(tensor.op.device or None), tf.name_scope(None), tf.control_dependencies(deps):
+                with tf.device(tensor.op.device or None), graph.name_scope(None), tf.control_dependencies(deps):
                     restored = swap_ops.swap_in(
                         host, name=f"{tensor.op.name}/dymem_swap_in_{tensor.value_index}_{k}")
                 restored.set_shape(tensor.shape)

@@ -1,0 +1,114 @@
+// Host memory pool for swapped-out tensors.
+//
+// On the CPU device the device allocator is GTBM with a byte budget; tensors swapped out to "host memory" must not
+// count against that budget, so DymemSwapOut's CPU kernel places them here instead of going through the device
+// allocator. (On a GPU, swapped-out tensors use TF's pinned host allocator and do not touch this pool; only the
+// swap counters below are shared.)
+//
+// The pool caches freed blocks (up to a configurable byte limit) and hands them out again to requests of nearly the
+// same size: a training step swaps the same feature-map sizes every step, and reusing a block avoids an mmap/munmap
+// pair plus a page fault per 4 KiB for every swap-out.
+#ifndef DYMEM_TF_CC_HOST_POOL_H_
+#define DYMEM_TF_CC_HOST_POOL_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <list>
+#include <map>
+#include <mutex>
+
+#include "tensorflow/core/framework/tensor.h"
+#include "tensorflow/core/framework/tensor_shape.h"
+#include "tensorflow/core/framework/types.pb.h"
+
+namespace dymem {
+
+// Indices of the values reported by HostPool::GetStats and dymem_host_pool_stats(); names in kHostPoolStatNames.
+enum HostPoolStat : int {
+  kBytesInUse = 0,       // bytes of blocks currently held by live tensors
+  kPeakBytesInUse,       // high-water mark of kBytesInUse since start or the last ResetPeak()
+  kNumAllocs,            // blocks handed out so far (cache hits included)
+  kLiveBuffers,          // blocks currently held by live tensors
+  kBytesSwappedOut,      // total payload bytes copied by DymemSwapOut (all devices)
+  kBytesSwappedIn,       // total payload bytes copied by DymemSwapIn (all devices)
+  kNumSwapOuts,          // DymemSwapOut executions
+  kNumSwapIns,           // DymemSwapIn executions
+  kBytesCached,          // bytes of freed blocks kept for reuse
+  kCacheHits,            // allocations served from the cache
+  kCacheLimit,           // upper bound of kBytesCached
+  kBytesLimit,           // upper bound of kBytesInUse + kBytesCached (0: unlimited)
+  kLargestAlloc,         // largest block handed out
+  kNumHostPoolStats,
+};
+
+extern const char* const kHostPoolStatNames[kNumHostPoolStats];
+
+class HostPool {
+ public:
+  // All blocks are aligned to Eigen's maximum alignment, which TF requires of tensor buffers.
+  static constexpr size_t kAlignment = 64;
+  static constexpr int64_t kDefaultCacheLimit = int64_t{1} << 30;  // 1 GiB; env DYMEM_HOST_POOL_CACHE_BYTES
+
+  // The process-wide pool. Intentionally leaked: tensors may be released after static destructors have run.
+  static HostPool* Global();
+
+  // Hands out a block of at least `bytes` (> 0) bytes; `*block_bytes` receives its real size, which is what the
+  // pool accounts for. Fails with ResourceExhausted when the byte limit or the host memory is exhausted.
+  absl::Status Allocate(size_t bytes, void** ptr, size_t* block_bytes);
+  // Returns a block obtained from Allocate; `block_bytes` is the size it reported.
+  void Deallocate(void* ptr, size_t block_bytes);
+
+  void RecordSwapOut(int64_t bytes);
+  void RecordSwapIn(int64_t bytes);
+
+  // Fills out[0..kNumHostPoolStats) in HostPoolStat order.
+  void GetStats(int64_t out[kNumHostPoolStats]) const;
+  void ResetPeak();
+  // Frees every cached block; returns the number of bytes given back to the system.
+  int64_t ReleaseCache();
+  // Negative values are treated as 0 (no caching). Shrinking the limit evicts cached blocks at once.
+  void SetCacheLimit(int64_t bytes);
+  // 0 or negative: unlimited.
+  void SetBytesLimit(int64_t bytes);
+
+ private:
+  struct FreeBlock {
+    void* ptr;
+    size_t bytes;
+  };
+  using LruList = std::list<FreeBlock>;
+
+  HostPool();
+  static size_t RoundUp(size_t bytes);
+  // Both require mu_. Evicted blocks are appended to `victims` and freed by the caller outside the lock.
+  void EvictLocked(int64_t target_cached_bytes, LruList* victims);
+  void* TakeCachedLocked(size_t bytes, size_t* block_bytes);
+  void RecordAllocLocked(size_t block_bytes);
+  static void FreeAll(LruList* blocks);
+
+  mutable std::mutex mu_;
+  LruList lru_;                                         // cached blocks, most recently freed first
+  std::multimap<size_t, LruList::iterator> by_size_;    // the same blocks ordered by size (best-fit lookup)
+  int64_t stats_[kNumHostPoolStats] = {};
+  int64_t pending_bytes_ = 0;  // admitted under the byte limit, not yet allocated
+};
+
+// Makes `*out` a tensor of `dtype`/`shape` whose buffer lives in the global host pool; the memory returns to the
+// pool when the last reference to the buffer goes away. Zero-element tensors get no buffer at all.
+absl::Status AllocateHostPoolTensor(tensorflow::DataType dtype, const tensorflow::TensorShape& shape,
+                                    tensorflow::Tensor* out);
+
+}  // namespace dymem
+
+// C interface for Python (ctypes); see dymem_tf/ops/host_pool.py.
+extern "C" {
+int dymem_host_pool_num_stats(void);
+const char* dymem_host_pool_stat_name(int index);  // nullptr when out of range
+int dymem_host_pool_stats(int64_t* out, int n);    // writes min(n, num_stats) values, returns that count
+void dymem_host_pool_reset_peak(void);
+int64_t dymem_host_pool_release_cache(void);
+void dymem_host_pool_set_cache_limit(int64_t bytes);
+void dymem_host_pool_set_bytes_limit(int64_t bytes);
+}
+
+#endif  // DYMEM_TF_CC_HOST_POOL_H_
