@@ -1,0 +1,302 @@
+"""Dataflow analysis of one training step: a networkx DAG of its ops, tensor sizes, lifetimes and dependency layers.
+
+Pure Python + networkx (no TensorFlow import): a :class:`StepGraph` can be built from a traced train step
+(:mod:`dymem_tf.graph_capture`), by hand for tests (:meth:`StepGraph.from_spec`) or from JSON
+(:meth:`StepGraph.from_dict`).
+
+Dependency layers (Dymem, HPDC'20, Sec. 3): the layer of an op is the length of the longest path from any source
+op to it, so an op's inputs all live in strictly earlier layers and the ops of one layer are mutually independent.
+It is the "as soon as possible" level of the op, the same notion as TFLMS' topological levels.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable, Mapping
+
+import networkx as nx
+
+#: Ops that only read a tensor's metadata (shape, size, rank), never its data. A swapped tensor's original device
+#: buffer keeps serving them, so they never force a swap-in.
+METADATA_OP_TYPES = frozenset({"Shape", "ShapeN", "Size", "Rank"})
+
+#: Ops whose outputs share their inputs' buffers (output k aliases input k): they allocate nothing and keep the
+#: input buffer alive for their own consumers.
+ALIAS_OP_TYPES = frozenset({"Identity", "IdentityN", "StopGradient", "PreventGradient", "Reshape", "Squeeze",
+                            "ExpandDims", "EnsureShape"})
+
+#: Op types that cost nothing to run (graph inputs, constants, no-ops).
+FREE_OP_TYPES = frozenset({"Placeholder", "_Arg", "_Retval", "Const", "NoOp", "VarHandleOp"})
+
+
+def no_autograph(fn):
+    """Mark ``fn`` so that AutoGraph calls it as plain Python when code inside a traced ``tf.function`` calls it.
+
+    The analysis and planning run while Keras traces ``train_step``; if AutoGraph converted them it would also try
+    to convert networkx. This sets AutoGraph's artifact marker (the attribute ``tf.autograph.experimental.
+    do_not_convert`` sets), so no TensorFlow import is needed here.
+    """
+    fn.autograph_info__ = frozenset()
+    return fn
+
+
+class CycleError(ValueError):
+    """The step graph has a cycle, so it has no dependency layers."""
+
+
+@dataclass
+class TensorInfo:
+    """One op output. ``bytes`` is 0 when the static shape is not fully known (``shape_known`` is then False)."""
+
+    name: str  # "op_name:idx"
+    producer: str
+    index: int
+    dtype: str
+    shape: tuple
+    bytes: int
+    consumers: list[str] = field(default_factory=list)
+    persistent: bool = False  # variable reads/handles: aliases of persistent memory, never swapped
+    shape_known: bool = True
+    alias_of: str | None = None  # tensor whose buffer this one shares (Identity, Reshape ...): allocates nothing
+
+
+@dataclass
+class OpInfo:
+    """One op of the step. ``layer`` is its dependency layer (-1 until :func:`analyse` ran)."""
+
+    name: str
+    type: str
+    inputs: list[str]  # tensor names, in input order
+    outputs: list[str]  # tensor names, in output order
+    control_inputs: list[str]  # op names
+    is_backward: bool  # gradient computation or optimizer update (anything downstream of the gradients)
+    keras_layer: str | None
+    flops: float
+    bytes_accessed: int
+    layer: int = -1
+    phase: str = ""  # "forward" | "backward" | "update" (informational; is_backward covers the last two)
+
+
+class StepGraph:
+    """The ops and tensors of one training step, with their dataflow DAG and dependency layers."""
+
+    def __init__(self, ops: Iterable[OpInfo], tensors: Iterable[TensorInfo], meta: Mapping[str, Any] | None = None):
+        self.ops: dict[str, OpInfo] = {op.name: op for op in ops}
+        self.tensors: dict[str, TensorInfo] = {t.name: t for t in tensors}
+        self.meta: dict[str, Any] = dict(meta or {})
+        self.layers: list[list[str]] = []
+        self.graph = nx.DiGraph()
+        self._order: list[str] | None = None
+        self._position: dict[str, int] | None = None
+        self._aliases: dict[str, list[str]] | None = None
+        self._build_graph()
+
+    # ----------------------------------------------------------------------------------------------- construction
+    def _build_graph(self) -> None:
+        g = self.graph
+        for name in self.ops:
+            g.add_node(name)
+        for t in self.tensors.values():
+            t.consumers = []
+        for t in self.tensors.values():
+            if t.alias_of is not None and t.alias_of not in self.tensors:
+                raise ValueError(f"tensor {t.name!r} aliases unknown tensor {t.alias_of!r}")
+        for op in self.ops.values():
+            for tname in op.inputs:
+                t = self.tensors.get(tname)
+                if t is None:
+                    raise ValueError(f"op {op.name!r} reads unknown tensor {tname!r}")
+                if t.producer not in self.ops:
+                    raise ValueError(f"tensor {tname!r} has unknown producer {t.producer!r}")
+                if op.name not in t.consumers:
+                    t.consumers.append(op.name)
+                g.add_edge(t.producer, op.name, kind="data")
+            for src in op.control_inputs:
+                if src not in self.ops:
+                    raise ValueError(f"op {op.name!r} has unknown control input {src!r}")
+                if not g.has_edge(src, op.name):
+                    g.add_edge(src, op.name, kind="control")
+
+    @classmethod
+    def from_spec(cls, spec: Mapping[str, Mapping[str, Any]], analysed: bool = True) -> "StepGraph":
+        """Build a hand-made graph (tests, examples).
+
+        ``spec`` maps op names, in program order, to dicts with optional keys: ``inputs`` (op names, meaning output
+        0, or ``"op:k"``), ``control`` (op names), ``bytes`` (int or list of ints: one output each; default one
+        output of 0 bytes, ``[]`` for none), ``shape`` (output 0's shape; default ``(bytes // 4,)``), ``dtype``,
+        ``backward`` (bool), ``type``, ``keras_layer``, ``flops``, ``bytes_accessed`` (default: bytes of inputs
+        and outputs), ``persistent`` (outputs are variable reads) and ``alias`` (output k shares input k's buffer,
+        like Identity; default True for :data:`ALIAS_OP_TYPES`).
+        """
+        ops: list[OpInfo] = []
+        tensors: dict[str, TensorInfo] = {}
+        for name, d in spec.items():
+            sizes = d.get("bytes", 0)
+            sizes = [int(sizes)] if isinstance(sizes, (int, float)) else [int(s) for s in sizes]
+            outs = []
+            for k, b in enumerate(sizes):
+                tname = f"{name}:{k}"
+                shape = tuple(d["shape"]) if (k == 0 and "shape" in d) else (max(b // 4, 0),)
+                tensors[tname] = TensorInfo(tname, name, k, d.get("dtype", "float32"), shape, b,
+                                            persistent=bool(d.get("persistent", False)))
+                outs.append(tname)
+            inputs = [i if ":" in i else f"{i}:0" for i in d.get("inputs", [])]
+            if d.get("alias", d.get("type") in ALIAS_OP_TYPES):
+                for k, tname in enumerate(outs):
+                    if k < len(inputs):
+                        tensors[tname].alias_of = inputs[k]
+            ops.append(OpInfo(
+                name=name, type=d.get("type", "Op"), inputs=inputs, outputs=outs,
+                control_inputs=list(d.get("control", [])), is_backward=bool(d.get("backward", False)),
+                keras_layer=d.get("keras_layer"), flops=float(d.get("flops", 0.0)),
+                bytes_accessed=int(d.get("bytes_accessed", -1)),
+                phase="backward" if d.get("backward") else "forward"))
+        sg = cls(ops, tensors.values())
+        for op in sg.ops.values():
+            if op.bytes_accessed < 0:
+                op.bytes_accessed = 0 if op.type in ALIAS_OP_TYPES | METADATA_OP_TYPES else sum(
+                    sg.tensors[t].bytes for t in op.inputs + op.outputs)
+        return analyse(sg) if analysed else sg
+
+    # ------------------------------------------------------------------------------------------------- queries
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def _require_layers(self) -> None:
+        if not self.layers and self.ops:
+            raise RuntimeError("dependency layers are not computed yet: call dymem_tf.analysis.analyse(step_graph)")
+
+    def execution_order(self) -> list[str]:
+        """Ops layer by layer; inside a layer in program (insertion) order. The simulator's compute order."""
+        self._require_layers()
+        if self._order is None:
+            self._order = [name for layer in self.layers for name in layer]
+            self._position = {name: i for i, name in enumerate(self._order)}
+        return self._order
+
+    def position(self, op: str) -> int:
+        """Index of ``op`` in :meth:`execution_order`."""
+        self.execution_order()
+        assert self._position is not None
+        return self._position[op]
+
+    def forward_ops(self) -> list[str]:
+        """Forward ops in execution order."""
+        return [n for n in self.execution_order() if not self.ops[n].is_backward]
+
+    def backward_ops(self) -> list[str]:
+        """Backward and update ops in execution order."""
+        return [n for n in self.execution_order() if self.ops[n].is_backward]
+
+    def producer_layer(self, tensor: str) -> int:
+        """Dependency layer of the op producing ``tensor``."""
+        self._require_layers()
+        return self.ops[self.tensors[tensor].producer].layer
+
+    def consumer_layers(self, tensor: str) -> list[int]:
+        """Sorted dependency layers of the ops reading ``tensor``."""
+        self._require_layers()
+        return sorted(self.ops[c].layer for c in self.tensors[tensor].consumers)
+
+    def lifetime(self, tensor: str) -> tuple[int, int]:
+        """``(first, last)`` dependency layer during which ``tensor`` is alive (producer to last consumer)."""
+        first = self.producer_layer(tensor)
+        cl = self.consumer_layers(tensor)
+        return first, (cl[-1] if cl else first)
+
+    def buffer_of(self, tensor: str) -> str:
+        """The tensor owning ``tensor``'s buffer (itself unless it is an alias)."""
+        seen = 0
+        while (src := self.tensors[tensor].alias_of) is not None:
+            tensor = src
+            seen += 1
+            if seen > len(self.tensors):
+                raise ValueError(f"alias cycle at {tensor!r}")
+        return tensor
+
+    def aliases(self) -> dict[str, list[str]]:
+        """Buffer-owning tensor -> tensors aliasing it (transitively), for buffers that have aliases."""
+        if self._aliases is None:
+            out: dict[str, list[str]] = {}
+            for t in self.tensors.values():
+                if t.alias_of is not None:
+                    out.setdefault(self.buffer_of(t.name), []).append(t.name)
+            self._aliases = out
+        return self._aliases
+
+    def buffer_consumers(self, tensor: str) -> list[str]:
+        """Consumers of ``tensor`` and of every tensor aliasing it: the ops that keep its buffer alive."""
+        out = list(self.tensors[tensor].consumers)
+        for a in self.aliases().get(tensor, ()):
+            out.extend(c for c in self.tensors[a].consumers if c not in out)
+        return out
+
+    def is_data_consumer(self, op: str) -> bool:
+        """False for ops that only read metadata (``Shape`` ...)."""
+        return self.ops[op].type not in METADATA_OP_TYPES
+
+    def total_bytes(self, persistent: bool | None = None) -> int:
+        """Sum of tensor bytes (all, only persistent, or only non-persistent)."""
+        return sum(t.bytes for t in self.tensors.values() if persistent is None or t.persistent == persistent)
+
+    # ------------------------------------------------------------------------------------------- serialisation
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable form (layers included)."""
+        return {
+            "ops": [asdict(op) for op in self.ops.values()],
+            "tensors": [{**asdict(t), "shape": list(t.shape)} for t in self.tensors.values()],
+            "layers": self.layers,
+            "meta": self.meta,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "StepGraph":
+        """Inverse of :meth:`to_dict`; re-runs :func:`analyse` when the dict had layers."""
+        tensors = []
+        for t in d["tensors"]:
+            t = dict(t)
+            t["shape"] = tuple(t["shape"])
+            t["consumers"] = []
+            tensors.append(TensorInfo(**t))
+        sg = cls([OpInfo(**op) for op in d["ops"]], tensors, d.get("meta"))
+        return analyse(sg) if d.get("layers") else sg
+
+    def __repr__(self) -> str:
+        return f"StepGraph({len(self.ops)} ops, {len(self.tensors)} tensors, {len(self.layers)} layers)"
+
+
+def find_cycle_message(graph: nx.DiGraph) -> str | None:
+    """``"a -> b -> a"`` for one cycle of ``graph``, or None when it is a DAG (linear time for DAGs)."""
+    if nx.is_directed_acyclic_graph(graph):
+        return None
+    for comp in nx.strongly_connected_components(graph):
+        if len(comp) > 1 or any(graph.has_edge(n, n) for n in comp):
+            cycle = nx.find_cycle(graph.subgraph(comp))
+            nodes = [u for u, _ in cycle] + [cycle[0][0]]
+            return " -> ".join(nodes)
+    return None  # pragma: no cover  (not a DAG implies a non-trivial strongly connected component)
+
+
+@no_autograph
+def analyse(step_graph: StepGraph) -> StepGraph:
+    """Validate that the graph is a DAG and fill dependency layers (in place; returns ``step_graph``).
+
+    Layer ``k`` holds the ops whose longest path from a source has ``k`` edges (networkx topological
+    generations); inside a layer ops keep program order, so the result is deterministic.
+    """
+    g = step_graph.graph
+    cycle = find_cycle_message(g)
+    if cycle is not None:
+        raise CycleError(f"the step graph is not a DAG, so it has no dependency layers; cycle: {cycle}")
+    program_index = {name: i for i, name in enumerate(step_graph.ops)}
+    layers: list[list[str]] = []
+    for k, gen in enumerate(nx.topological_generations(g)):
+        members = sorted(gen, key=program_index.__getitem__)
+        for name in members:
+            step_graph.ops[name].layer = k
+        layers.append(members)
+    step_graph.layers = layers
+    step_graph._order = None
+    step_graph._position = None
+    step_graph._aliases = None
+    return step_graph

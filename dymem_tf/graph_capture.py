@@ -1,0 +1,285 @@
+"""Convert the ops of a traced train step (a TF FuncGraph) into an analysed :class:`StepGraph`.
+
+Forward ops and the GradientTape's gradient ops sit inline in one FuncGraph. Classification:
+
+* backward: names starting with ``gradient_tape/`` (or containing ``/gradient_tape/``) and every op downstream of
+  one (gradient aggregation ``AddN``, optimizer updates ...): ``is_backward=True``, ``phase`` "backward" or
+  "update";
+* forward: everything else.
+
+Keras layer of an op: the name-scope component after the model's scope, e.g. ``functional_1/conv1_conv/convolution``
+and ``gradient_tape/functional_1/conv1_conv/convolution/Conv2DBackpropInput`` both belong to ``conv1_conv``
+(TF uniquifies scopes, so a layer traced twice may appear as ``conv1_conv_1``; pass ``layer_names`` to map such
+names back to the model's layer names).
+"""
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from typing import Iterable, Sequence
+
+import tensorflow as tf
+
+from dymem_tf.analysis import ALIAS_OP_TYPES, METADATA_OP_TYPES, CycleError, OpInfo, StepGraph, TensorInfo, analyse
+
+_GRAD_PREFIX = "gradient_tape/"
+#: Ops whose outputs alias variable storage (persistent memory): never swapped, counted in persistent bytes.
+_VARIABLE_READ_TYPES = frozenset({"ReadVariableOp", "VarHandleOp", "VariableV2"})
+_HANDLE_DTYPES = frozenset({"resource", "variant"})
+_SUFFIX = re.compile(r"_\d+$")
+
+
+class UnsupportedGraphError(ValueError):
+    """The ops do not form a step graph dymem can plan (no ops, or a dependency cycle)."""
+
+
+def _is_gradient_name(name: str) -> bool:
+    return name.startswith(_GRAD_PREFIX) or "/" + _GRAD_PREFIX in name
+
+
+def _strip_gradient(name: str) -> str:
+    i = name.find(_GRAD_PREFIX)
+    return name[i + len(_GRAD_PREFIX):] if i >= 0 else name
+
+
+def infer_model_scope(names: Iterable[str]) -> str | None:
+    """The model's name scope, inferred from op names.
+
+    Candidates are the leading scopes of gradient ops (``gradient_tape/<scope>/...``): the model and the loss
+    (optimizer and metric ops have no gradients). Among them the model is the one whose forward ops read variables
+    (``<scope>/<layer>/.../ReadVariableOp``); ties go to the scope with more gradient ops. Falls back to the most
+    common scope of variable reads, then of forward ops.
+    """
+    grad: Counter[str] = Counter()
+    reads: Counter[str] = Counter()
+    fwd: Counter[str] = Counter()
+    for n in names:
+        parts = _strip_gradient(n).split("/")
+        if len(parts) < 3:
+            continue
+        if _is_gradient_name(n):
+            grad[parts[0]] += 1
+        else:
+            fwd[parts[0]] += 1
+            if "ReadVariableOp" in parts[-1]:
+                reads[parts[0]] += 1
+    if grad:
+        return max(grad, key=lambda scope: (reads[scope], grad[scope]))
+    counts = reads or fwd
+    return counts.most_common(1)[0][0] if counts else None
+
+
+def keras_layer_of(name: str, model_scope: str | None, layer_names: frozenset[str] | None = None) -> str | None:
+    """Keras layer of an op name: the scope component after ``model_scope`` (gradient prefix ignored)."""
+    if not model_scope:
+        return None
+    rest = _strip_gradient(name)
+    prefix = model_scope.rstrip("/") + "/"
+    if not rest.startswith(prefix):
+        return None
+    parts = rest[len(prefix):].split("/")
+    if len(parts) < 2:  # an op directly in the model scope, not inside a layer
+        return None
+    comp = parts[0]
+    if layer_names is not None and comp not in layer_names:
+        base = _SUFFIX.sub("", comp)
+        if base in layer_names:
+            comp = base
+    return comp
+
+
+def _shape_of(t: tf.Tensor, batch_size: int | None) -> tuple[tuple, bool]:
+    shape = t.shape
+    if shape.rank is None:
+        return (), False
+    dims = list(shape.as_list())
+    known = True
+    for i, d in enumerate(dims):
+        if d is None:
+            if i == 0 and batch_size is not None:
+                dims[i] = int(batch_size)
+            else:
+                known = False
+    return tuple(dims), known
+
+
+def _nbytes(dtype: tf.DType, dims: tuple, known: bool) -> int:
+    if not known or dtype.name in _HANDLE_DTYPES or dtype == tf.string:
+        return 0
+    try:
+        size = dtype.size
+    except Exception:  # noqa: BLE001  (exotic dtypes without a fixed size)
+        return 0
+    return int(size * math.prod(dims))
+
+
+def _dims(t: tf.Tensor, batch_size: int | None) -> list[int]:
+    """Static dims with an unknown leading dim replaced by ``batch_size``; ValueError if any stays unknown."""
+    if t.shape.rank is None:
+        raise ValueError("unknown rank")
+    dims = t.shape.as_list()
+    if dims and dims[0] is None and batch_size is not None:
+        dims[0] = int(batch_size)
+    if any(d is None for d in dims):
+        raise ValueError("unknown dimension")
+    return dims
+
+
+def _flops(op: tf.Operation, batch_size: int | None = None) -> float:
+    """FLOPs of conv/matmul-like ops from static shapes (0 when unknown or not such an op)."""
+    t = op.type
+    d = lambda x: _dims(x, batch_size)  # noqa: E731
+    try:
+        if t in ("Conv2D", "_FusedConv2D"):
+            kh, kw, cin, _ = d(op.inputs[1])
+            return 2.0 * math.prod(d(op.outputs[0])) * kh * kw * cin
+        if t == "DepthwiseConv2dNative":
+            kh, kw, _, _ = d(op.inputs[1])
+            return 2.0 * math.prod(d(op.outputs[0])) * kh * kw
+        if t == "Conv2DBackpropInput":  # inputs: input_sizes, filter, out_backprop
+            kh, kw, cin, _ = d(op.inputs[1])
+            return 2.0 * math.prod(d(op.inputs[2])) * kh * kw * cin
+        if t == "Conv2DBackpropFilter":  # inputs: input, filter_sizes, out_backprop; output: filter gradient
+            kh, kw, cin, _ = d(op.outputs[0])
+            return 2.0 * math.prod(d(op.inputs[2])) * kh * kw * cin
+        if t == "DepthwiseConv2dNativeBackpropInput":
+            kh, kw = d(op.inputs[1])[:2]
+            return 2.0 * math.prod(d(op.inputs[2])) * kh * kw
+        if t == "DepthwiseConv2dNativeBackpropFilter":
+            kh, kw = d(op.outputs[0])[:2]
+            return 2.0 * math.prod(d(op.inputs[2])) * kh * kw
+        if t in ("MatMul", "_FusedMatMul"):
+            a = d(op.inputs[0])
+            k = a[0] if op.get_attr("transpose_a") else a[1]
+            return 2.0 * math.prod(d(op.outputs[0])) * k
+        if t in ("BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"):
+            a = d(op.inputs[0])
+            k = a[-2] if op.get_attr("adj_x") else a[-1]
+            return 2.0 * math.prod(d(op.outputs[0])) * k
+    except (TypeError, ValueError, IndexError):  # unknown dims or rank
+        return 0.0
+    return 0.0
+
+
+@tf.autograph.experimental.do_not_convert
+def capture_step_graph(ops: Sequence[tf.Operation], batch_size: int | None = None, *,
+                       model_scope: str | None = None, layer_names: Iterable[str] | None = None) -> StepGraph:
+    """Build and analyse the :class:`StepGraph` of the given train-step ops.
+
+    ``batch_size`` replaces an unknown leading dimension; tensors with other unknown dimensions get ``bytes=0``
+    and ``shape_known=False`` (counted in ``meta["unknown_shape_tensors"]``). Inputs produced outside ``ops`` are
+    ignored. ``model_scope`` is the model's name scope (inferred when None); ``layer_names`` (e.g.
+    ``[l.name for l in model.layers]``) maps uniquified scope names back to layer names. Raises
+    :class:`UnsupportedGraphError` for an empty op list or a cyclic graph.
+    """
+    ops = list(ops)
+    if not ops:
+        raise UnsupportedGraphError("the train step created no ops to analyse")
+    names = {op.name for op in ops}
+    if model_scope is None:
+        model_scope = infer_model_scope(names)
+    lnames = frozenset(layer_names) if layer_names is not None else None
+
+    tensors: dict[str, TensorInfo] = {}
+    infos: list[OpInfo] = []
+    unknown = 0
+    for op in ops:
+        outs = []
+        for k, t in enumerate(op.outputs):
+            dims, known = _shape_of(t, batch_size)
+            persistent = op.type in _VARIABLE_READ_TYPES or t.dtype.name in _HANDLE_DTYPES
+            alias_of = None
+            if op.type in ALIAS_OP_TYPES and k < len(op.inputs) and op.inputs[k].name in tensors:
+                alias_of = op.inputs[k].name
+                persistent = persistent or tensors[alias_of].persistent
+            if not known and not persistent and alias_of is None:
+                unknown += 1
+            tensors[t.name] = TensorInfo(t.name, op.name, k, t.dtype.name, dims, _nbytes(t.dtype, dims, known),
+                                         persistent=persistent, shape_known=known, alias_of=alias_of)
+            outs.append(t.name)
+        inputs = [t.name for t in op.inputs if t.op.name in names]
+        infos.append(OpInfo(
+            name=op.name, type=op.type, inputs=inputs, outputs=outs,
+            control_inputs=[c.name for c in op.control_inputs if c.name in names],
+            is_backward=_is_gradient_name(op.name), keras_layer=keras_layer_of(op.name, model_scope, lnames),
+            flops=_flops(op, batch_size), bytes_accessed=0))
+    inferred = _infer_sizes_from_reshapes(infos, tensors)
+    unknown -= inferred
+    # bytes accessed: data inputs and outputs (metadata ops read no data)
+    for info in infos:
+        if info.type in ALIAS_OP_TYPES or info.type in METADATA_OP_TYPES or info.type in _VARIABLE_READ_TYPES:
+            info.bytes_accessed = 0  # buffer forwarding, metadata only, or a variable read (aliases the variable)
+            continue
+        read = sum(tensors[i].bytes for i in info.inputs)
+        info.bytes_accessed = read + sum(tensors[o].bytes for o in info.outputs)
+    variable_bytes = _variable_bytes(infos, tensors)
+    sg = StepGraph(infos, tensors.values(), meta={
+        "batch_size": batch_size, "model_scope": model_scope, "unknown_shape_tensors": unknown,
+        "sizes_inferred_from_reshape": inferred,
+        "variable_read_bytes": variable_bytes})
+    _mark_backward(sg)
+    try:
+        return analyse(sg)
+    except CycleError as err:
+        raise UnsupportedGraphError(str(err)) from err
+
+
+def _infer_sizes_from_reshapes(infos: list[OpInfo], tensors: dict[str, TensorInfo]) -> int:
+    """Give unknown-shape tensors the size of a fully known Reshape of them (same element count and dtype).
+
+    Gradient code often reduces with dynamic axes and reshapes right after (``Sum`` of BroadcastGradientArgs
+    followed by ``Reshape`` to the input's shape). Returns how many tensors were sized this way.
+    """
+    n = 0
+    for info in infos:
+        if info.type != "Reshape" or not info.inputs or not info.outputs:
+            continue
+        src, out = tensors[info.inputs[0]], tensors[info.outputs[0]]
+        if not src.shape_known and src.alias_of is None and not src.persistent and out.shape_known:
+            src.shape, src.bytes, src.shape_known = out.shape, out.bytes, True
+            n += 1
+    return n
+
+
+def _variable_bytes(infos: list[OpInfo], tensors: dict[str, TensorInfo]) -> int:
+    """Bytes of the distinct variables read in the step (a lower bound of the persistent bytes)."""
+    seen: dict[str, int] = {}
+    for info in infos:
+        if info.type == "ReadVariableOp" and info.inputs and info.outputs:
+            seen[info.inputs[0]] = max(seen.get(info.inputs[0], 0), sum(tensors[o].bytes for o in info.outputs))
+    return sum(seen.values())
+
+
+def _mark_backward(sg: StepGraph) -> None:
+    """Label phases: backward (gradient ops), update and forward; ``is_backward`` is True for the first two.
+
+    Update ops are everything downstream of a gradient op (aggregation, optimizer updates) plus what only feeds
+    them: ancestors of update ops that feed no gradient op (the optimizer's learning-rate and slot arithmetic,
+    which runs early but belongs to the update and is not a feature map).
+    """
+    g = sg.graph
+    grads = [n for n in sg.ops if _is_gradient_name(n)]
+    below = _reach(g, grads, g.successors) - set(grads)
+    feeds_grads = _reach(g, grads, g.predecessors)
+    update = below | (_reach(g, list(below), g.predecessors) - feeds_grads - set(grads))
+    grad_set = set(grads)
+    for name, op in sg.ops.items():
+        if name in grad_set:
+            op.is_backward, op.phase = True, "backward"
+        elif name in update:
+            op.is_backward, op.phase = True, "update"
+        else:
+            op.is_backward, op.phase = False, "forward"
+
+
+def _reach(g, seeds: list[str], step) -> set[str]:
+    """Seeds and every node reachable from them through ``step`` (successors or predecessors)."""
+    seen = set(seeds)
+    frontier = list(seeds)
+    while frontier:
+        for m in step(frontier.pop()):
+            if m not in seen:
+                seen.add(m)
+                frontier.append(m)
+    return seen

@@ -1,0 +1,170 @@
+"""A swap plan as plain data: which tensors to swap, where each swap-in is triggered, and op mobility.
+
+No TensorFlow here: a plan can be printed, saved, loaded, diffed and tested without running a step.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+MOBILITY_GROUPS = ("persistent", "transient", "mobile")
+
+
+@dataclass
+class SwapIn:
+    """One swap-in of a swapped tensor: it starts when ``trigger_op`` has run and feeds ``consumers``."""
+
+    trigger_op: str
+    trigger_layer: int
+    consumers: list[str]
+    start_layer_of_consumers: int
+    predicted_stall_s: float = 0.0  # simulated wait of the first consumer for this copy
+
+
+@dataclass
+class SwapDecision:
+    """A tensor swapped out after its producer runs and swapped back in for its backward consumers.
+
+    ``forward_consumers`` keep reading the original device tensor (forward ops, metadata ops such as ``Shape``
+    and early backward ops that run before the tensor is released); ``backward_consumers`` are rerouted to the
+    outputs of ``swap_ins``.
+    """
+
+    tensor: str
+    producer: str
+    bytes: int
+    producer_layer: int
+    forward_consumers: list[str]
+    backward_consumers: list[str]
+    swap_ins: list[SwapIn]
+
+
+@dataclass
+class Plan:
+    """The planner's output; ``predicted`` holds the simulator's numbers for this plan and for no swapping."""
+
+    policy: str
+    device: str
+    budget_bytes: int | None
+    persistent_bytes: int
+    batch_size: int | None
+    num_layers: int
+    swaps: list[SwapDecision] = field(default_factory=list)
+    mobility: dict[str, str] = field(default_factory=dict)
+    predicted: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    params: dict[str, Any] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------------------------------------ queries
+    @property
+    def swapped_bytes(self) -> int:
+        """Total bytes of the swapped tensors."""
+        return sum(s.bytes for s in self.swaps)
+
+    @property
+    def num_swap_ins(self) -> int:
+        return sum(len(s.swap_ins) for s in self.swaps)
+
+    def swap_for(self, tensor: str) -> SwapDecision | None:
+        """The decision for ``tensor`` or None."""
+        for s in self.swaps:
+            if s.tensor == tensor:
+                return s
+        return None
+
+    # ---------------------------------------------------------------------------------------- serialisation
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Plan":
+        d = dict(d)
+        swaps = [SwapDecision(**{**s, "swap_ins": [SwapIn(**si) for si in s["swap_ins"]]}) for s in d.pop("swaps", [])]
+        return cls(swaps=swaps, **d)
+
+    def to_json(self, indent: int | None = 1) -> str:
+        return json.dumps(self.to_dict(), indent=indent, sort_keys=False)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        return cls.from_dict(json.loads(text))
+
+    def save(self, path: str) -> None:
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(self.to_json())
+
+    @classmethod
+    def load(cls, path: str) -> "Plan":
+        with open(path, encoding="utf-8") as fh:
+            return cls.from_json(fh.read())
+
+    # ------------------------------------------------------------------------------------------- reporting
+    def summary(self, top: int = 8) -> str:
+        """A short human-readable table of the plan and its predicted effect."""
+        p = self.predicted
+        lines = [f"dymem_tf plan: policy={self.policy} device={self.device} batch={self.batch_size} "
+                 f"dependency_layers={self.num_layers}"]
+        lines.append(f"  swapped tensors : {len(self.swaps)} ({_mib(self.swapped_bytes)}), "
+                     f"{self.num_swap_ins} swap-ins")
+        if "peak_bytes" in p:
+            budget = "none" if self.budget_bytes is None else _mib(self.budget_bytes)
+            fits = "" if self.budget_bytes is None else (
+                "  [fits]" if p["peak_bytes"] <= self.budget_bytes else "  [OVER BUDGET]")
+            lines.append(f"  predicted peak  : {_mib(p['peak_bytes'])}  budget {budget}{fits}  "
+                         f"(no swap {_mib(p.get('no_swap_peak_bytes', 0))}, persistent "
+                         f"{_mib(self.persistent_bytes)})")
+            groups = p.get("peak_by_group") or {}
+            if groups:
+                lines.append("  peak by group   : " + ", ".join(f"{k} {_mib(v)}" for k, v in groups.items()))
+        if "step_time_s" in p:
+            lines.append(f"  predicted step  : {_ms(p['step_time_s'])} (compute {_ms(p.get('compute_time_s', 0))}, "
+                         f"stall {_ms(p.get('stall_s', 0))}; no swap {_ms(p.get('no_swap_step_time_s', 0))})")
+        if self.swaps:
+            lines.append(f"  top swaps ({min(top, len(self.swaps))} of {len(self.swaps)} by size):")
+            lines.append(f"    {'MiB':>8}  {'prod':>5} {'trig':>5} {'cons':>5} {'stall ms':>8}  tensor")
+            for s in sorted(self.swaps, key=lambda s: (-s.bytes, s.tensor))[:top]:
+                for k, si in enumerate(s.swap_ins):
+                    name = s.tensor if k == 0 else "  \""
+                    lines.append(f"    {s.bytes / 2**20:8.2f}  {s.producer_layer:5d} {si.trigger_layer:5d} "
+                                 f"{si.start_layer_of_consumers:5d} {si.predicted_stall_s * 1e3:8.3f}  {name}")
+        for note in self.notes:
+            lines.append(f"  note: {note}")
+        return "\n".join(lines)
+
+    def diff(self, other: "Plan") -> list[str]:
+        """Human-readable differences from ``other`` (empty when the plans agree)."""
+        out: list[str] = []
+        for f in ("policy", "device", "budget_bytes", "persistent_bytes", "batch_size", "num_layers"):
+            a, b = getattr(self, f), getattr(other, f)
+            if a != b:
+                out.append(f"{f}: {a!r} != {b!r}")
+        mine = {s.tensor: s for s in self.swaps}
+        theirs = {s.tensor: s for s in other.swaps}
+        for t in sorted(mine.keys() - theirs.keys()):
+            out.append(f"+ swap {t} ({_mib(mine[t].bytes)})")
+        for t in sorted(theirs.keys() - mine.keys()):
+            out.append(f"- swap {t} ({_mib(theirs[t].bytes)})")
+        for t in sorted(mine.keys() & theirs.keys()):
+            a = [(si.trigger_op, sorted(si.consumers)) for si in mine[t].swap_ins]
+            b = [(si.trigger_op, sorted(si.consumers)) for si in theirs[t].swap_ins]
+            if a != b:
+                out.append(f"~ swap-ins of {t}: {[x[0] for x in a]} != {[x[0] for x in b]}")
+        changed = [k for k in sorted(set(self.mobility) | set(other.mobility))
+                   if self.mobility.get(k) != other.mobility.get(k)]
+        if changed:
+            out.append(f"mobility differs for {len(changed)} ops (e.g. {changed[0]}: "
+                       f"{self.mobility.get(changed[0])} != {other.mobility.get(changed[0])})")
+        for k in ("peak_bytes", "step_time_s", "stall_s"):
+            a, b = self.predicted.get(k), other.predicted.get(k)
+            if a != b:
+                out.append(f"predicted {k}: {a} != {b}")
+        return out
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.3f} ms"

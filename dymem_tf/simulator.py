@@ -1,0 +1,282 @@
+"""Discrete-event simulation of one training step with swapping: time, stalls and device memory by mobility group.
+
+Model (the planner's view of the runtime):
+
+* One compute stream runs the ops in dependency-layer order (:meth:`StepGraph.execution_order`), each for its
+  :class:`~dymem_tf.cost_model.CostModel` time.
+* Two serial copy channels run concurrently with compute: D2H (swap-outs, in producer order) and H2D (swap-ins, in
+  trigger order). A swap-out starts when its producer has finished and the D2H channel is free. A swap-in starts
+  when its trigger op has finished, the tensor's swap-out is done and the H2D channel is free.
+* A consumer of a swap-in waits (stalls the compute stream) until that copy is done.
+* Memory: a tensor is allocated when its producer starts and freed when its last consumer ends; aliases
+  (Identity, Reshape ... outputs) allocate nothing and keep their source's buffer alive for their consumers. A swapped tensor's
+  device buffer is freed when both its swap-out and its last original-tensor consumer are done; a swap-in allocates
+  its buffer when the copy starts and frees it after its last consumer. Persistent bytes (weights, optimizer slots)
+  are constant; variable reads alias them and add nothing.
+* Groups (GTBM): ``persistent``; ``transient`` (ordinary tensors); ``mobile`` (swapped tensors and swap-in buffers).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from dymem_tf.analysis import StepGraph, no_autograph
+from dymem_tf.cost_model import CostModel, as_cost_model
+from dymem_tf.device_profiles import DeviceProfile
+from dymem_tf.plan import Plan, SwapDecision
+
+GROUPS = ("persistent", "transient", "mobile")
+_TRANSIENT, _MOBILE = 0, 1
+
+
+@dataclass
+class SwapEvent:
+    """Simulated timing of one swap-in (and its tensor's swap-out)."""
+
+    tensor: str
+    swap_in: int
+    bytes: int
+    out_start: float
+    out_end: float
+    in_start: float
+    in_end: float
+    consumer_start: float
+    stall: float
+
+
+@dataclass
+class SimResult:
+    """Outcome of :func:`simulate`. ``peak_by_group`` is the breakdown at the peak instant; ``group_peaks`` holds
+    each group's own maximum. ``timeline`` rows are ``(t, persistent, transient, mobile)`` after every event."""
+
+    peak_bytes: int
+    peak_by_group: dict[str, int]
+    group_peaks: dict[str, int]
+    step_time_s: float
+    compute_time_s: float
+    stall_s: float
+    peak_time_s: float
+    peak_op: str
+    timeline: list[tuple[float, int, int, int]] = field(default_factory=list)
+    swap_events: list[SwapEvent] = field(default_factory=list)
+    order: list[str] = field(default_factory=list, repr=False)
+    op_start_s: np.ndarray | None = field(default=None, repr=False)
+    op_end_s: np.ndarray | None = field(default=None, repr=False)
+
+    def as_predicted(self) -> dict:
+        """The fields a :class:`Plan` stores in ``predicted``."""
+        return {"peak_bytes": int(self.peak_bytes), "peak_by_group": dict(self.peak_by_group),
+                "step_time_s": float(self.step_time_s), "stall_s": float(self.stall_s),
+                "compute_time_s": float(self.compute_time_s), "peak_op": self.peak_op}
+
+
+class Simulator:
+    """A step graph and cost model prepared once, simulated for many swap sets (the planner's inner loop)."""
+
+    def __init__(self, step_graph: StepGraph, cost: CostModel):
+        self.sg = step_graph
+        self.cost = cost
+        self.order = step_graph.execution_order()
+        self.pos = {name: i for i, name in enumerate(self.order)}
+        times = cost.op_times(step_graph)
+        self.dur = np.array([times[n] for n in self.order], dtype=np.float64)
+        self.base_end = np.cumsum(self.dur)
+        self.base_start = self.base_end - self.dur
+        names, prod, last, size = [], [], [], []
+        for t in step_graph.tensors.values():
+            if t.persistent or t.bytes <= 0 or t.alias_of is not None:
+                continue  # aliases (Identity, Reshape ...) share their source's buffer
+            p = self.pos[t.producer]
+            names.append(t.name)
+            prod.append(p)
+            last.append(max([p] + [self.pos[c] for c in step_graph.buffer_consumers(t.name)]))
+            size.append(t.bytes)
+        self.t_names = names
+        self.t_index = {n: i for i, n in enumerate(names)}
+        self.t_prod = np.array(prod, dtype=np.int64)
+        self.t_last = np.array(last, dtype=np.int64)
+        self.t_bytes = np.array(size, dtype=np.int64)
+
+    # ----------------------------------------------------------------------------------------------- timing
+    def _validate(self, swaps: Sequence[SwapDecision]) -> None:
+        seen: set[str] = set()
+        for s in swaps:
+            if s.tensor in seen:
+                raise ValueError(f"plan swaps {s.tensor!r} twice")
+            seen.add(s.tensor)
+            t = self.sg.tensors.get(s.tensor)
+            if t is None:
+                raise ValueError(f"plan swaps unknown tensor {s.tensor!r}")
+            if t.persistent:
+                raise ValueError(f"plan swaps persistent tensor {s.tensor!r}")
+            if t.alias_of is not None:
+                raise ValueError(f"plan swaps {s.tensor!r}, an alias of {t.alias_of!r}: swap the buffer's owner")
+            for si in s.swap_ins:
+                if si.trigger_op not in self.pos:
+                    raise ValueError(f"swap-in of {s.tensor!r} has unknown trigger op {si.trigger_op!r}")
+                if not si.consumers:
+                    raise ValueError(f"a swap-in of {s.tensor!r} has no consumers")
+                tp = self.pos[si.trigger_op]
+                if tp <= self.pos[t.producer]:
+                    raise ValueError(f"swap-in of {s.tensor!r} is triggered by {si.trigger_op!r}, "
+                                     f"which does not run after the producer {t.producer!r}")
+                for c in si.consumers:
+                    if c not in t.consumers:
+                        raise ValueError(f"{c!r} is not a consumer of {s.tensor!r}")
+                    if self.pos[c] <= tp:
+                        raise ValueError(f"swap-in of {s.tensor!r}: trigger {si.trigger_op!r} does not run "
+                                         f"before consumer {c!r}")
+
+    def run(self, swaps: Sequence[SwapDecision], persistent_bytes: int = 0, timeline: bool = True,
+            validate: bool = True) -> SimResult:
+        """Simulate the step with ``swaps``."""
+        if validate:
+            self._validate(swaps)
+        cost = self.cost
+        # Events on the op sequence: 0 = wait before op start, 1 = producer end (swap-out), 2 = trigger end.
+        # The last field orders swap-ins sharing a trigger by their first consumer (earliest deadline first).
+        events: list[tuple[int, int, int, int]] = []
+        swap_ins = []  # (swap index, k, bytes, trigger pos, first consumer pos, last consumer pos)
+        for i, s in enumerate(swaps):
+            events.append((self.pos[s.producer], 1, i, i))
+            for k, si in enumerate(s.swap_ins):
+                cpos = [self.pos[c] for c in si.consumers]
+                j = len(swap_ins)
+                swap_ins.append((i, k, s.bytes, self.pos[si.trigger_op], min(cpos), max(cpos)))
+                events.append((self.pos[si.trigger_op], 2, min(cpos), j))
+                events.append((min(cpos), 0, j, j))
+        events.sort()
+        n_in = len(swap_ins)
+        out_start = [0.0] * len(swaps)
+        out_end = [0.0] * len(swaps)
+        in_start = [0.0] * n_in
+        in_end = [0.0] * n_in
+        stall_of = [0.0] * n_in
+        cons_start = [0.0] * n_in
+        offset = 0.0
+        stall_pos: list[int] = []
+        stall_cum: list[float] = []
+        d2h_free = h2d_free = 0.0
+        for pos, kind, key, j in events:
+            if kind == 0:
+                start = self.base_start[pos] + offset
+                ready = in_end[j]
+                if ready > start:
+                    stall_of[j] = ready - start
+                    offset += ready - start
+                    stall_pos.append(pos)
+                    stall_cum.append(offset)
+                cons_start[j] = self.base_start[pos] + offset
+            elif kind == 1:
+                end = self.base_end[pos] + offset
+                st = max(end, d2h_free)
+                out_start[j] = st
+                out_end[j] = d2h_free = st + cost.copy_time(swaps[j].bytes, "d2h")
+            else:
+                i, _k, nbytes, _tp, _c0, _c1 = swap_ins[j]
+                end = self.base_end[pos] + offset
+                st = max(end, h2d_free, out_end[i])
+                in_start[j] = st
+                in_end[j] = h2d_free = st + cost.copy_time(nbytes, "h2d")
+        # Offsets apply from each stalled op on: piecewise-constant shift of the base schedule.
+        shift = np.zeros(len(self.order) + 1)
+        prev = 0.0
+        for p, cum in zip(stall_pos, stall_cum):
+            shift[p] += cum - prev
+            prev = cum
+        shift = np.cumsum(shift)[:-1]
+        start = self.base_start + shift
+        end = self.base_end + shift
+
+        # ---------------------------------------------------------------------------------------- memory
+        swapped = np.zeros(len(self.t_names), dtype=bool)
+        rel_time, rel_key = [], []
+        mob_idx = []
+        for i, s in enumerate(swaps):
+            ti = self.t_index.get(s.tensor)
+            if ti is None:  # zero-byte tensor: nothing to account
+                continue
+            swapped[ti] = True
+            mob_idx.append(ti)
+            # The original serves every consumer that no swap-in feeds (forward_consumers in a consistent plan).
+            fed = {c for si in s.swap_ins for c in si.consumers}
+            lf = max([int(self.t_prod[ti])] + [self.pos[c] for c in self.sg.buffer_consumers(s.tensor)
+                                                if c not in fed])
+            rel_time.append(max(out_end[i], end[lf]))
+            rel_key.append(lf)
+        keep = ~swapped
+        tp, tl, tb = self.t_prod[keep], self.t_last[keep], self.t_bytes[keep]
+        mi = np.array(mob_idx, dtype=np.int64)
+        parts_t = [start[tp], end[tl]]
+        parts_k1 = [tp, tl]
+        parts_k2 = [np.full(len(tp), 1), np.full(len(tl), 2)]
+        parts_d = [tb, -tb]
+        parts_g = [np.full(len(tp), _TRANSIENT), np.full(len(tl), _TRANSIENT)]
+        if len(mi):
+            mp = self.t_prod[mi]
+            parts_t += [start[mp], np.array(rel_time)]
+            parts_k1 += [mp, np.array(rel_key, dtype=np.int64)]
+            parts_k2 += [np.full(len(mi), 1), np.full(len(mi), 2)]
+            parts_d += [self.t_bytes[mi], -self.t_bytes[mi]]
+            parts_g += [np.full(len(mi), _MOBILE)] * 2
+        if n_in:
+            sw = np.array([(x[3], x[5], x[2]) for x in swap_ins], dtype=np.int64)
+            parts_t += [np.array(in_start), end[sw[:, 1]]]
+            parts_k1 += [sw[:, 0], sw[:, 1]]
+            parts_k2 += [np.full(n_in, 3), np.full(n_in, 2)]
+            parts_d += [sw[:, 2], -sw[:, 2]]
+            parts_g += [np.full(n_in, _MOBILE)] * 2
+        ev_t = np.concatenate(parts_t) if parts_t else np.zeros(0)
+        ev_k1 = np.concatenate(parts_k1)
+        ev_k2 = np.concatenate(parts_k2)
+        ev_d = np.concatenate(parts_d).astype(np.int64)
+        ev_g = np.concatenate(parts_g)
+        idx = np.lexsort((ev_k2, ev_k1, ev_t))
+        ev_t, ev_k1, ev_d, ev_g = ev_t[idx], ev_k1[idx], ev_d[idx], ev_g[idx]
+        trans = np.cumsum(np.where(ev_g == _TRANSIENT, ev_d, 0))
+        mob = np.cumsum(np.where(ev_g == _MOBILE, ev_d, 0))
+        total = trans + mob
+        persistent_bytes = int(persistent_bytes)
+        if len(total):
+            pk = int(np.argmax(total))
+            peak = int(total[pk]) + persistent_bytes
+            by_group = {"persistent": persistent_bytes, "transient": int(trans[pk]), "mobile": int(mob[pk])}
+            group_peaks = {"persistent": persistent_bytes, "transient": int(trans.max()), "mobile": int(mob.max())}
+            peak_time, peak_op = float(ev_t[pk]), self.order[int(ev_k1[pk])]
+        else:
+            peak, peak_time, peak_op = persistent_bytes, 0.0, ""
+            by_group = {"persistent": persistent_bytes, "transient": 0, "mobile": 0}
+            group_peaks = dict(by_group)
+        rows: list[tuple[float, int, int, int]] = []
+        if timeline:
+            rows = [(0.0, persistent_bytes, 0, 0)]
+            rows += list(zip(ev_t.tolist(), [persistent_bytes] * len(ev_t), trans.tolist(), mob.tolist()))
+
+        sw_events = []
+        for j, (i, k, nbytes, _tp, _c0, _c1) in enumerate(swap_ins):
+            sw_events.append(SwapEvent(swaps[i].tensor, k, nbytes, out_start[i], out_end[i], in_start[j],
+                                       in_end[j], cons_start[j], stall_of[j]))
+        compute = float(self.dur.sum())
+        step = float(end[-1]) if len(end) else 0.0
+        return SimResult(peak, by_group, group_peaks, step, compute, float(sum(stall_of)), peak_time, peak_op,
+                         rows, sw_events, self.order, start, end)
+
+
+@no_autograph
+def simulate(step_graph: StepGraph, plan: Plan | Iterable[SwapDecision] | None,
+             profile: str | DeviceProfile | CostModel = "cpu", persistent_bytes: int | None = None,
+             timeline: bool = True) -> SimResult:
+    """Simulate one step of ``step_graph`` under ``plan`` (a :class:`Plan`, a list of swaps or None).
+
+    ``persistent_bytes`` defaults to the plan's. Raises ValueError for swaps that cannot run as planned
+    (trigger not between producer and consumers, unknown ops, persistent tensors).
+    """
+    if isinstance(plan, Plan):
+        swaps = plan.swaps
+        if persistent_bytes is None:
+            persistent_bytes = plan.persistent_bytes
+    else:
+        swaps = list(plan or [])
+    return Simulator(step_graph, as_cost_model(profile)).run(swaps, persistent_bytes or 0, timeline=timeline)

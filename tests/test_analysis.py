@@ -1,0 +1,158 @@
+"""Dependency layers, graph helpers and serialisation of dymem_tf.analysis (pure Python, no TF step)."""
+from __future__ import annotations
+
+import json
+import random
+
+import networkx as nx
+import pytest
+
+from dymem_tf.analysis import CycleError, StepGraph, analyse
+
+
+def layer_names(sg: StepGraph) -> list[list[str]]:
+    return [list(layer) for layer in sg.layers]
+
+
+def test_chain_layers():
+    sg = StepGraph.from_spec({"a": {"bytes": 4}, "b": {"inputs": ["a"], "bytes": 4},
+                              "c": {"inputs": ["b"], "bytes": 4}, "d": {"inputs": ["c"]}})
+    assert layer_names(sg) == [["a"], ["b"], ["c"], ["d"]]
+    assert sg.num_layers == 4
+    assert [sg.ops[n].layer for n in "abcd"] == [0, 1, 2, 3]
+
+
+def test_diamond_layers():
+    sg = StepGraph.from_spec({"a": {"bytes": 4}, "b": {"inputs": ["a"], "bytes": 4},
+                              "c": {"inputs": ["a"], "bytes": 4}, "d": {"inputs": ["b", "c"]}})
+    assert layer_names(sg) == [["a"], ["b", "c"], ["d"]]
+
+
+def test_residual_block_layers():
+    # x -> conv1 -> bn -> relu -> conv2 -> add(x, conv2) -> out: the skip edge does not shorten the add's layer
+    sg = StepGraph.from_spec({
+        "x": {"bytes": 4}, "conv1": {"inputs": ["x"], "bytes": 4}, "bn": {"inputs": ["conv1"], "bytes": 4},
+        "relu": {"inputs": ["bn"], "bytes": 4}, "conv2": {"inputs": ["relu"], "bytes": 4},
+        "add": {"inputs": ["x", "conv2"], "bytes": 4}, "out": {"inputs": ["add"]}})
+    assert layer_names(sg) == [["x"], ["conv1"], ["bn"], ["relu"], ["conv2"], ["add"], ["out"]]
+
+
+def test_inception_like_branches():
+    # branches of length 1, 2 and 3 from one input; the concat sits after the longest branch
+    sg = StepGraph.from_spec({
+        "in": {"bytes": 4},
+        "b1": {"inputs": ["in"], "bytes": 4},
+        "b2a": {"inputs": ["in"], "bytes": 4}, "b2b": {"inputs": ["b2a"], "bytes": 4},
+        "b3a": {"inputs": ["in"], "bytes": 4}, "b3b": {"inputs": ["b3a"], "bytes": 4},
+        "b3c": {"inputs": ["b3b"], "bytes": 4},
+        "concat": {"inputs": ["b1", "b2b", "b3c"], "bytes": 4}})
+    assert layer_names(sg) == [["in"], ["b1", "b2a", "b3a"], ["b2b", "b3b"], ["b3c"], ["concat"]]
+
+
+def test_control_edges_count_for_layers():
+    sg = StepGraph.from_spec({"a": {"bytes": 4}, "b": {"bytes": 4}, "c": {"inputs": ["b"], "control": ["a"]},
+                              "d": {"control": ["c"]}})
+    assert layer_names(sg) == [["a", "b"], ["c"], ["d"]]
+    assert sg.graph.edges["a", "c"]["kind"] == "control"
+    assert sg.graph.edges["b", "c"]["kind"] == "data"
+
+
+def test_cycle_is_reported_with_its_ops():
+    spec = {"x": {"bytes": 4}, "a": {"inputs": ["x", "c"], "bytes": 4}, "b": {"inputs": ["a"], "bytes": 4},
+            "c": {"inputs": ["b"], "bytes": 4}}
+    with pytest.raises(CycleError) as err:
+        StepGraph.from_spec(spec)
+    msg = str(err.value)
+    assert "not a DAG" in msg and "cycle" in msg
+    for name in ("a", "b", "c"):
+        assert name in msg
+    assert "x" not in msg.split("cycle:")[1]
+    assert isinstance(err.value, ValueError)
+
+
+def test_unknown_input_is_rejected():
+    with pytest.raises(ValueError, match="unknown tensor"):
+        StepGraph.from_spec({"a": {"inputs": ["nope"]}})
+
+
+def test_helpers_lifetime_and_phases():
+    sg = StepGraph.from_spec({
+        "f1": {"bytes": 8}, "f2": {"inputs": ["f1"], "bytes": 8},
+        "g2": {"inputs": ["f2"], "bytes": 8, "backward": True},
+        "g1": {"inputs": ["g2", "f1"], "bytes": 8, "backward": True}})
+    assert sg.forward_ops() == ["f1", "f2"]
+    assert sg.backward_ops() == ["g2", "g1"]
+    assert sg.producer_layer("f1:0") == 0
+    assert sg.consumer_layers("f1:0") == [1, 3]
+    assert sg.lifetime("f1:0") == (0, 3)
+    assert sg.lifetime("g1:0") == (3, 3)  # no consumers: dies where it is born
+    assert sg.execution_order() == ["f1", "f2", "g2", "g1"]
+    assert sg.position("g2") == 2
+
+
+def test_aliases_share_buffers():
+    sg = StepGraph.from_spec({
+        "a": {"bytes": 64}, "r": {"type": "Reshape", "inputs": ["a"], "bytes": 64},
+        "i": {"type": "Identity", "inputs": ["r"], "bytes": 64}, "u": {"inputs": ["i"]},
+        "v": {"inputs": ["a"]}})
+    assert sg.tensors["r:0"].alias_of == "a:0"
+    assert sg.buffer_of("i:0") == "a:0"
+    assert sorted(sg.aliases()["a:0"]) == ["i:0", "r:0"]
+    assert sorted(sg.buffer_consumers("a:0")) == ["i", "r", "u", "v"]
+    assert sg.ops["r"].bytes_accessed == 0
+
+
+def test_dict_round_trip_is_json_serialisable():
+    sg = StepGraph.from_spec({
+        "a": {"bytes": 16, "shape": (2, 2), "keras_layer": "dense", "flops": 10.0},
+        "b": {"inputs": ["a"], "bytes": [4, 8], "backward": True, "control": ["a"]},
+        "c": {"inputs": ["b:1"], "persistent": True, "bytes": 4}})
+    text = json.dumps(sg.to_dict())
+    back = StepGraph.from_dict(json.loads(text))
+    assert back.layers == sg.layers
+    assert back.ops == sg.ops
+    assert back.tensors == sg.tensors
+    assert back.tensors["a:0"].shape == (2, 2)
+    assert set(back.graph.edges) == set(sg.graph.edges)
+
+
+def test_analyse_is_required_for_layer_queries():
+    sg = StepGraph.from_spec({"a": {"bytes": 4}, "b": {"inputs": ["a"]}}, analysed=False)
+    with pytest.raises(RuntimeError, match="analyse"):
+        sg.execution_order()
+    assert analyse(sg) is sg
+    assert sg.num_layers == 2
+
+
+def random_spec(rng: random.Random, n: int) -> dict:
+    spec: dict = {}
+    names: list[str] = []
+    for i in range(n):
+        name = f"op{i}"
+        k = rng.randint(0, min(3, len(names)))
+        inputs = rng.sample(names, k) if k else []
+        control = rng.sample(names, 1) if names and rng.random() < 0.1 else []
+        spec[name] = {"inputs": inputs, "control": control, "bytes": rng.randint(0, 1000)}
+        names.append(name)
+    return spec
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_dags_layers_are_longest_paths(seed):
+    rng = random.Random(seed)
+    spec = random_spec(rng, rng.randint(5, 80))
+    sg = StepGraph.from_spec(spec)
+    g = sg.graph
+    for u, v in g.edges:
+        assert sg.ops[u].layer < sg.ops[v].layer
+    for n in g.nodes:
+        preds = list(g.predecessors(n))
+        expected = 1 + max(sg.ops[p].layer for p in preds) if preds else 0
+        assert sg.ops[n].layer == expected
+    # ops of one layer are mutually independent
+    for layer in sg.layers:
+        for a in layer[:4]:
+            for b in layer[:4]:
+                if a != b:
+                    assert not nx.has_path(g, a, b)
+    assert sorted(sum(sg.layers, [])) == sorted(spec)
