@@ -8,7 +8,8 @@ Model (the planner's view of the runtime):
   trigger order). A swap-out starts when its producer has finished and the D2H channel is free. A swap-in starts
   when its trigger op has finished, the tensor's swap-out is done and the H2D channel is free.
 * A consumer of a swap-in waits (stalls the compute stream) until that copy is done.
-* Memory: a tensor is allocated when its producer starts and freed when its last consumer ends; aliases
+* Memory: a tensor is allocated when its producer starts and freed when its last consumer ends (an element-wise op
+  that is the last consumer of a same-sized input reuses that buffer, as TF's kernels do); aliases
   (Identity, Reshape ... outputs) allocate nothing and keep their source's buffer alive for their consumers. A swapped tensor's
   device buffer is freed when both its swap-out and its last original-tensor consumer are done; a swap-in allocates
   its buffer when the copy starts and frees it after its last consumer. Persistent bytes (weights, optimizer slots)
@@ -28,6 +29,16 @@ from dymem_tf.device_profiles import DeviceProfile
 from dymem_tf.plan import Plan, SwapDecision
 
 GROUPS = ("persistent", "transient", "mobile")
+
+#: Ops whose CPU/GPU kernels write their output into a dying input buffer of the same size
+#: (``OpKernelContext::forward_input_or_allocate_output``): element-wise math, bias add, activation gradients.
+FORWARDING_OP_TYPES = frozenset({
+    "Abs", "Add", "AddN", "AddV2", "BiasAdd", "Ceil", "Cos", "Div", "DivNoNan", "Elu", "EluGrad", "Exp", "Floor",
+    "FloorDiv", "Log", "Log1p", "LeakyRelu", "LeakyReluGrad", "Maximum", "Minimum", "Mul", "MulNoNan", "Neg",
+    "Pow", "RealDiv", "Reciprocal", "Relu", "Relu6", "Relu6Grad", "ReluGrad", "Round", "Rsqrt", "RsqrtGrad",
+    "Selu", "SeluGrad", "Sigmoid", "SigmoidGrad", "Sign", "Sin", "Softplus", "Softsign", "Sqrt", "SqrtGrad",
+    "Square", "SquaredDifference", "Sub", "Tanh", "TanhGrad",
+})
 _TRANSIENT, _MOBILE = 0, 1
 
 
@@ -93,11 +104,56 @@ class Simulator:
             prod.append(p)
             last.append(max([p] + [self.pos[c] for c in step_graph.buffer_consumers(t.name)]))
             size.append(t.bytes)
+        self.chain: dict[str, list[str]] = {}  # buffer owner -> tensors that reuse its buffer (itself first)
+        self.buffer_root: dict[str, str] = {}  # forwarded tensor -> owner of the buffer it reuses
+        names, prod, last, size = self._forward_buffers(names, prod, last, size)
         self.t_names = names
         self.t_index = {n: i for i, n in enumerate(names)}
         self.t_prod = np.array(prod, dtype=np.int64)
         self.t_last = np.array(last, dtype=np.int64)
         self.t_bytes = np.array(size, dtype=np.int64)
+
+    def _forward_buffers(self, names, prod, last, size):
+        """Model TF's buffer forwarding: an element-wise op whose input buffer dies at that op (it is the buffer's
+        last consumer) and has the output's size writes its output in place instead of allocating.
+
+        The output then extends the input's buffer (one allocation from the first producer to the last consumer of
+        the chain) and allocates nothing itself.
+        """
+        index = {n: i for i, n in enumerate(names)}
+        root_of = list(range(len(names)))
+        removed = [False] * len(names)
+
+        def root(i: int) -> int:
+            while root_of[i] != i:
+                i = root_of[i]
+            return i
+
+        for p, op_name in enumerate(self.order):
+            op = self.sg.ops[op_name]
+            if op.type not in FORWARDING_OP_TYPES:
+                continue
+            for out in op.outputs:
+                oi = index.get(out)
+                if oi is None:
+                    continue
+                for inp in op.inputs:
+                    src = index.get(self.sg.buffer_of(inp))
+                    if src is None:
+                        continue
+                    ri = root(src)
+                    if ri != oi and size[ri] == size[oi] and last[ri] == p:
+                        last[ri] = max(last[ri], last[oi])
+                        root_of[oi] = ri
+                        removed[oi] = True
+                        break
+        for i, n in enumerate(names):
+            if removed[i]:
+                r = names[root(i)]
+                self.buffer_root[n] = r
+                self.chain.setdefault(r, [r]).append(n)
+        keep = [i for i in range(len(names)) if not removed[i]]
+        return ([names[i] for i in keep], [prod[i] for i in keep], [last[i] for i in keep], [size[i] for i in keep])
 
     # ----------------------------------------------------------------------------------------------- timing
     def _validate(self, swaps: Sequence[SwapDecision]) -> None:
@@ -195,15 +251,17 @@ class Simulator:
         rel_time, rel_key = [], []
         mob_idx = []
         for i, s in enumerate(swaps):
-            ti = self.t_index.get(s.tensor)
+            owner = self.buffer_root.get(s.tensor, s.tensor)
+            ti = self.t_index.get(owner)
             if ti is None:  # zero-byte tensor: nothing to account
                 continue
             swapped[ti] = True
             mob_idx.append(ti)
-            # The original serves every consumer that no swap-in feeds (forward_consumers in a consistent plan).
+            # The original serves every consumer that no swap-in feeds (forward_consumers in a consistent plan);
+            # a forwarded buffer lives on for the consumers of every tensor written into it.
             fed = {c for si in s.swap_ins for c in si.consumers}
-            lf = max([int(self.t_prod[ti])] + [self.pos[c] for c in self.sg.buffer_consumers(s.tensor)
-                                                if c not in fed])
+            users = [c for name in self.chain.get(owner, [owner]) for c in self.sg.buffer_consumers(name)]
+            lf = max([int(self.t_prod[ti])] + [self.pos[c] for c in users if c not in fed])
             rel_time.append(max(out_end[i], end[lf]))
             rel_key.append(lf)
         keep = ~swapped
