@@ -5,6 +5,8 @@ Two shared libraries are built from ``dymem_tf/cc``:
 * ``_dymem_gtbm``: the GTBM allocator (files ``gtbm_*.cc``). It registers itself with TF's allocator factory, so
   it must be loaded before TF's first CPU allocation; it is kept apart from the ops for that reason.
 * ``_dymem_ops``: the swap kernels and the host pool (every other ``*.cc``).
+* ``_dymem_replay``: the GTBM core and its trace replay engine only (plain C++17, not linked to TF, no allocator
+  registration), loaded with ctypes by ``python -m dymem_tf.replay`` at any time.
 
 Flags come from ``tf.sysconfig``; TF's headers are included with ``-isystem`` so that ``-Wall -Wextra -Werror``
 applies to our own sources only.
@@ -28,6 +30,8 @@ def _sources(pattern, exclude=()):
 
 GTBM_SOURCES = _sources("gtbm_*.cc")
 OPS_SOURCES = _sources("*.cc", exclude={os.path.basename(f) for f in GTBM_SOURCES})
+REPLAY_SOURCES = [f for f in GTBM_SOURCES if os.path.basename(f) in ("gtbm_core.cc", "gtbm_replay.cc")]
+REPLAY_EXT = "dymem_tf._dymem_replay"
 
 
 class TensorFlowBuildExt(build_ext):
@@ -45,6 +49,10 @@ class TensorFlowBuildExt(build_ext):
         system_includes = [arg for inc in include_dirs for arg in ("-isystem", inc)]
         link_flags = tf.sysconfig.get_link_flags()
         tf_lib_dir = [f[2:] for f in link_flags if f.startswith("-L")]
+        if tf.test.is_built_with_gpu_support():
+            # pip TF defines neither GOOGLE_CUDA nor TENSORFLOW_USE_ROCM for custom ops: opt in to the GPU kernels
+            # (they only use the DeviceContext's copy functions, so no nvcc is needed).
+            compile_flags.append("-DDYMEM_GPU_KERNELS=1")
         warnings = ["-Wall", "-Wextra", "-Werror"]
         if os.environ.get("DYMEM_NO_WERROR"):
             warnings.remove("-Werror")
@@ -59,6 +67,8 @@ class TensorFlowBuildExt(build_ext):
                 + ["-O2", "-fPIC", "-fvisibility=default", f'-DDYMEM_TF_VERSION="{tf.__version__}"']
             )
             ext.extra_link_args = link_flags + [f"-Wl,-rpath,{d}" for d in tf_lib_dir] + ["-lpthread"]
+            if ext.name == REPLAY_EXT:  # TF-free: must not pull libtensorflow_framework into a bare process
+                ext.extra_link_args = ["-lpthread"]
         self._tf_version = tf.__version__
         self._flags = tf.sysconfig.get_compile_flags()
         super().build_extensions()
@@ -85,6 +95,8 @@ class TensorFlowBuildExt(build_ext):
 ext_modules = []
 if GTBM_SOURCES:
     ext_modules.append(Extension("dymem_tf._dymem_gtbm", sources=GTBM_SOURCES, language="c++"))
+if len(REPLAY_SOURCES) == 2:
+    ext_modules.append(Extension(REPLAY_EXT, sources=REPLAY_SOURCES, language="c++"))
 if OPS_SOURCES:
     ext_modules.append(Extension("dymem_tf._dymem_ops", sources=OPS_SOURCES, language="c++"))
 

@@ -23,6 +23,9 @@ def _load_allocator() -> None:
         return
     if os.environ.get("TF_CPU_ALLOCATOR_USE_BFC", "").strip().lower() in ("1", "true"):
         return  # the user asked for TF's own BFC allocator on the CPU: it bypasses the registry anyway
+    from dymem_tf.allocator import validate_memory_limit_env
+
+    validate_memory_limit_env()  # a malformed DYMEM_DEVICE_MEMORY_LIMIT raises ValueError before anything loads
     try:
         if _loader.load_gtbm_library() is None:
             warnings.warn(

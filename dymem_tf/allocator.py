@@ -1,0 +1,462 @@
+"""Python API of the GTBM allocator (Group Tensors By Mobility), TensorFlow's CPU device allocator under dymem_tf.
+
+GTBM is registered when ``import dymem_tf`` runs right after ``import tensorflow`` (before the first tensor). It
+serves every CPU-device tensor from one pool under a byte budget (``DYMEM_DEVICE_MEMORY_LIMIT``, e.g. ``512MiB``;
+default min(physical RAM, 64 GiB)); an allocation beyond the budget raises ``tf.errors.ResourceExhaustedError``.
+The pool is cut into pageblocks (2 MiB, ``DYMEM_GTBM_BLOCK_SIZE``; smaller for budgets under 64 MiB) owned by
+mobility groups -- persistent (weights, optimizer slots, set-up), transient (step intermediates), mobile (tensors
+swapped between device and host) -- so that short-lived and moving tensors do not pin holes between long-lived ones.
+Free blocks are returned to the OS (madvise) beyond a cache of ``DYMEM_GTBM_RELEASE_CACHE`` bytes kept resident for
+reuse (default min(256 MiB, budget / 8); :func:`trim` empties it).
+
+Mobility of an allocation, first match wins: :func:`mobility` / ``dymem_gtbm_push_mobility`` on the allocating
+thread; the op's entry in :func:`set_mobility_map`; otherwise persistent for eager ops, allocations outside any op
+and variable updates (``Assign*VariableOp``, ``ResourceApply*``: TF's copy-on-write gives the variable a new buffer),
+transient for the other kernels of a ``tf.function`` (a Keras train step).
+
+Native C API (``_dymem_gtbm``; every ``int`` function returns 0 / a count on success and -1 on failure with
+``dymem_gtbm_last_error()`` set)::
+
+    int         dymem_gtbm_is_active(void);
+    const char* dymem_gtbm_last_error(void);
+    void        dymem_gtbm_push_mobility(int group);     /* 0 persistent, 1 transient, 2 mobile; thread-local */
+    void        dymem_gtbm_pop_mobility(void);
+    int         dymem_gtbm_set_mobility_map(const char* text);   /* "op_name\\tgroup" lines; returns entries */
+    int         dymem_gtbm_clear_mobility_map(void);
+    int         dymem_gtbm_mobility_map_size(void);
+    int         dymem_gtbm_set_limit(int64_t bytes);
+    int64_t     dymem_gtbm_get_limit(void);
+    const char* dymem_gtbm_stat_names(void);             /* comma-separated, order of get_stats */
+    int         dymem_gtbm_num_stats(void);
+    int         dymem_gtbm_get_stats(int64_t* out, int n);
+    int         dymem_gtbm_reset_peak_stats(void);
+    int         dymem_gtbm_trim(void);                   /* give cached free blocks back to the OS */
+    int         dymem_gtbm_trace_start(int64_t max_records);
+    int         dymem_gtbm_trace_stop(void);
+    int         dymem_gtbm_trace_dump(const char* path);
+    int64_t     dymem_gtbm_trace_count(void);
+    int         dymem_gtbm_trace_info(int64_t* out, int n);  /* active, records, dropped, events, max_records */
+    int         dymem_gtbm_parse_bytes(const char* text, int64_t* out);
+    int         dymem_replay_run(const char* csv, const char* policy, int64_t block_size, int64_t alignment,
+                                 const char* groups_mode, int64_t* out, int n);   /* see dymem_tf.replay */
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import re
+import threading
+from typing import Iterator, Mapping, Union
+
+__all__ = [
+    "GROUPS",
+    "GtbmNotActiveError",
+    "clear_mobility_map",
+    "dump_trace",
+    "get_memory_limit",
+    "is_active",
+    "memory_stats",
+    "mobility",
+    "parse_bytes",
+    "record_trace",
+    "reset_peak_stats",
+    "set_memory_limit",
+    "set_mobility_map",
+    "start_trace",
+    "stop_trace",
+    "trace_info",
+    "trim",
+    "validate_memory_limit_env",
+]
+
+LIMIT_ENV = "DYMEM_DEVICE_MEMORY_LIMIT"
+BLOCK_SIZE_ENV = "DYMEM_GTBM_BLOCK_SIZE"
+RELEASE_CACHE_ENV = "DYMEM_GTBM_RELEASE_CACHE"
+GROUPS = {"persistent": 0, "transient": 1, "mobile": 2}
+_GROUP_NAMES = {v: k for k, v in GROUPS.items()}
+DEFAULT_MAX_TRACE_RECORDS = 2_000_000
+
+ByteSize = Union[int, str]
+
+
+class GtbmNotActiveError(RuntimeError):
+    """The GTBM allocator does not serve TensorFlow's CPU device in this process."""
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Byte counts.
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1 << 10, "kib": 1 << 10, "kb": 10**3,
+    "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
+    "g": 1 << 30, "gib": 1 << 30, "gb": 10**9,
+    "t": 1 << 40, "tib": 1 << 40, "tb": 10**12,
+}
+_BYTES_RE = re.compile(r"^\s*\+?(?P<num>\d+(?:\.\d*)?|\.\d+)\s*(?P<unit>[A-Za-z]*)\s*$")
+_MAX_BYTES = 2**63 - 1
+
+
+def parse_bytes(value: ByteSize) -> int:
+    """Byte count from an int or a string such as ``"512MiB"``, ``"2GB"``, ``"1.5GiB"`` or ``"1073741824"``.
+
+    Units (case-insensitive): B; KiB/MiB/GiB/TiB and K/M/G/T are powers of 1024; KB/MB/GB/TB powers of 1000.
+    Fractions are rounded down to whole bytes. Raises ValueError for negatives, unknown units, garbage or values
+    beyond 2**63-1, and TypeError for other types (bool, float, None). Same rules as the C++ parser.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise TypeError(f"a byte count must be an int or a string like '512MiB', got {type(value).__name__}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"invalid byte count {value}: negative")
+        if value > _MAX_BYTES:
+            raise ValueError(f"invalid byte count {value}: too large")
+        return value
+    match = _BYTES_RE.match(value)
+    if match is None:
+        raise ValueError(
+            f"invalid byte count {value!r}: expected a non-negative number with an optional unit, "
+            "e.g. '512MiB', '2GB', '1.5GiB' or '1073741824'"
+        )
+    unit = match.group("unit").lower()
+    if unit not in _UNITS:
+        raise ValueError(
+            f"invalid byte count {value!r}: unknown unit {match.group('unit')!r} "
+            "(use B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)"
+        )
+    whole, _, frac = match.group("num").partition(".")
+    mult = _UNITS[unit]
+    total = int(whole or "0") * mult
+    if frac:
+        total += int(frac) * mult // 10 ** len(frac)
+    if total > _MAX_BYTES:
+        raise ValueError(f"invalid byte count {value!r}: too large")
+    return total
+
+
+def validate_memory_limit_env() -> int | None:
+    """Check ``DYMEM_DEVICE_MEMORY_LIMIT`` (and ``DYMEM_GTBM_BLOCK_SIZE``, ``DYMEM_GTBM_RELEASE_CACHE``) before the
+    allocator is loaded.
+
+    Returns the limit in bytes, or None when unset. Raises ValueError with a clear message when invalid, so that a
+    typo fails at ``import dymem_tf`` instead of silently running without a budget.
+    """
+    raw = os.environ.get(LIMIT_ENV)
+    limit = None
+    if raw is not None and raw.strip():
+        try:
+            limit = parse_bytes(raw)
+        except ValueError as err:
+            raise ValueError(f"{LIMIT_ENV}={raw!r} is not a valid memory limit: {err}") from None
+        if limit == 0:
+            raise ValueError(f"{LIMIT_ENV}={raw!r} is not a valid memory limit: it must be positive")
+    raw_block = os.environ.get(BLOCK_SIZE_ENV)
+    if raw_block is not None and raw_block.strip():
+        try:
+            block = parse_bytes(raw_block)
+        except ValueError as err:
+            raise ValueError(f"{BLOCK_SIZE_ENV}={raw_block!r} is not a valid block size: {err}") from None
+        page = os.sysconf("SC_PAGE_SIZE")
+        if block <= 0 or block % page or block & (block - 1):
+            raise ValueError(
+                f"{BLOCK_SIZE_ENV}={raw_block!r} is not a valid block size: it must be a power of two and a "
+                f"multiple of the page size ({page} bytes), e.g. '2MiB'"
+            )
+    raw_cache = os.environ.get(RELEASE_CACHE_ENV)
+    if raw_cache is not None and raw_cache.strip():
+        try:
+            parse_bytes(raw_cache)
+        except ValueError as err:
+            raise ValueError(f"{RELEASE_CACHE_ENV}={raw_cache!r} is not a valid size: {err}") from None
+    return limit
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Native library.
+
+_setup_lock = threading.Lock()
+_configured: set[int] = set()
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    with _setup_lock:
+        if id(lib) in _configured:
+            return lib
+        i64, c_int, c_char_p = ctypes.c_int64, ctypes.c_int, ctypes.c_char_p
+        i64p = ctypes.POINTER(ctypes.c_int64)
+        signatures = {
+            "dymem_gtbm_is_active": (c_int, []),
+            "dymem_gtbm_last_error": (c_char_p, []),
+            "dymem_gtbm_push_mobility": (None, [c_int]),
+            "dymem_gtbm_pop_mobility": (None, []),
+            "dymem_gtbm_set_mobility_map": (c_int, [c_char_p]),
+            "dymem_gtbm_clear_mobility_map": (c_int, []),
+            "dymem_gtbm_mobility_map_size": (c_int, []),
+            "dymem_gtbm_set_limit": (c_int, [i64]),
+            "dymem_gtbm_get_limit": (i64, []),
+            "dymem_gtbm_stat_names": (c_char_p, []),
+            "dymem_gtbm_num_stats": (c_int, []),
+            "dymem_gtbm_get_stats": (c_int, [i64p, c_int]),
+            "dymem_gtbm_reset_peak_stats": (c_int, []),
+            "dymem_gtbm_trim": (c_int, []),
+            "dymem_gtbm_trace_start": (c_int, [i64]),
+            "dymem_gtbm_trace_stop": (c_int, []),
+            "dymem_gtbm_trace_dump": (c_int, [c_char_p]),
+            "dymem_gtbm_trace_count": (i64, []),
+            "dymem_gtbm_trace_info": (c_int, [i64p, c_int]),
+            "dymem_gtbm_parse_bytes": (c_int, [c_char_p, i64p]),
+        }
+        for name, (restype, argtypes) in signatures.items():
+            fn = getattr(lib, name)
+            fn.restype = restype
+            fn.argtypes = argtypes
+        _configured.add(id(lib))
+        return lib
+
+
+def _inactive_reason() -> str:
+    if os.environ.get("DYMEM_GTBM", "1").strip().lower() in ("0", "false", "off", "no"):
+        return "it is disabled by DYMEM_GTBM=0"
+    if os.environ.get("TF_CPU_ALLOCATOR_USE_BFC", "").strip().lower() in ("1", "true"):
+        return "TF_CPU_ALLOCATOR_USE_BFC makes TensorFlow use its own BFC allocator on the CPU"
+    return (
+        "dymem_tf was imported after TensorFlow had initialised its runtime (import dymem_tf right after "
+        "tensorflow, before the first tensor), or its native library is not built"
+    )
+
+
+def _library() -> ctypes.CDLL | None:
+    """The loaded GTBM library (with TF's runtime initialised so that the allocator exists), or None."""
+    from dymem_tf.ops import loader
+
+    lib = loader.gtbm_cdll()
+    if lib is None:
+        return None
+    # TF creates its CPU allocator (and so calls our factory) when the eager context initialises.
+    from tensorflow.python.eager import context
+
+    context.ensure_initialized()
+    return _declare(lib)
+
+
+def _active_library() -> ctypes.CDLL:
+    lib = _library()
+    if lib is None or not lib.dymem_gtbm_is_active():
+        detail = ""
+        if lib is not None:
+            detail = f" ({lib.dymem_gtbm_last_error().decode(errors='replace')})" if lib.dymem_gtbm_last_error() else ""
+        raise GtbmNotActiveError(f"the GTBM allocator is not active: {_inactive_reason()}{detail}")
+    return lib
+
+
+def _check(lib: ctypes.CDLL, rc: int, what: str) -> int:
+    if rc < 0:
+        raise RuntimeError(f"{what} failed: {lib.dymem_gtbm_last_error().decode(errors='replace')}")
+    return rc
+
+
+def is_active() -> bool:
+    """Whether GTBM serves TensorFlow's CPU device in this process (initialises TF's runtime if needed)."""
+    lib = _library()
+    return bool(lib is not None and lib.dymem_gtbm_is_active())
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Statistics and budget.
+
+_GROUP_FIELDS = ("in_use", "peak_in_use", "reserved", "peak_reserved", "num_allocs")
+
+
+def memory_stats() -> dict:
+    """Snapshot of the pool's statistics (bytes unless noted).
+
+    Keys: ``bytes_in_use``, ``peak_bytes_in_use`` (what ``tf.config.experimental.get_memory_info('CPU:0')``
+    reports as current/peak), ``requested_bytes_in_use`` (before 64-byte alignment), ``bytes_reserved`` (pageblocks
+    owned by groups: the pool's resident memory, free blocks are returned to the OS), ``peak_bytes_reserved``,
+    ``extent`` / ``peak_extent`` (end of the highest owned block: what a flat arena would need),
+    ``cached_free_bytes`` (free blocks still resident, see :func:`trim`), ``largest_free_block``, ``largest_alloc_size``, ``num_allocs``, ``num_frees``, ``num_failed_allocs``,
+    ``live_allocations``, ``bytes_limit``, ``capacity`` (reserved address space), ``block_size``;
+    ``fragmentation`` = 1 - in_use / reserved now and ``peak_fragmentation`` at the moment of peak use;
+    ``groups``: {"persistent"|"transient"|"mobile": {in_use, peak_in_use, reserved, peak_reserved, num_allocs}}.
+
+    Raises GtbmNotActiveError when GTBM does not serve the CPU device.
+    """
+    lib = _active_library()
+    names = lib.dymem_gtbm_stat_names().decode().split(",")
+    values = (ctypes.c_int64 * len(names))()
+    _check(lib, lib.dymem_gtbm_get_stats(values, len(names)), "reading GTBM statistics")
+    raw = dict(zip(names, values))
+    stats: dict = {}
+    groups: dict = {name: {} for name in GROUPS}
+    for key, value in raw.items():
+        group, _, field = key.partition("_")
+        if group in groups and field in _GROUP_FIELDS:
+            groups[group][field] = value
+        else:
+            stats[key] = value
+    stats["groups"] = groups
+    reserved = stats["bytes_reserved"]
+    stats["fragmentation"] = 1.0 - stats["bytes_in_use"] / reserved if reserved else 0.0
+    at_peak = stats["reserved_at_peak_in_use"]
+    stats["peak_fragmentation"] = 1.0 - stats["peak_bytes_in_use"] / at_peak if at_peak else 0.0
+    return stats
+
+
+def reset_peak_stats() -> None:
+    """Restart the peak values (in use, reserved, extent, per group) from the current ones."""
+    lib = _active_library()
+    _check(lib, lib.dymem_gtbm_reset_peak_stats(), "resetting GTBM peak statistics")
+
+
+def trim() -> None:
+    """Give the cached free blocks back to the OS now (resident memory drops to ``bytes_reserved``)."""
+    lib = _active_library()
+    _check(lib, lib.dymem_gtbm_trim(), "trimming the GTBM release cache")
+
+
+def set_memory_limit(limit: ByteSize) -> None:
+    """Change the device budget (bytes or a string like ``"512MiB"``).
+
+    Raises ValueError when the new limit is below the bytes currently in use or above the reserved address space.
+    A limit below the currently reserved (but partly free) memory is accepted: allocations that need new blocks
+    fail until enough is freed.
+    """
+    value = parse_bytes(limit)
+    if value <= 0:
+        raise ValueError("the memory limit must be positive")
+    lib = _active_library()
+    if lib.dymem_gtbm_set_limit(value) < 0:
+        raise ValueError(f"cannot set the GTBM memory limit: {lib.dymem_gtbm_last_error().decode(errors='replace')}")
+
+
+def get_memory_limit() -> int:
+    """The current device budget in bytes."""
+    lib = _active_library()
+    return _check(lib, lib.dymem_gtbm_get_limit(), "reading the GTBM memory limit")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Mobility.
+
+def _group_number(group: Union[str, int]) -> int:
+    if isinstance(group, bool):
+        raise TypeError("a mobility group is a name or a number, not a bool")
+    if isinstance(group, int):
+        if group in _GROUP_NAMES:
+            return group
+    elif isinstance(group, str) and group.strip().lower() in GROUPS:
+        return GROUPS[group.strip().lower()]
+    raise ValueError(f"unknown mobility group {group!r}: use one of {sorted(GROUPS)} or 0, 1, 2")
+
+
+def set_mobility_map(mapping: Mapping[str, Union[str, int]]) -> int:
+    """Install the op-name -> mobility group map (replaces the previous one); returns its size.
+
+    Keys are executing op names as TensorFlow reports them (e.g. ``StatefulPartitionedCall/model/conv1/Conv2D``);
+    values are ``"persistent"``, ``"transient"``, ``"mobile"`` or 0, 1, 2. Can be called before TF initialises.
+    """
+    lines = []
+    for name, group in mapping.items():
+        if not isinstance(name, str) or not name or any(c in name for c in "\t\n\r"):
+            raise ValueError(f"invalid op name {name!r} in the mobility map (non-empty, no tabs or newlines)")
+        lines.append(f"{name}\t{_group_number(group)}")
+    lib = _loaded_library()
+    return _check(lib, lib.dymem_gtbm_set_mobility_map("\n".join(lines).encode()), "setting the mobility map")
+
+
+def clear_mobility_map() -> None:
+    """Remove the op-name -> mobility map (default classification only)."""
+    lib = _loaded_library()
+    lib.dymem_gtbm_clear_mobility_map()
+
+
+@contextlib.contextmanager
+def mobility(group: Union[str, int]) -> Iterator[None]:
+    """Place every allocation the current thread makes inside the block in ``group`` (nestable).
+
+    Only allocations made on this thread are affected: eager ops and the swap kernels allocate on the calling
+    thread, while a ``tf.function`` may run its kernels on TF's inter-op threads (use :func:`set_mobility_map`).
+    """
+    number = _group_number(group)
+    lib = _loaded_library()
+    lib.dymem_gtbm_push_mobility(number)
+    try:
+        yield
+    finally:
+        lib.dymem_gtbm_pop_mobility()
+
+
+def _loaded_library() -> ctypes.CDLL:
+    from dymem_tf.ops import loader
+
+    lib = loader.gtbm_cdll()
+    if lib is None:
+        raise GtbmNotActiveError(f"the GTBM allocator is not loaded: {_inactive_reason()}")
+    return _declare(lib)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Trace recording.
+
+def start_trace(max_records: int = DEFAULT_MAX_TRACE_RECORDS) -> None:
+    """Start recording every allocation and free (discarding any previous trace); at most ``max_records``
+    allocations are kept (about 70 bytes each), later ones are counted in ``trace_info()['dropped']``."""
+    if isinstance(max_records, bool) or not isinstance(max_records, int) or max_records <= 0:
+        raise ValueError(f"max_records must be a positive int, got {max_records!r}")
+    lib = _active_library()
+    _check(lib, lib.dymem_gtbm_trace_start(max_records), "starting the GTBM trace")
+
+
+def stop_trace() -> None:
+    """Stop recording (the trace is kept until the next start)."""
+    lib = _active_library()
+    _check(lib, lib.dymem_gtbm_trace_stop(), "stopping the GTBM trace")
+
+
+def trace_info() -> dict:
+    """``{"active", "records", "dropped", "events", "max_records"}`` of the current trace."""
+    lib = _active_library()
+    values = (ctypes.c_int64 * 5)()
+    _check(lib, lib.dymem_gtbm_trace_info(values, 5), "reading the GTBM trace state")
+    info = dict(zip(("active", "records", "dropped", "events", "max_records"), values))
+    info["active"] = bool(info["active"])
+    return info
+
+
+def dump_trace(path: Union[str, os.PathLike]) -> dict:
+    """Write the trace as CSV (``id,lower,upper,size,group,offset,op,step,alloc_ns,free_ns``; the first four
+    columns are MiniMalloc's, lower/upper are event indices of a half-open lifetime, unfreed buffers end at the last
+    event + 1) and return :func:`trace_info`. Replay it with ``python -m dymem_tf.replay PATH``."""
+    lib = _active_library()
+    _check(lib, lib.dymem_gtbm_trace_dump(os.fsencode(os.fspath(path))), "writing the GTBM trace")
+    return trace_info()
+
+
+@contextlib.contextmanager
+def record_trace(path: Union[str, os.PathLike], max_records: int = DEFAULT_MAX_TRACE_RECORDS) -> Iterator[None]:
+    """Record the allocations made inside the block and write them to ``path`` as CSV on exit.
+
+    Example::
+
+        with dymem_tf.allocator.record_trace("step.csv"):
+            model.fit(x, y, epochs=1, steps_per_epoch=2)
+
+    Warns (RuntimeWarning) when the trace was truncated at ``max_records``.
+    """
+    start_trace(max_records)
+    try:
+        yield
+    finally:
+        stop_trace()
+        info = dump_trace(path)
+        if info["dropped"]:
+            import warnings
+
+            warnings.warn(
+                f"GTBM trace truncated: {info['dropped']} allocations beyond max_records={max_records} were not "
+                f"recorded in {os.fspath(path)}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+

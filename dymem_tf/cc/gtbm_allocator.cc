@@ -1,0 +1,597 @@
+// GTBM as TensorFlow's CPU device allocator.
+//
+// GtbmAllocator maps the GTBM core's offset space onto one virtual address range reserved with
+// mmap(PROT_READ|PROT_WRITE, MAP_PRIVATE|MAP_ANONYMOUS|MAP_NORESERVE): pages are only backed when touched, and
+// pageblocks that go back to the shared free list are madvise(MADV_DONTNEED)'ed -- beyond a small cache of free
+// blocks kept resident for immediate reuse (DYMEM_GTBM_RELEASE_CACHE) -- so the resident memory of the pool follows
+// bytes_reserved (+ cached_free_bytes). The budget (DYMEM_DEVICE_MEMORY_LIMIT, or dymem_gtbm_set_limit at run time)
+// caps bytes_reserved; an allocation beyond it returns nullptr, which TensorFlow turns into a ResourceExhausted
+// error, as on a full GPU.
+//
+// Mobility of each allocation, first match wins:
+//   1. the innermost dymem_gtbm_push_mobility() of the allocating thread (the swap kernels use it);
+//   2. the op's entry in the mobility map installed from Python (executing op name -> group);
+//   3. the annotation TF's runtimes set around every kernel (tsl::profiler::ScopedMemoryDebugAnnotation):
+//      - no op at all (tensors made from Python values, runtime set-up)              -> PERSISTENT;
+//      - a variable update (Assign*VariableOp, ResourceApply*): TF gives the variable a new buffer when the old
+//        one is still shared (copy-on-write), and that buffer is the variable's storage -> PERSISTENT;
+//      - a kernel of a tf.function, e.g. "StatefulPartitionedCall/model/conv1/Conv2D" -> TRANSIENT;
+//      - the function-level annotation "__inference_..." with step id 0, which covers the allocations of a
+//        running function that no kernel annotation claims                         -> TRANSIENT;
+//      - an eager op: its annotation is the bare op name ("Fill", "VarHandleOp", no '/') with a fresh random
+//        step id per op; eager ops build the variables and optimizer slots           -> PERSISTENT.
+//   The step id alone cannot tell a train step from set-up work: on TF 2.21 eager ops carry non-zero step ids
+//   and function-level allocations carry 0, hence the op-name test.
+//
+// Registered with priority 300 (must exceed oneDNN's 200) from a static initializer: the library must be loaded
+// before TensorFlow creates its CPU allocator (dymem_tf/ops/loader.py makes sure of that).
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "gtbm_core.h"
+#include "tensorflow/core/framework/allocator.h"
+#include "tensorflow/core/framework/allocator_registry.h"
+#include "tsl/profiler/lib/scoped_memory_debug_annotation.h"
+
+namespace dymem {
+namespace {
+
+constexpr uint64_t kDefaultMaxLimit = uint64_t{64} << 30;  // default budget cap: min(physical RAM, 64 GiB)
+constexpr uint64_t kDefaultBlockSize = uint64_t{2} << 20;  // pageblock: a huge page (and CUDA's VMM granule)
+constexpr uint64_t kMinBlocksPerLimit = 32;
+constexpr uint64_t kBaseAlignment = uint64_t{1} << 30;  // largest alignment AllocateRaw honours
+constexpr char kLimitEnv[] = "DYMEM_DEVICE_MEMORY_LIMIT";
+constexpr char kBlockSizeEnv[] = "DYMEM_GTBM_BLOCK_SIZE";
+constexpr char kReleaseCacheEnv[] = "DYMEM_GTBM_RELEASE_CACHE";
+// Free blocks kept resident before madvise: releasing a block and faulting it back in moments later cost ~0.8 s per
+// ResNet-50 step (64x64, batch 32: ~900 MiB of blocks cycle through the free list every step); a cache of a few
+// hundred MiB removes almost all of it. Default min(256 MiB, budget / 8).
+constexpr uint64_t kMaxDefaultReleaseCache = uint64_t{256} << 20;
+constexpr uint64_t kReleaseCacheBudgetDivisor = 8;
+
+thread_local std::string g_last_error;
+
+int SetError(const std::string& message) {
+  g_last_error = message;
+  return -1;
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// Mobility: per-thread override stack and the op-name map.
+
+constexpr int kMaxOverrideDepth = 64;
+thread_local int t_override_depth = 0;
+thread_local int t_override[kMaxOverrideDepth];
+
+int CurrentOverride() {
+  const int depth = std::min(t_override_depth, kMaxOverrideDepth);
+  return depth > 0 ? t_override[depth - 1] : -1;
+}
+
+// Entries beyond kMaxOverrideDepth are counted but not stored, so that pushes and pops always balance.
+void PushOverride(int group) {
+  if (t_override_depth < kMaxOverrideDepth) {
+    t_override[t_override_depth] = (group >= 0 && group < gtbm::kNumGroups) ? group : -1;
+  }
+  ++t_override_depth;
+}
+
+void PopOverride() {
+  if (t_override_depth > 0) --t_override_depth;
+}
+
+// Immutable once published; replaced as a whole by dymem_gtbm_set_mobility_map.
+struct MobilityMap {
+  std::vector<std::unique_ptr<std::string>> names;  // owns the keys' characters
+  std::unordered_map<std::string_view, int> groups;
+};
+std::shared_ptr<const MobilityMap> g_mobility_map;  // accessed with std::atomic_load / std::atomic_store
+std::atomic<bool> g_has_mobility_map{false};         // fast path: no map, no shared_ptr traffic per allocation
+
+// Node names default to the op type ("AssignSubVariableOp_12"), and Keras/TF optimizers keep them.
+bool IsVariableUpdate(std::string_view op) {
+  const size_t slash = op.rfind('/');
+  const std::string_view leaf = slash == std::string_view::npos ? op : op.substr(slash + 1);
+  auto starts_with = [&](std::string_view prefix) { return leaf.substr(0, prefix.size()) == prefix; };
+  return starts_with("AssignVariableOp") || starts_with("AssignAddVariableOp") ||
+         starts_with("AssignSubVariableOp") || starts_with("ResourceApply") || starts_with("ResourceSparseApply") ||
+         starts_with("ResourceScatter");
+}
+
+int Classify(const tsl::profiler::MemoryDebugAnnotation& annotation) {
+  const int forced = CurrentOverride();
+  if (forced >= 0) return forced;
+  const std::string_view op(annotation.pending_op_name.data(), annotation.pending_op_name.size());
+  if (!op.empty() && g_has_mobility_map.load(std::memory_order_acquire)) {
+    std::shared_ptr<const MobilityMap> map = std::atomic_load(&g_mobility_map);
+    if (map) {
+      // The planner names ops as in the traced FuncGraph ("model/conv/Relu"); at run time the function is inlined
+      // into its caller and the executor reports "StatefulPartitionedCall/model/conv/Relu". Try the full name,
+      // then each suffix after a '/', longest first.
+      std::string_view name = op;
+      while (true) {
+        auto it = map->groups.find(name);
+        if (it != map->groups.end()) return it->second;
+        const size_t slash = name.find('/');
+        if (slash == std::string_view::npos) break;
+        name.remove_prefix(slash + 1);
+      }
+    }
+  }
+  if (op.empty() || IsVariableUpdate(op)) return gtbm::kPersistent;
+  if (annotation.pending_step_id == 0) return gtbm::kTransient;
+  return op.find('/') == std::string_view::npos ? gtbm::kPersistent : gtbm::kTransient;
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// Configuration from the environment.
+
+uint64_t PhysicalMemory() {
+  const long pages = sysconf(_SC_PHYS_PAGES);
+  const long page = sysconf(_SC_PAGESIZE);
+  if (pages <= 0 || page <= 0) return kDefaultMaxLimit;
+  return static_cast<uint64_t>(pages) * static_cast<uint64_t>(page);
+}
+
+// Reads a byte count from `name`; unset -> `fallback`; invalid -> error on stderr and `fallback` (Python validates
+// the variable before loading the library, so this only guards direct users).
+uint64_t BytesFromEnv(const char* name, uint64_t fallback, bool allow_zero = false) {
+  const char* value = std::getenv(name);
+  if (value == nullptr || value[0] == '\0') return fallback;
+  uint64_t bytes = 0;
+  std::string error;
+  if (!gtbm::ParseBytes(value, &bytes, &error) || (bytes == 0 && !allow_zero)) {
+    std::fprintf(stderr, "dymem_tf GTBM: ignoring %s: %s; using %llu bytes\n", name,
+                 error.empty() ? "must be positive" : error.c_str(), static_cast<unsigned long long>(fallback));
+    return fallback;
+  }
+  return bytes;
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// The allocator.
+
+class GtbmAllocator final : public tensorflow::Allocator {
+ public:
+  GtbmAllocator() {
+    const uint64_t default_limit = std::min(PhysicalMemory(), kDefaultMaxLimit);
+    const uint64_t limit = BytesFromEnv(kLimitEnv, default_limit);
+    const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+    // 2 MiB blocks, smaller for small budgets so that the budget holds at least kMinBlocksPerLimit blocks.
+    uint64_t auto_block = kDefaultBlockSize;
+    while (auto_block > page && auto_block * kMinBlocksPerLimit > limit) auto_block /= 2;
+    uint64_t block = BytesFromEnv(kBlockSizeEnv, auto_block);
+    if (block % page != 0 || (block & (block - 1)) != 0) {
+      std::fprintf(stderr, "dymem_tf GTBM: %s must be a power-of-two multiple of the page size (%llu); using %llu\n",
+                   kBlockSizeEnv, static_cast<unsigned long long>(page),
+                   static_cast<unsigned long long>(auto_block));
+      block = auto_block;
+    }
+    // The address space covers the budget and at least the default budget, so the limit can later be raised
+    // up to it; NORESERVE makes the unused part free.
+    uint64_t space = (std::max(limit, default_limit) + block - 1) / block * block;
+    // Over-reserve to align the base to kBaseAlignment: offsets aligned to A are then pointers aligned to A for
+    // any A up to it (over-aligned requests), and blocks are huge-page aligned.
+    const uint64_t base_align = std::max(block, kBaseAlignment);
+    void* raw = MAP_FAILED;
+    while (true) {
+      raw = mmap(nullptr, space + base_align, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                 -1, 0);
+      if (raw != MAP_FAILED || space / 2 < std::max(limit, block)) break;
+      space = space / 2 / block * block;  // strict overcommit settings: try a smaller reservation
+    }
+    if (raw == MAP_FAILED) {
+      error_ = "mmap of " + std::to_string(space) + " bytes failed: " + std::strerror(errno);
+      std::fprintf(stderr, "dymem_tf GTBM: %s; every allocation will fail\n", error_.c_str());
+      return;
+    }
+    const uintptr_t raw_addr = reinterpret_cast<uintptr_t>(raw);
+    const uintptr_t base = (raw_addr + base_align - 1) / base_align * base_align;
+    if (base > raw_addr) munmap(raw, base - raw_addr);
+    const uintptr_t tail = base + space;
+    const uintptr_t raw_end = raw_addr + space + base_align;
+    if (raw_end > tail) munmap(reinterpret_cast<void*>(tail), raw_end - tail);
+    base_ = reinterpret_cast<char*>(base);
+    space_ = space;
+
+    gtbm::PoolOptions options;
+    options.policy = gtbm::Policy::kGtbm;
+    options.capacity = space;
+    options.limit = std::min(limit, space);
+    options.block_size = block;
+    options.alignment = tensorflow::Allocator::kAllocatorAlignment;
+    options.release_cache = BytesFromEnv(kReleaseCacheEnv, std::min(kMaxDefaultReleaseCache,
+                                                                    limit / kReleaseCacheBudgetDivisor),
+                                         /*allow_zero=*/true);
+    char* const mem = base_;
+    options.on_release = [mem](uint64_t offset, uint64_t length) {
+      // Give the pages back: the block is free for every group, its contents are dead.
+      madvise(mem + offset, length, MADV_DONTNEED);
+    };
+    pool_ = gtbm::Pool::Create(options, &error_);
+    if (!pool_) std::fprintf(stderr, "dymem_tf GTBM: cannot create the pool: %s\n", error_.c_str());
+  }
+
+  ~GtbmAllocator() override {
+    if (base_ != nullptr) munmap(base_, space_);
+  }
+
+  std::string Name() override { return "gtbm"; }
+
+  void* AllocateRaw(size_t alignment, size_t num_bytes) override {
+    if (!pool_) return nullptr;
+    if (alignment > kBaseAlignment) {
+      std::fprintf(stderr, "dymem_tf GTBM: alignment %zu is not supported (at most %llu)\n", alignment,
+                   static_cast<unsigned long long>(kBaseAlignment));
+      return nullptr;
+    }
+    const tsl::profiler::MemoryDebugAnnotation& annotation =
+        tsl::profiler::ScopedMemoryDebugAnnotation::CurrentAnnotation();
+    const int group = Classify(annotation);
+    gtbm::AllocTag tag;
+    tag.op_name = std::string_view(annotation.pending_op_name.data(), annotation.pending_op_name.size());
+    tag.step_id = annotation.pending_step_id;
+    const uint64_t offset = pool_->Allocate(num_bytes, group, alignment, &tag);
+    if (offset == gtbm::kInvalidOffset) {
+      LogFailure(num_bytes, alignment, group, tag.op_name);
+      return nullptr;
+    }
+    return base_ + offset;
+  }
+
+  void DeallocateRaw(void* ptr) override {
+    if (ptr == nullptr || !pool_) return;
+    const uintptr_t p = reinterpret_cast<uintptr_t>(ptr);
+    const uintptr_t b = reinterpret_cast<uintptr_t>(base_);
+    if (p < b || p >= b + space_ || pool_->Free(p - b) == 0) {
+      std::fprintf(stderr, "dymem_tf GTBM: DeallocateRaw(%p) of a pointer it did not allocate (ignored)\n", ptr);
+    }
+  }
+
+  bool TracksAllocationSizes() const override { return pool_ != nullptr; }
+
+  size_t RequestedSize(const void* ptr) const override {
+    uint64_t requested = 0;
+    if (pool_) pool_->Lookup(OffsetOf(ptr), &requested, nullptr, nullptr);
+    return requested;
+  }
+
+  size_t AllocatedSize(const void* ptr) const override {
+    uint64_t allocated = 0;
+    if (pool_) pool_->Lookup(OffsetOf(ptr), nullptr, &allocated, nullptr);
+    return allocated;
+  }
+
+  std::optional<tensorflow::AllocatorStats> GetStats() override {
+    if (!pool_) return std::nullopt;
+    const gtbm::PoolStats s = pool_->Stats();
+    tensorflow::AllocatorStats stats;
+    stats.num_allocs = s.num_allocs;
+    stats.bytes_in_use = s.bytes_in_use;
+    stats.peak_bytes_in_use = s.peak_bytes_in_use;
+    stats.largest_alloc_size = s.largest_alloc_size;
+    stats.bytes_limit = s.bytes_limit;
+    stats.bytes_reserved = s.bytes_reserved;
+    stats.peak_bytes_reserved = s.peak_bytes_reserved;
+    stats.bytes_reservable_limit = s.bytes_limit;
+    stats.largest_free_block_bytes = s.largest_free_block;
+    stats.pool_bytes = s.bytes_reserved;
+    stats.peak_pool_bytes = s.peak_bytes_reserved;
+    return stats;
+  }
+
+  bool ClearStats() override {
+    if (!pool_) return false;
+    pool_->ClearCounters();
+    return true;
+  }
+
+  tsl::AllocatorMemoryType GetMemoryType() const override { return tsl::AllocatorMemoryType::kHostPageable; }
+
+  gtbm::Pool* pool() { return pool_.get(); }
+  const std::string& error() const { return error_; }
+
+ private:
+  uint64_t OffsetOf(const void* ptr) const {
+    return static_cast<uint64_t>(reinterpret_cast<uintptr_t>(ptr) - reinterpret_cast<uintptr_t>(base_));
+  }
+
+  void LogFailure(size_t num_bytes, size_t alignment, int group, std::string_view op) {
+    // Out-of-budget is an expected, recoverable condition (TF raises ResourceExhausted): log the first few only.
+    const int n = failures_logged_.fetch_add(1, std::memory_order_relaxed);
+    if (n >= kMaxFailureLogs) return;
+    const gtbm::PoolStats s = pool_->Stats();
+    std::fprintf(stderr,
+                 "dymem_tf GTBM: out of budget allocating %zu bytes (alignment %zu, group %s, op '%.*s'): "
+                 "in use %lld, reserved %lld, limit %lld, largest free block %lld%s\n",
+                 num_bytes, alignment, gtbm::GroupName(group), static_cast<int>(op.size()), op.data(),
+                 static_cast<long long>(s.bytes_in_use), static_cast<long long>(s.bytes_reserved),
+                 static_cast<long long>(s.bytes_limit), static_cast<long long>(s.largest_free_block),
+                 n + 1 == kMaxFailureLogs ? " (further failures are not logged)" : "");
+  }
+
+  static constexpr int kMaxFailureLogs = 10;
+  char* base_ = nullptr;
+  uint64_t space_ = 0;
+  std::unique_ptr<gtbm::Pool> pool_;
+  std::string error_;
+  std::atomic<int> failures_logged_{0};
+};
+
+// The process-wide instance. TF's AllocatorFactoryRegistry (a leaked singleton) keeps the pointer returned by
+// CreateAllocator for the life of the process, so the instance is never destroyed; the sub-allocator shares it so
+// that everything TF obtains through the registry counts against the one budget.
+std::atomic<GtbmAllocator*> g_instance{nullptr};
+std::atomic<bool> g_created_by_tf{false};
+std::mutex g_instance_mu;
+
+GtbmAllocator* Instance() {
+  GtbmAllocator* a = g_instance.load(std::memory_order_acquire);
+  if (a != nullptr) return a;
+  std::lock_guard<std::mutex> lock(g_instance_mu);
+  a = g_instance.load(std::memory_order_relaxed);
+  if (a == nullptr) {
+    a = new GtbmAllocator();
+    g_instance.store(a, std::memory_order_release);
+  }
+  return a;
+}
+
+// Allocates large regions for whoever builds an allocator on top of a SubAllocator (e.g. a BFC); they are
+// long-lived, so they are placed as PERSISTENT.
+class GtbmSubAllocator final : public tsl::SubAllocator {
+ public:
+  explicit GtbmSubAllocator(GtbmAllocator* allocator) : tsl::SubAllocator({}, {}), allocator_(allocator) {}
+
+  void* Alloc(size_t alignment, size_t num_bytes, size_t* bytes_received) override {
+    PushOverride(gtbm::kPersistent);
+    void* p = allocator_->AllocateRaw(alignment, num_bytes);
+    PopOverride();
+    *bytes_received = p != nullptr ? num_bytes : 0;
+    return p;
+  }
+
+  void Free(void* ptr, size_t /*num_bytes*/) override { allocator_->DeallocateRaw(ptr); }
+
+  bool SupportsCoalescing() const override { return false; }
+
+  tsl::AllocatorMemoryType GetMemoryType() const override { return tsl::AllocatorMemoryType::kHostPageable; }
+
+ private:
+  GtbmAllocator* allocator_;
+};
+
+class GtbmAllocatorFactory final : public tensorflow::AllocatorFactory {
+ public:
+  tensorflow::Allocator* CreateAllocator() override {
+    GtbmAllocator* a = Instance();
+    g_created_by_tf.store(true, std::memory_order_release);
+    return a;
+  }
+
+  tsl::SubAllocator* CreateSubAllocator(int /*numa_node*/) override { return new GtbmSubAllocator(Instance()); }
+};
+
+// The pool of the instance TensorFlow uses, or nullptr with the error set.
+gtbm::Pool* ActivePool() {
+  if (!g_created_by_tf.load(std::memory_order_acquire)) {
+    SetError(
+        "the GTBM allocator is not active: TensorFlow did not create it (dymem_tf must be imported right after "
+        "tensorflow, before the first tensor, and DYMEM_GTBM must not be 0)");
+    return nullptr;
+  }
+  GtbmAllocator* a = g_instance.load(std::memory_order_acquire);
+  if (a == nullptr || a->pool() == nullptr) {
+    SetError("the GTBM allocator failed to initialise: " + (a != nullptr ? a->error() : std::string("no instance")));
+    return nullptr;
+  }
+  return a->pool();
+}
+
+template <typename F>
+int Guard(F&& f) {
+  try {
+    return f();
+  } catch (const std::exception& e) {
+    return SetError(std::string("internal error: ") + e.what());
+  } catch (...) {
+    return SetError("internal error");
+  }
+}
+
+}  // namespace
+}  // namespace dymem
+
+// The registration macro expects to expand inside TensorFlow's namespace.
+namespace tensorflow {
+REGISTER_MEM_ALLOCATOR("DymemGTBM", 300, ::dymem::GtbmAllocatorFactory);
+}  // namespace tensorflow
+
+// ---------------------------------------------------------------------------------------------------------------
+// C API (ctypes from dymem_tf/allocator.py; dlsym from the swap kernels). Functions returning int use 0 for
+// success and -1 for failure with dymem_gtbm_last_error() set; nothing throws across this boundary.
+extern "C" {
+
+// Message of the last failed call on this thread.
+const char* dymem_gtbm_last_error(void) { return dymem::g_last_error.c_str(); }
+
+// 1 when TensorFlow created the GTBM allocator (it serves the CPU device) and its pool works, else 0.
+int dymem_gtbm_is_active(void) {
+  dymem::GtbmAllocator* a = dymem::g_instance.load(std::memory_order_acquire);
+  return dymem::g_created_by_tf.load(std::memory_order_acquire) && a != nullptr && a->pool() != nullptr ? 1 : 0;
+}
+
+// Mobility override for allocations made by the calling thread until the matching pop (nestable). `group`:
+// 0 persistent, 1 transient, 2 mobile; any other value pushes "no override" (keeps push/pop balanced).
+void dymem_gtbm_push_mobility(int group) { dymem::PushOverride(group); }
+
+void dymem_gtbm_pop_mobility(void) { dymem::PopOverride(); }
+
+// Replaces the op-name -> mobility map. `text`: lines "op_name<TAB>group", group a name (persistent, transient,
+// mobile) or number; empty lines are skipped. Returns the number of entries, or -1 (map unchanged) on a bad line.
+int dymem_gtbm_set_mobility_map(const char* text) {
+  return dymem::Guard([&]() -> int {
+    if (text == nullptr) return dymem::SetError("null mobility map");
+    auto map = std::make_shared<dymem::MobilityMap>();
+    std::string_view rest(text);
+    int lineno = 0;
+    while (!rest.empty()) {
+      const size_t nl = rest.find('\n');
+      std::string_view line = rest.substr(0, nl);
+      rest = nl == std::string_view::npos ? std::string_view() : rest.substr(nl + 1);
+      ++lineno;
+      if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
+      if (line.empty()) continue;
+      const size_t tab = line.rfind('\t');
+      int group = -1;
+      if (tab == std::string_view::npos || tab == 0 || !gtbm::ParseGroup(line.substr(tab + 1), &group)) {
+        return dymem::SetError("mobility map line " + std::to_string(lineno) + ": expected 'op_name<TAB>group', got '" +
+                               std::string(line) + "'");
+      }
+      map->names.push_back(std::make_unique<std::string>(line.substr(0, tab)));
+      map->groups[*map->names.back()] = group;
+    }
+    const int n = static_cast<int>(map->groups.size());
+    std::shared_ptr<const dymem::MobilityMap> published = std::move(map);
+    std::atomic_store(&dymem::g_mobility_map, published);
+    dymem::g_has_mobility_map.store(n > 0, std::memory_order_release);
+    return n;
+  });
+}
+
+int dymem_gtbm_clear_mobility_map(void) {
+  dymem::g_has_mobility_map.store(false, std::memory_order_release);
+  std::atomic_store(&dymem::g_mobility_map, std::shared_ptr<const dymem::MobilityMap>());
+  return 0;
+}
+
+// Number of entries in the mobility map.
+int dymem_gtbm_mobility_map_size(void) {
+  std::shared_ptr<const dymem::MobilityMap> map = std::atomic_load(&dymem::g_mobility_map);
+  return map ? static_cast<int>(map->groups.size()) : 0;
+}
+
+// Budget on reserved bytes. set: fails below the bytes in use or above the reserved address space.
+int dymem_gtbm_set_limit(int64_t bytes) {
+  return dymem::Guard([&]() -> int {
+    gtbm::Pool* pool = dymem::ActivePool();
+    if (pool == nullptr) return -1;
+    if (bytes <= 0) return dymem::SetError("the memory limit must be positive");
+    std::string error;
+    if (!pool->SetLimit(static_cast<uint64_t>(bytes), &error)) return dymem::SetError(error);
+    return 0;
+  });
+}
+
+// Current budget in bytes, or -1 when inactive.
+int64_t dymem_gtbm_get_limit(void) {
+  gtbm::Pool* pool = dymem::ActivePool();
+  return pool == nullptr ? -1 : static_cast<int64_t>(pool->limit());
+}
+
+// Statistics: dymem_gtbm_stat_names() lists the comma-separated names of the values dymem_gtbm_get_stats writes
+// (min(n, dymem_gtbm_num_stats()) int64 values). get_stats returns the number of values available, or -1.
+const char* dymem_gtbm_stat_names(void) { return gtbm::StatNames(); }
+int dymem_gtbm_num_stats(void) { return gtbm::NumStats(); }
+
+int dymem_gtbm_get_stats(int64_t* out, int n) {
+  return dymem::Guard([&]() -> int {
+    gtbm::Pool* pool = dymem::ActivePool();
+    if (pool == nullptr) return -1;
+    if (out == nullptr || n < 0) return dymem::SetError("invalid output array");
+    return gtbm::FlattenStats(pool->Stats(), out, n);
+  });
+}
+
+// Gives every cached free block back to the OS now (see DYMEM_GTBM_RELEASE_CACHE).
+int dymem_gtbm_trim(void) {
+  gtbm::Pool* pool = dymem::ActivePool();
+  if (pool == nullptr) return -1;
+  pool->TrimCache();
+  return 0;
+}
+
+// Peaks restart from the current values (counters are kept).
+int dymem_gtbm_reset_peak_stats(void) {
+  gtbm::Pool* pool = dymem::ActivePool();
+  if (pool == nullptr) return -1;
+  pool->ResetPeaks();
+  return 0;
+}
+
+// Trace recording: start (discarding any previous trace) with room for max_records allocations, stop, dump as
+// CSV, count of allocation records. trace_info writes {active, records, dropped, events, max_records}.
+int dymem_gtbm_trace_start(int64_t max_records) {
+  return dymem::Guard([&]() -> int {
+    gtbm::Pool* pool = dymem::ActivePool();
+    if (pool == nullptr) return -1;
+    if (max_records <= 0) return dymem::SetError("max_records must be positive");
+    pool->StartTrace(static_cast<uint64_t>(max_records));
+    return 0;
+  });
+}
+
+int dymem_gtbm_trace_stop(void) {
+  gtbm::Pool* pool = dymem::ActivePool();
+  if (pool == nullptr) return -1;
+  pool->StopTrace();
+  return 0;
+}
+
+int dymem_gtbm_trace_dump(const char* path) {
+  return dymem::Guard([&]() -> int {
+    gtbm::Pool* pool = dymem::ActivePool();
+    if (pool == nullptr) return -1;
+    if (path == nullptr) return dymem::SetError("null path");
+    std::string error;
+    if (!pool->DumpTrace(path, &error)) return dymem::SetError(error);
+    return 0;
+  });
+}
+
+int64_t dymem_gtbm_trace_count(void) {
+  gtbm::Pool* pool = dymem::ActivePool();
+  return pool == nullptr ? -1 : static_cast<int64_t>(pool->GetTraceInfo().records);
+}
+
+int dymem_gtbm_trace_info(int64_t* out, int n) {
+  gtbm::Pool* pool = dymem::ActivePool();
+  if (pool == nullptr) return -1;
+  const gtbm::TraceInfo info = pool->GetTraceInfo();
+  const int64_t values[] = {info.active ? 1 : 0, static_cast<int64_t>(info.records),
+                            static_cast<int64_t>(info.dropped), static_cast<int64_t>(info.events),
+                            static_cast<int64_t>(info.max_records)};
+  const int count = static_cast<int>(sizeof(values) / sizeof(values[0]));
+  for (int i = 0; i < std::min(n, count); ++i) out[i] = values[i];
+  return count;
+}
+
+// Byte-count parser shared with the C++ side (for consistency checks from Python): 0 and *out set, or -1.
+int dymem_gtbm_parse_bytes(const char* text, int64_t* out) {
+  return dymem::Guard([&]() -> int {
+    if (text == nullptr || out == nullptr) return dymem::SetError("null argument");
+    uint64_t bytes = 0;
+    std::string error;
+    if (!gtbm::ParseBytes(text, &bytes, &error)) return dymem::SetError(error);
+    *out = static_cast<int64_t>(bytes);
+    return 0;
+  });
+}
+
+}  // extern "C"

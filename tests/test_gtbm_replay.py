@@ -1,0 +1,122 @@
+"""Offline replay of DSA instances and recorded traces through the GTBM core (dymem_tf.replay)."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from dymem_tf import replay as rp
+
+DSA = "/work/shared/benchmarks/dsa"
+EXAMPLE = os.path.join(DSA, "minimalloc", "examples", "input.12.csv")
+CHALLENGING = [os.path.join(DSA, "minimalloc", "challenging", f"{k}.1048576.csv") for k in ("A", "D", "J")]
+SOMAS_RESNET = os.path.join(DSA, "idealloc", "somas_tensors", "resnet50.csv")
+# max-live lower bounds published next to the instances (STATS.txt)
+KNOWN_LB = {"input.12.csv": 12, "A.1048576.csv": 1048576, "D.1048576.csv": 986112, "J.1048576.csv": 989184,
+            "resnet50.csv": 1515472556}
+
+needs_dsa = pytest.mark.skipif(not os.path.isdir(DSA), reason="DSA benchmark instances not available")
+
+
+def _write(path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
+@needs_dsa
+@pytest.mark.parametrize("policy", rp.POLICIES)
+def test_example_instance(policy):
+    r = rp.replay(EXAMPLE, policy)
+    assert r.lower_bound == 12 and r.num_buffers == 5 and r.num_failed == 0
+    assert r.footprint >= r.lower_bound and r.peak_extent >= r.used_extent >= r.lower_bound
+    assert r.alignment == 4  # abstract units: the sizes' own granularity, not 64
+    if policy != "best_fit":
+        assert r.footprint == 12  # 5 buffers of 4 units, three live at most: every policy here packs it exactly
+    else:
+        assert r.footprint == 2 << 20  # TF's BFC starts with a 2 MiB region
+
+
+@needs_dsa
+@pytest.mark.parametrize("path", CHALLENGING + [SOMAS_RESNET])
+def test_benchmark_instances_sane(path):
+    for r in rp.replay_all([path]):
+        assert r.lower_bound == KNOWN_LB[os.path.basename(path)]
+        assert r.num_failed == 0
+        assert r.footprint >= r.lower_bound, r
+        assert r.peak_extent >= r.footprint and r.used_extent >= r.lower_bound
+        assert r.ratio < 3.0, r
+        assert r.time_ns > 0
+
+
+@needs_dsa
+def test_gtbm_close_to_bound_on_training_graph_and_below_bfc():
+    """MindSpore SOMAS ResNet-50 training-graph lifetimes: GTBM within 5% of max-live and below the BFC mirror."""
+    gtbm = rp.replay(SOMAS_RESNET, "gtbm")
+    bfc = rp.replay(SOMAS_RESNET, "best_fit")
+    assert gtbm.ratio < 1.05, gtbm
+    assert gtbm.footprint < bfc.footprint
+    assert gtbm.buffers_persistent + gtbm.buffers_transient + gtbm.buffers_mobile == gtbm.num_buffers
+    assert not gtbm.groups_from_trace  # no group column: the lifetime rule
+
+
+def test_recorded_trace_format_groups_and_quoting(tmp_path):
+    path = _write(tmp_path / "t.csv", "\n".join([
+        "id,lower,upper,size,group,offset,op,step,alloc_ns,free_ns",
+        '0,0,10,1000,0,0,"w/a,b",0,1,-1',
+        "1,1,3,500000,1,4096,conv/Conv2D,7,2,3",
+        "2,2,4,700000,1,8192,conv/Relu,7,3,4",
+        "3,4,9,300000,2,0,swap_in,7,4,5",
+        "4,5,5,123,1,0,empty,7,5,5",  # empty lifetime: never live
+        "",
+    ]))
+    r = rp.replay(path, "gtbm")
+    assert r.groups_from_trace and (r.buffers_persistent, r.buffers_transient, r.buffers_mobile) == (1, 2, 1)
+    assert r.lower_bound == 1000 + 500000 + 700000
+    assert r.alignment == 64  # a recorded trace: TF's alignment
+    r = rp.replay(path, "gtbm", groups="none")
+    assert (r.buffers_persistent, r.buffers_transient, r.buffers_mobile) == (0, 4, 0)
+    r = rp.replay(path, "gtbm", groups="lifetime", block_size="64KiB")
+    assert not r.groups_from_trace and r.block_size == 64 << 10
+    assert r.buffers_persistent == 1  # alive over the whole horizon
+
+
+def test_frees_before_allocations_at_equal_time(tmp_path):
+    path = _write(tmp_path / "seq.csv", "id,lower,upper,size\na,0,5,100\nb,5,9,100\nc,9,12,100\n")
+    for policy in rp.POLICIES:
+        r = rp.replay(path, policy)
+        assert r.lower_bound == 100
+        assert r.used_extent == 100 or policy == "best_fit"  # the same 100 units are reused every time
+
+
+def test_errors(tmp_path):
+    with pytest.raises(ValueError, match="cannot open"):
+        rp.replay(tmp_path / "missing.csv")
+    bad = _write(tmp_path / "bad.csv", "id,lower,upper,size\n0,5,3,10\n")
+    with pytest.raises(ValueError, match="line 2"):
+        rp.replay(bad)
+    nohdr = _write(tmp_path / "nohdr.csv", "a,b,c\n1,2,3\n")
+    with pytest.raises(ValueError, match="lower, upper and size"):
+        rp.replay(nohdr)
+    plain = _write(tmp_path / "plain.csv", "id,lower,upper,size\n0,0,3,10\n")
+    with pytest.raises(ValueError, match="no group column"):
+        rp.replay(plain, groups="trace")
+    with pytest.raises(ValueError, match="unknown policy"):
+        rp.replay(plain, "worst_fit")
+    with pytest.raises(ValueError, match="power of two"):
+        rp.replay(plain, alignment=48)
+    with pytest.raises(ValueError):
+        rp.replay(plain, block_size="-1MiB")
+
+
+def test_cli_table_and_json(tmp_path, capsys):
+    path = _write(tmp_path / "cli.csv", "id,lower,upper,size\n0,0,3,4096\n1,1,4,8192\n2,3,6,4096\n")
+    assert rp.main([path]) == 0
+    out = capsys.readouterr().out
+    assert "lower bound 12,288" in out and all(p in out for p in rp.POLICIES)
+    assert rp.main([path, "--policy", "gtbm", "--json", "--block-size", "4KiB"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert len(data) == 1 and data[0]["policy"] == "gtbm" and data[0]["block_size"] == 4096
+    assert data[0]["footprint"] >= data[0]["lower_bound"] == 12288 and data[0]["ratio"] >= 1.0
+    assert rp.main([str(tmp_path / "nope.csv")]) == 2
+    assert "error:" in capsys.readouterr().err
