@@ -305,6 +305,24 @@ def test_mobility_groups():
     assert "sink" not in plan.mobility  # no outputs
 
 
+def test_new_variable_values_are_persistent():
+    # m_new = m * momentum - g * lr ; AssignVariableOp(m, m_new) adopts m_new's buffer (in-place Sub chain)
+    sg = StepGraph.from_spec({
+        "h": {"type": "VarHandleOp", "bytes": 8, "persistent": True},
+        "m": {"type": "ReadVariableOp", "inputs": ["h"], "bytes": KB, "persistent": True},
+        "g": {"type": "Conv2DBackpropFilter", "bytes": KB, "backward": True, "flops": MS},
+        "scaled_m": {"type": "Mul", "inputs": ["m"], "bytes": KB},
+        "scaled_g": {"type": "Mul", "inputs": ["g"], "bytes": KB, "backward": True},
+        "m_new": {"type": "Sub", "inputs": ["scaled_m", "scaled_g"], "bytes": KB, "backward": True},
+        "assign": {"type": "AssignVariableOp", "inputs": ["h", "m_new"], "bytes": []},
+        "add": {"type": "AssignAddVariableOp", "inputs": ["h", "scaled_g"], "bytes": []}})
+    plan = make_plan(sg, "none", profile=TOY)
+    assert plan.mobility["m_new"] == plan.mobility["scaled_m"] == "persistent"
+    assert plan.mobility["m"] == "persistent"
+    # AssignAdd copies into the variable, and Sub reuses its first input's buffer: the gradient path stays transient
+    assert plan.mobility["scaled_g"] == plan.mobility["g"] == "transient"
+
+
 # -------------------------------------------------------------------------------------------- random graphs
 def random_train_step(rng: random.Random, n: int) -> StepGraph:
     """A random forward DAG with variable reads, a loss, and its mirrored gradient graph (like autodiff)."""
