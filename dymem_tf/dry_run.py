@@ -7,7 +7,7 @@ import inspect
 import keras
 import tensorflow as tf
 
-from dymem_tf import graph_capture, planner, step_pass
+from dymem_tf import graph_capture, planner, step_pass, update_deferral
 
 
 @dataclasses.dataclass
@@ -70,9 +70,12 @@ def trace_train_step(model: keras.Model, batch_size: int) -> TracedStep:
 def plan_all(traced: TracedStep, policies, budget_bytes, device, **kwargs) -> dict:
     """A plan (or the error that stopped it) per policy for one traced step."""
     results = {}
+    deferrals = update_deferral.find_deferrals(traced.step_graph)
+    deferred = update_deferral.defer(traced.step_graph, deferrals, copy=True)
     for policy in policies:
+        graph = traced.step_graph if policy == "none" else deferred  # "none" leaves the step as Keras built it
         try:
-            results[policy] = planner.make_plan(traced.step_graph, policy=policy, budget_bytes=budget_bytes,
+            results[policy] = planner.make_plan(graph, policy=policy, budget_bytes=budget_bytes,
                                                 persistent_bytes=traced.persistent_bytes, profile=device,
                                                 batch_size=traced.batch_size, **kwargs)
         except ValueError as err:

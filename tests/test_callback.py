@@ -49,6 +49,7 @@ def small_cnn(kind: str = "functional", size: int = 16) -> keras.Model:
 
 
 def train(build, callbacks, steps=3, batch=8, size=16, seed=1):
+    keras.backend.clear_session()  # equal op names in both runs (see tests/test_models.py)
     keras.utils.set_random_seed(seed)
     model = build()
     model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
