@@ -277,6 +277,36 @@ def find_cycle_message(graph: nx.DiGraph) -> str | None:
     return None  # pragma: no cover  (not a DAG implies a non-trivial strongly connected component)
 
 
+#: Identity ops that Grappler's dependency optimizer removes before the step runs: they order nothing at run time.
+GRAPPLER_REMOVED_OP_TYPES = frozenset({"Identity", "IdentityN"})
+
+
+def _runtime_order_graph(step_graph: StepGraph) -> nx.DiGraph:
+    """The DAG whose generations are the dependency layers: the step graph with Identity/IdentityN bypassed.
+
+    Keras passes all gradients through one ``IdentityN`` before the optimizer; in the FuncGraph that is a barrier
+    (no update before the last gradient), but Grappler removes it, and each variable's update runs as soon as its
+    own gradient is ready. Each consumer of an identity output is ordered after the producer of the matching
+    input instead (control consumers after all of them); the identity op itself keeps only its input edges.
+    """
+    g = step_graph.graph
+    bypass = [n for n, op in step_graph.ops.items() if op.type in GRAPPLER_REMOVED_OP_TYPES]
+    if not bypass:
+        return g
+    h = g.copy()
+    for name in reversed(list(nx.topological_sort(g.subgraph(bypass)))):  # chains: outermost first
+        op = step_graph.ops[name]
+        sources = {step_graph.tensors[t].producer for t in op.inputs} | set(op.control_inputs)
+        for c in list(h.successors(name)):
+            cop = step_graph.ops[c]
+            fed = {op.inputs[k] for k, out in enumerate(op.outputs) if out in cop.inputs and k < len(op.inputs)}
+            preds = {step_graph.tensors[t].producer for t in fed} if fed else sources
+            for p in preds:
+                h.add_edge(p, c)
+            h.remove_edge(name, c)
+    return h
+
+
 @no_autograph
 def analyse(step_graph: StepGraph) -> StepGraph:
     """Validate that the graph is a DAG and fill dependency layers (in place; returns ``step_graph``).
@@ -290,7 +320,7 @@ def analyse(step_graph: StepGraph) -> StepGraph:
         raise CycleError(f"the step graph is not a DAG, so it has no dependency layers; cycle: {cycle}")
     program_index = {name: i for i, name in enumerate(step_graph.ops)}
     layers: list[list[str]] = []
-    for k, gen in enumerate(nx.topological_generations(g)):
+    for k, gen in enumerate(nx.topological_generations(_runtime_order_graph(step_graph))):
         members = sorted(gen, key=program_index.__getitem__)
         for name in members:
             step_graph.ops[name].layer = k

@@ -76,6 +76,7 @@ def plan_all(traced: TracedStep, policies, budget_bytes, device, **kwargs) -> di
         graph = traced.step_graph if policy == "none" else deferred  # "none" leaves the step as Keras built it
         try:
             results[policy] = planner.make_plan(graph, policy=policy, budget_bytes=budget_bytes,
+                                                headroom=planner.DEFAULT_HEADROOM,
                                                 persistent_bytes=traced.persistent_bytes, profile=device,
                                                 batch_size=traced.batch_size, **kwargs)
         except ValueError as err:

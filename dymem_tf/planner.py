@@ -53,6 +53,11 @@ CONV_LIKE_OP_TYPES = frozenset({
 DEFAULT_MIN_SWAP_BYTES = 64 * 1024
 
 
+#: Share of the budget the planner leaves free: GTBM's fragmentation (a few % of the pool) plus the simulator's
+#: peak error (within about 6% of the measured CPU peak on ResNet-50, see docs/benchmarks.md).
+DEFAULT_HEADROOM = 0.1
+
+
 class BudgetTooSmallError(ValueError):
     """Even maximal swapping cannot bring the predicted peak under the budget."""
 
@@ -62,6 +67,7 @@ class BudgetTooSmallError(ValueError):
         self.min_peak_bytes = min_peak_bytes
         self.budget_bytes = budget_bytes
         self.suggested_batch = suggested_batch
+        self.eligible = 0  # eligible tensors the planner could swap (set where it is raised)
 
 
 @dataclass
@@ -400,7 +406,8 @@ def _mib(n: float) -> str:
 def make_plan(step_graph: StepGraph, policy: str = "dymem", budget_bytes: int | None = None,
               persistent_bytes: int = 0, profile: str | DeviceProfile | CostModel = "cpu",
               batch_size: int | None = None, min_swap_bytes: int = DEFAULT_MIN_SWAP_BYTES,
-              swapin_ahead: int | None = None, group_gap_layers: int = 3) -> Plan:
+              swapin_ahead: int | None = None, group_gap_layers: int = 3,
+              headroom: float = 0.0) -> Plan:
     """Plan swaps for one training step.
 
     ``budget_bytes`` caps the predicted device peak (persistent bytes included); None swaps every candidate.
@@ -408,6 +415,9 @@ def make_plan(step_graph: StepGraph, policy: str = "dymem", budget_bytes: int | 
     name, a :class:`DeviceProfile` or a (calibrated) :class:`CostModel`. ``min_swap_bytes`` skips small tensors;
     ``swapin_ahead`` is TFLMS' level distance (default 1) and, for dymem, a cap on how late a trigger may sit;
     ``group_gap_layers``: consumers further apart than this (and far enough in time) get separate swap-ins.
+    ``headroom``: the swap set is chosen so the predicted peak stays under ``(1 - headroom) * budget_bytes``,
+    leaving room for the allocator's fragmentation and the simulator's error (the callback uses
+    :data:`DEFAULT_HEADROOM`; 0 plans to the byte).
 
     Raises ValueError for an unknown policy or a budget below the persistent bytes, and
     :class:`BudgetTooSmallError` when no swap set of the policy fits the budget.
@@ -424,9 +434,17 @@ def make_plan(step_graph: StepGraph, policy: str = "dymem", budget_bytes: int | 
             raise ValueError(f"budget {_mib(budget_bytes)} ({budget_bytes} bytes) is smaller than the model's "
                              f"persistent tensors {_mib(persistent_bytes)} ({persistent_bytes} bytes: weights and "
                              "optimizer slots); no swapping of feature maps can help")
+    if not 0.0 <= headroom < 1.0:
+        raise ValueError(f"headroom must be in [0, 1), got {headroom!r}")
     cost = as_cost_model(profile)
     pl = _Planner(step_graph, cost, min_swap_bytes, swapin_ahead, group_gap_layers)
     notes: list[str] = []
+    target = None
+    if budget_bytes is not None:
+        target = max(int(budget_bytes * (1.0 - headroom)), persistent_bytes)
+        if headroom:
+            notes.append(f"planned for {_mib(target)}: {headroom:.0%} of the budget kept for allocator "
+                         "fragmentation and model error")
     unknown = step_graph.meta.get("unknown_shape_tensors", 0)
     if unknown:
         notes.append(f"{unknown} tensors have unknown static shapes and count as 0 bytes")
@@ -434,7 +452,13 @@ def make_plan(step_graph: StepGraph, policy: str = "dymem", budget_bytes: int | 
     chosen: list[_Candidate] = []
     mode = "queue"
     if policy != "none":
-        chosen, mode = _choose(pl, policy, budget_bytes, persistent_bytes, base, batch_size, notes)
+        try:
+            chosen, mode = _choose(pl, policy, target, persistent_bytes, base, batch_size, notes)
+        except BudgetTooSmallError as err:
+            if not headroom:
+                raise
+            raise _too_small(err.min_peak_bytes, budget_bytes, persistent_bytes, batch_size,
+                             err.eligible, policy, headroom) from None
     elif budget_bytes is not None and base.peak_bytes > budget_bytes:
         notes.append(f"predicted peak {_mib(base.peak_bytes)} exceeds the budget {_mib(budget_bytes)} "
                      "(policy none does not swap)")
@@ -452,7 +476,7 @@ def make_plan(step_graph: StepGraph, policy: str = "dymem", budget_bytes: int | 
         batch_size=batch_size, num_layers=step_graph.num_layers, swaps=swaps,
         mobility=_mobility(step_graph, swaps), predicted=predicted, notes=notes,
         params={"min_swap_bytes": int(min_swap_bytes), "swapin_ahead": swapin_ahead,
-                "group_gap_layers": group_gap_layers, "compute_scale": cost.compute_scale, "trigger_mode": mode,
+                "group_gap_layers": group_gap_layers, "headroom": headroom, "compute_scale": cost.compute_scale, "trigger_mode": mode,
                 "profile": dataclasses.asdict(cost.profile)})
 
 
@@ -492,18 +516,24 @@ def _choose(pl: _Planner, policy: str, budget: int | None, persistent: int, base
     return relaxed, mode
 
 
-def _too_small(min_peak: int, budget: int, persistent: int, batch: int | None, n: int, policy: str) -> BudgetTooSmallError:
-    act_min, act_budget = min_peak - persistent, budget - persistent
+def _too_small(min_peak: int, budget: int, persistent: int, batch: int | None, n: int, policy: str,
+               headroom: float = 0.0) -> BudgetTooSmallError:
+    usable = int(budget * (1.0 - headroom))
+    act_min, act_budget = min_peak - persistent, usable - persistent
     suggested = None
     if batch and act_min > 0:
         suggested = max(int(batch * act_budget / act_min), 0)
         hint = f"or reduce the batch size from {batch} to about {suggested}"
     else:
         hint = f"or reduce the batch size by about {100 * (1 - act_budget / max(act_min, 1)):.0f}%"
-    msg = (f"budget {_mib(budget)} is too small for policy {policy}: even swapping all {n} eligible tensors the "
-           f"predicted peak is {_mib(min_peak)} ({min_peak} bytes, of which {_mib(persistent)} persistent); "
-           f"use a budget of at least {_mib(min_peak)} {hint}")
-    return BudgetTooSmallError(msg, min_peak, budget, suggested)
+    needed = int(math.ceil(min_peak / (1.0 - headroom)))
+    kept = f" (the planner keeps {headroom:.0%} of it free)" if headroom else ""
+    msg = (f"budget {_mib(budget)}{kept} is too small for policy {policy}: even swapping all {n} eligible tensors "
+           f"the predicted peak is {_mib(min_peak)} ({min_peak} bytes, of which {_mib(persistent)} persistent); "
+           f"use a budget of at least {_mib(needed)} {hint}")
+    err = BudgetTooSmallError(msg, min_peak, budget, suggested)
+    err.eligible = n
+    return err
 
 
 #: Ops that adopt their input's buffer as the variable's new value (the buffer outlives the step); the in-place

@@ -23,7 +23,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from dymem_tf.analysis import StepGraph, no_autograph
+from dymem_tf.analysis import GRAPPLER_REMOVED_OP_TYPES, METADATA_OP_TYPES, StepGraph, no_autograph
 from dymem_tf.cost_model import CostModel, as_cost_model
 from dymem_tf.device_profiles import DeviceProfile
 from dymem_tf.plan import Plan, SwapDecision
@@ -102,7 +102,7 @@ class Simulator:
             p = self.pos[t.producer]
             names.append(t.name)
             prod.append(p)
-            last.append(max([p] + [self.pos[c] for c in step_graph.buffer_consumers(t.name)]))
+            last.append(max([p] + [self.pos[c] for c in self._buffer_users(t.name)]))
             size.append(t.bytes)
         self.chain: dict[str, list[str]] = {}  # buffer owner -> tensors that reuse its buffer (itself first)
         self.buffer_root: dict[str, str] = {}  # forwarded tensor -> owner of the buffer it reuses
@@ -112,6 +112,15 @@ class Simulator:
         self.t_prod = np.array(prod, dtype=np.int64)
         self.t_last = np.array(last, dtype=np.int64)
         self.t_bytes = np.array(size, dtype=np.int64)
+
+    def _buffer_users(self, tensor: str) -> list[str]:
+        """Ops that keep ``tensor``'s buffer alive. Shape/Size/Rank of a tensor whose shape is static do not
+        (Grappler folds them into constants), nor do identities (Grappler removes them; their consumers, which
+        read the same buffer, still count)."""
+        static = self.sg.tensors[tensor].shape_known
+        return [c for c in self.sg.buffer_consumers(tensor)
+                if not (static and self.sg.ops[c].type in METADATA_OP_TYPES)
+                and self.sg.ops[c].type not in GRAPPLER_REMOVED_OP_TYPES]
 
     def _forward_buffers(self, names, prod, last, size):
         """Model TF's buffer forwarding: an element-wise op whose input buffer dies at that op (it is the buffer's
@@ -260,7 +269,12 @@ class Simulator:
             # The original serves every consumer that no swap-in feeds (forward_consumers in a consistent plan);
             # a forwarded buffer lives on for the consumers of every tensor written into it.
             fed = {c for si in s.swap_ins for c in si.consumers}
-            users = [c for name in self.chain.get(owner, [owner]) for c in self.sg.buffer_consumers(name)]
+            chain = []
+            for name in self.chain.get(owner, [owner]):
+                if self.sg.tensors[name].producer in fed:
+                    break  # written by an op that now reads the swap-in: not in the original buffer any more
+                chain.append(name)
+            users = [c for name in chain for c in self._buffer_users(name)]
             lf = max([int(self.t_prod[ti])] + [self.pos[c] for c in users if c not in fed])
             rel_time.append(max(out_end[i], end[lf]))
             rel_key.append(lf)

@@ -157,6 +157,23 @@ def test_tight_budget_trades_stalls_for_memory():
     assert validate_plan(sg, tight) == [] and validate_plan(sg, lowest) == []
 
 
+def test_headroom_plans_below_the_budget_and_errors_name_the_budget():
+    sg = train_chain()
+    full = make_plan(sg, "dymem", profile=TOY, min_swap_bytes=1).predicted
+    budget = (full["peak_bytes"] + full["no_swap_peak_bytes"]) // 2
+    exact = make_plan(sg, "dymem", budget_bytes=budget, profile=TOY, min_swap_bytes=1)
+    roomy = make_plan(sg, "dymem", budget_bytes=budget, profile=TOY, min_swap_bytes=1, headroom=0.1)
+    assert exact.predicted["peak_bytes"] <= budget
+    assert roomy.predicted["peak_bytes"] <= 0.9 * budget and len(roomy.swaps) >= len(exact.swaps)
+    tight = int(full["peak_bytes"] * 1.05)  # fits exactly, not with 10% kept free
+    make_plan(sg, "dymem", budget_bytes=tight, profile=TOY, min_swap_bytes=1)
+    with pytest.raises(BudgetTooSmallError, match="keeps 10% of it free") as info:
+        make_plan(sg, "dymem", budget_bytes=tight, profile=TOY, min_swap_bytes=1, headroom=0.1)
+    assert info.value.budget_bytes == tight
+    with pytest.raises(ValueError, match="headroom"):
+        make_plan(sg, "dymem", budget_bytes=tight, profile=TOY, headroom=1.5)
+
+
 def test_budget_that_fits_without_swapping():
     sg = train_chain()
     plan = make_plan(sg, "dymem", profile=TOY, budget_bytes=10 * MB, min_swap_bytes=1)
