@@ -8,6 +8,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from dymem_tf.units import mib
+
 MOBILITY_GROUPS = ("persistent", "transient", "mobile")
 
 
@@ -105,18 +107,18 @@ class Plan:
         p = self.predicted
         lines = [f"dymem_tf plan: policy={self.policy} device={self.device} batch={self.batch_size} "
                  f"dependency_layers={self.num_layers}"]
-        lines.append(f"  swapped tensors : {len(self.swaps)} ({_mib(self.swapped_bytes)}), "
+        lines.append(f"  swapped tensors : {len(self.swaps)} ({mib(self.swapped_bytes)}), "
                      f"{self.num_swap_ins} swap-ins")
         if "peak_bytes" in p:
-            budget = "none" if self.budget_bytes is None else _mib(self.budget_bytes)
+            budget = "none" if self.budget_bytes is None else mib(self.budget_bytes)
             fits = "" if self.budget_bytes is None else (
                 "  [fits]" if p["peak_bytes"] <= self.budget_bytes else "  [OVER BUDGET]")
-            lines.append(f"  predicted peak  : {_mib(p['peak_bytes'])}  budget {budget}{fits}  "
-                         f"(no swap {_mib(p.get('no_swap_peak_bytes', 0))}, persistent "
-                         f"{_mib(self.persistent_bytes)})")
+            lines.append(f"  predicted peak  : {mib(p['peak_bytes'])}  budget {budget}{fits}  "
+                         f"(no swap {mib(p.get('no_swap_peak_bytes', 0))}, persistent "
+                         f"{mib(self.persistent_bytes)})")
             groups = p.get("peak_by_group") or {}
             if groups:
-                lines.append("  peak by group   : " + ", ".join(f"{k} {_mib(v)}" for k, v in groups.items()))
+                lines.append("  peak by group   : " + ", ".join(f"{k} {mib(v)}" for k, v in groups.items()))
         if "step_time_s" in p:
             lines.append(f"  predicted step  : {_ms(p['step_time_s'])} (compute {_ms(p.get('compute_time_s', 0))}, "
                          f"stall {_ms(p.get('stall_s', 0))}; no swap {_ms(p.get('no_swap_step_time_s', 0))})")
@@ -142,9 +144,9 @@ class Plan:
         mine = {s.tensor: s for s in self.swaps}
         theirs = {s.tensor: s for s in other.swaps}
         for t in sorted(mine.keys() - theirs.keys()):
-            out.append(f"+ swap {t} ({_mib(mine[t].bytes)})")
+            out.append(f"+ swap {t} ({mib(mine[t].bytes)})")
         for t in sorted(theirs.keys() - mine.keys()):
-            out.append(f"- swap {t} ({_mib(theirs[t].bytes)})")
+            out.append(f"- swap {t} ({mib(theirs[t].bytes)})")
         for t in sorted(mine.keys() & theirs.keys()):
             a = [(si.trigger_op, sorted(si.consumers)) for si in mine[t].swap_ins]
             b = [(si.trigger_op, sorted(si.consumers)) for si in theirs[t].swap_ins]
@@ -160,10 +162,6 @@ class Plan:
             if a != b:
                 out.append(f"predicted {k}: {a} != {b}")
         return out
-
-
-def _mib(n: float) -> str:
-    return f"{n / 2**20:.1f} MiB"
 
 
 def _ms(s: float) -> str:

@@ -41,6 +41,7 @@ from dymem_tf.cost_model import CostModel, as_cost_model
 from dymem_tf.device_profiles import DeviceProfile
 from dymem_tf.plan import Plan, SwapDecision, SwapIn
 from dymem_tf.simulator import FORWARDING_OP_TYPES, SimResult, Simulator
+from dymem_tf.units import mib
 
 POLICIES = ("none", "dymem", "vdnn", "tflms")
 
@@ -398,10 +399,6 @@ class _Planner:
         return chosen, res
 
 
-def _mib(n: float) -> str:
-    return f"{n / 2**20:.1f} MiB"
-
-
 @no_autograph
 def make_plan(step_graph: StepGraph, policy: str = "dymem", budget_bytes: int | None = None,
               persistent_bytes: int = 0, profile: str | DeviceProfile | CostModel = "cpu",
@@ -431,8 +428,8 @@ def make_plan(step_graph: StepGraph, policy: str = "dymem", budget_bytes: int | 
     if budget_bytes is not None:
         budget_bytes = int(budget_bytes)
         if budget_bytes < persistent_bytes:
-            raise ValueError(f"budget {_mib(budget_bytes)} ({budget_bytes} bytes) is smaller than the model's "
-                             f"persistent tensors {_mib(persistent_bytes)} ({persistent_bytes} bytes: weights and "
+            raise ValueError(f"budget {mib(budget_bytes)} ({budget_bytes} bytes) is smaller than the model's "
+                             f"persistent tensors {mib(persistent_bytes)} ({persistent_bytes} bytes: weights and "
                              "optimizer slots); no swapping of feature maps can help")
     if not 0.0 <= headroom < 1.0:
         raise ValueError(f"headroom must be in [0, 1), got {headroom!r}")
@@ -443,7 +440,7 @@ def make_plan(step_graph: StepGraph, policy: str = "dymem", budget_bytes: int | 
     if budget_bytes is not None:
         target = max(int(budget_bytes * (1.0 - headroom)), persistent_bytes)
         if headroom:
-            notes.append(f"planned for {_mib(target)}: {headroom:.0%} of the budget kept for allocator "
+            notes.append(f"planned for {mib(target)}: {headroom:.0%} of the budget kept for allocator "
                          "fragmentation and model error")
     unknown = step_graph.meta.get("unknown_shape_tensors", 0)
     if unknown:
@@ -460,7 +457,7 @@ def make_plan(step_graph: StepGraph, policy: str = "dymem", budget_bytes: int | 
             raise _too_small(err.min_peak_bytes, budget_bytes, persistent_bytes, batch_size,
                              err.eligible, policy, headroom) from None
     elif budget_bytes is not None and base.peak_bytes > budget_bytes:
-        notes.append(f"predicted peak {_mib(base.peak_bytes)} exceeds the budget {_mib(budget_bytes)} "
+        notes.append(f"predicted peak {mib(base.peak_bytes)} exceeds the budget {mib(budget_bytes)} "
                      "(policy none does not swap)")
     swaps = pl.decisions(policy, chosen, mode) if chosen else []
     res = base
@@ -528,9 +525,9 @@ def _too_small(min_peak: int, budget: int, persistent: int, batch: int | None, n
         hint = f"or reduce the batch size by about {100 * (1 - act_budget / max(act_min, 1)):.0f}%"
     needed = int(math.ceil(min_peak / (1.0 - headroom)))
     kept = f" (the planner keeps {headroom:.0%} of it free)" if headroom else ""
-    msg = (f"budget {_mib(budget)}{kept} is too small for policy {policy}: even swapping all {n} eligible tensors "
-           f"the predicted peak is {_mib(min_peak)} ({min_peak} bytes, of which {_mib(persistent)} persistent); "
-           f"use a budget of at least {_mib(needed)} {hint}")
+    msg = (f"budget {mib(budget)}{kept} is too small for policy {policy}: even swapping all {n} eligible tensors "
+           f"the predicted peak is {mib(min_peak)} ({min_peak} bytes, of which {mib(persistent)} persistent); "
+           f"use a budget of at least {mib(needed)} {hint}")
     err = BudgetTooSmallError(msg, min_peak, budget, suggested)
     err.eligible = n
     return err

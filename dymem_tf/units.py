@@ -12,3 +12,8 @@ def format_bytes(n: float) -> str:
             return f"{int(value)} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     return f"{value:.1f} TiB"
+
+
+def mib(n: float) -> str:
+    """``3145728`` → ``"3.0 MiB"``: the fixed unit of plan summaries and planner messages (easy to compare)."""
+    return f"{n / 2**20:.1f} MiB"
