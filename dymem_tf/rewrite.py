@@ -12,6 +12,7 @@ resource), so they are not serialised with the step's other stateful ops.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 
@@ -84,7 +85,7 @@ def apply_plan(graph: tf.Graph, plan, layers: list[list[str]] | None = None,
             if reason:
                 report.skipped.append((decision.tensor, reason))
                 continue
-            with tf.device(tensor.op.device or None), graph.name_scope(None):
+            with _device_of(tensor), graph.name_scope(None):
                 host = swap_ops.swap_out(tensor, name=f"{tensor.op.name}/dymem_swap_out_{tensor.value_index}")
             report.swap_out_ops.append(host.op.name)
             report.swapped_tensors += 1
@@ -96,7 +97,7 @@ def apply_plan(graph: tf.Graph, plan, layers: list[list[str]] | None = None,
                 if trigger is None or trigger.name != swap_in.trigger_op:
                     report.retargeted_triggers += 1
                 deps = [trigger] if trigger is not None else []
-                with tf.device(tensor.op.device or None), graph.name_scope(None), tf.control_dependencies(deps):
+                with _device_of(tensor), graph.name_scope(None), tf.control_dependencies(deps):
                     restored = swap_ops.swap_in(
                         host, name=f"{tensor.op.name}/dymem_swap_in_{tensor.value_index}_{k}")
                 restored.set_shape(tensor.shape)
@@ -107,6 +108,12 @@ def apply_plan(graph: tf.Graph, plan, layers: list[list[str]] | None = None,
                             consumer._update_input(idx, restored)  # pylint: disable=protected-access
                             report.rerouted_inputs += 1
     return report
+
+
+def _device_of(tensor: tf.Tensor):
+    """The swap ops' device scope: the tensor's device; without one, the current scope (a distribution strategy's
+    replica device while its step is traced) -- ``tf.device(None)`` would clear it."""
+    return tf.device(tensor.op.device) if tensor.op.device else contextlib.nullcontext()
 
 
 def _unsupported_reason(tensor: tf.Tensor) -> str | None:
