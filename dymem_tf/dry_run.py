@@ -67,8 +67,12 @@ def trace_train_step(model: keras.Model, batch_size: int) -> TracedStep:
     return TracedStep(captured["graph"], step_pass.persistent_bytes(model), batch_size, captured["num_ops"])
 
 
-def plan_all(traced: TracedStep, policies, budget_bytes, device, **kwargs) -> dict:
-    """A plan (or the error that stopped it) per policy for one traced step."""
+def plan_all(traced: TracedStep, policies, budget_bytes, device, headroom: float = planner.DEFAULT_HEADROOM,
+             **kwargs) -> dict:
+    """A plan (or the error that stopped it) per policy for one traced step.
+
+    ``headroom`` is the share of the budget kept free, as the callback does; 0 compares policies at exactly the
+    same modelled budget."""
     results = {}
     deferrals = update_deferral.find_deferrals(traced.step_graph)
     deferred = update_deferral.defer(traced.step_graph, deferrals, copy=True)
@@ -76,7 +80,7 @@ def plan_all(traced: TracedStep, policies, budget_bytes, device, **kwargs) -> di
         graph = traced.step_graph if policy == "none" else deferred  # "none" leaves the step as Keras built it
         try:
             results[policy] = planner.make_plan(graph, policy=policy, budget_bytes=budget_bytes,
-                                                headroom=planner.DEFAULT_HEADROOM,
+                                                headroom=headroom,
                                                 persistent_bytes=traced.persistent_bytes, profile=device,
                                                 batch_size=traced.batch_size, **kwargs)
         except ValueError as err:

@@ -87,6 +87,8 @@ def train(model_name: str, args: argparse.Namespace) -> dict:
     gtbm = allocator.is_active()
     if gtbm:
         allocator.reset_peak_stats()
+    else:  # e.g. TF_CPU_ALLOCATOR_USE_BFC=true DYMEM_GTBM=0: TF's own allocator, peak via its memory info
+        _tf_memory_info(tf, reset=True)
     status, error = "ok", ""
     history = None
     try:
@@ -94,7 +96,9 @@ def train(model_name: str, args: argparse.Namespace) -> dict:
                             verbose=0 if args.quiet else 1)
     except tf.errors.ResourceExhaustedError as err:
         status, error = "oom", err.message.splitlines()[0][:200]
-    stats = allocator.memory_stats() if gtbm else {}
+    except dymem_tf.BudgetTooSmallError as err:  # the planner found no swap set that fits: nothing was trained
+        status, error = "too-small", str(err)[:300]
+    stats = allocator.memory_stats() if gtbm else _tf_memory_info(tf)
     from dymem_tf.ops import host_pool
 
     host = host_pool.host_pool_stats()
@@ -109,15 +113,29 @@ def train(model_name: str, args: argparse.Namespace) -> dict:
         "status": status,
         "error": error,
         "gtbm": gtbm,
+        "allocator": "gtbm" if gtbm else stats.get("allocator", "tensorflow"),
         "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
         "peak_bytes_reserved": stats.get("peak_bytes_reserved"),
-        "persistent_bytes": stats.get("persistent_bytes_in_use"),
+        "persistent_bytes": stats.get("groups", {}).get("persistent", {}).get("in_use"),
         "host_peak_bytes": host.get("peak_bytes_in_use"),
         "swapped_tensors": len(plan.swaps) if plan is not None else 0,
         "swapped_bytes": sum(s.bytes for s in plan.swaps) if plan is not None else 0,
         "step_time_s": timer.median_step_s(),
         "final_loss": float(history.history["loss"][-1]) if history is not None else None,
     }
+
+
+def _tf_memory_info(tf, reset: bool = False) -> dict:
+    """Peak of TF's own CPU allocator (``get_memory_info``), for runs without GTBM; {} where TF has no stats."""
+    try:
+        if reset:
+            tf.config.experimental.reset_memory_stats("CPU:0")
+            return {}
+        info = tf.config.experimental.get_memory_info("CPU:0")
+    except (ValueError, RuntimeError, tf.errors.OpError):
+        return {}
+    bfc = os.environ.get("TF_CPU_ALLOCATOR_USE_BFC", "").strip().lower() in ("1", "true")
+    return {"peak_bytes_in_use": info.get("peak"), "allocator": "tf_bfc" if bfc else "tensorflow"}
 
 
 class StepTimer:
@@ -155,8 +173,10 @@ def compare(model_name: str, args: argparse.Namespace) -> int:
     return 0 if all(s["status"] == "ok" for s in summaries) else 1
 
 
-def run_in_subprocess(model_name: str, args: argparse.Namespace, policy: str, extra_env=None) -> dict:
-    """Run one example configuration in a fresh interpreter and return its JSON summary."""
+def run_in_subprocess(model_name: str, args: argparse.Namespace, policy: str, extra_env=None,
+                      stderr_path=None) -> dict:
+    """Run one example configuration in a fresh interpreter and return its JSON summary (the child's stderr is
+    also written to ``stderr_path`` when given)."""
     import tempfile
 
     script = os.path.join(HERE, f"train_{model_name}.py")
@@ -176,6 +196,9 @@ def run_in_subprocess(model_name: str, args: argparse.Namespace, policy: str, ex
         print(f"$ {' '.join(cmd[1:])}", flush=True)
         env = dict(os.environ, **(extra_env or {}))
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if stderr_path:
+            with open(stderr_path, "w") as fh:
+                fh.write(proc.stderr or "")
         if os.path.exists(out):
             with open(out) as fh:
                 return json.load(fh)
