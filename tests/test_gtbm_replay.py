@@ -8,7 +8,9 @@ import pytest
 
 from dymem_tf import replay as rp
 
-DSA = "/work/shared/benchmarks/dsa"
+# shared/ sits beside the checkout (here and in CI)
+DSA = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "shared",
+                   "benchmarks", "dsa")
 EXAMPLE = os.path.join(DSA, "minimalloc", "examples", "input.12.csv")
 CHALLENGING = [os.path.join(DSA, "minimalloc", "challenging", f"{k}.1048576.csv") for k in ("A", "D", "J")]
 SOMAS_RESNET = os.path.join(DSA, "idealloc", "somas_tensors", "resnet50.csv")
