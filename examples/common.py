@@ -120,6 +120,9 @@ def train(model_name: str, args: argparse.Namespace) -> dict:
         "host_peak_bytes": host.get("peak_bytes_in_use"),
         "swapped_tensors": len(plan.swaps) if plan is not None else 0,
         "swapped_bytes": sum(s.bytes for s in plan.swaps) if plan is not None else 0,
+        # the simulator's device peak for this plan (same batch, the planner's cost profile): compare with the
+        # measured peak_bytes_in_use
+        "predicted_peak_bytes": plan.predicted.get("peak_bytes") if plan is not None else None,
         "step_time_s": timer.median_step_s(),
         "final_loss": float(history.history["loss"][-1]) if history is not None else None,
     }
