@@ -1,0 +1,255 @@
+"""The benchmark suite's report generation (tables, comparison text, plots) from a synthetic results dict, and the
+replay table on the MiniMalloc example instance. Fast: nothing here trains a model."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(REPO, "bench")
+sys.path.insert(0, BENCH)
+
+import report  # noqa: E402
+import replay_suite  # noqa: E402
+import run_all  # noqa: E402
+
+DSA_DIR = os.path.join(os.path.dirname(REPO), "shared", "benchmarks", "dsa")
+MINIMALLOC_EXAMPLE = os.path.join(DSA_DIR, "minimalloc", "examples", "input.12.csv")
+# The same instance, inline, for machines without the shared benchmark directory.
+INPUT_12 = "id,lower,upper,size\nb1,0,3,4\nb2,3,9,4\nb3,0,9,4\nb4,9,21,4\nb5,0,21,4\n"
+MiB = 1 << 20
+
+
+def _run(model, policy, rnd, step, peak, reserved, status="ok"):
+    return {"model": model, "policy": policy, "round": rnd, "batch": 16, "image_size": 64, "status": status,
+            "error": "" if status == "ok" else "ResourceExhausted", "peak_bytes_in_use": peak * MiB,
+            "peak_bytes_reserved": reserved * MiB, "persistent_bytes": 100 * MiB,
+            "host_peak_bytes": 0 if policy == "none" else 50 * MiB,
+            "swapped_tensors": 0 if policy == "none" else 10, "swapped_bytes": 0 if policy == "none" else 50 * MiB,
+            "step_time_s": step, "final_loss": 2.3}
+
+
+def synthetic_results(dymem_step=1.1, vdnn_step=1.5, max_dymem=40, replay_rows=None):
+    """Two models, two rounds; dymem uses less memory than vdnn; numbers chosen so ratios are easy to check."""
+    runs = []
+    for rnd, scale in ((0, 1.0), (1, 2.0)):  # round 2 twice as slow: ratios must not change
+        for model in ("vgg16", "resnet50"):
+            runs += [_run(model, "none", rnd, 1.0 * scale, 400, 420),
+                     _run(model, "vdnn", rnd, vdnn_step * scale, 300, 330),
+                     _run(model, "tflms", rnd, 1.3 * scale, 290, 310),
+                     _run(model, "dymem", rnd, dymem_step * scale, 240, 250)]
+    return {
+        "meta": {"command": "python bench/run_all.py --synthetic", "mode": "full", "date": "2026-01-01 00:00 UTC",
+                 "runtime_s": 120.0, "notes": [],
+                 "machine": {"cores": 2, "cpu_model": "Test CPU", "tensorflow": "2.21.0", "keras": "3.15.1",
+                             "python": "3.11", "os": "Linux", "memory": "24 GiB"}},
+        "matrix": {"config": {"models": {"vgg16": {"image_size": 64, "batch": 16},
+                                         "resnet50": {"image_size": 64, "batch": 16}},
+                              "steps": 4, "rounds": 2, "policies": list(report.POLICIES)},
+                   "runs": runs},
+        "bfc": {"runs": [{"model": "resnet50", "batch": 16, "image_size": 64, "status": "ok", "allocator": "tf_bfc",
+                          "gtbm": {"peak_bytes_in_use": 400 * MiB, "peak_bytes_reserved": 420 * MiB},
+                          "bfc": {"peak_bytes_in_use": 430 * MiB, "pool_bytes": 510 * MiB}}]},
+        "max_batch": {"model": "resnet50", "image_size": 64, "budget": "512MiB", "steps": 2, "search": "bisect",
+                      "policies": {"none": {"max_batch": 20, "exact": True, "trials": [[16, True], [32, False]]},
+                                   "dymem": {"max_batch": max_dymem, "exact": True,
+                                             "trials": [[32, True], [64, False]]}}},
+        "modelled": {"profile": "h200", "batch": 64, "models": [
+            {"model": "resnet50", "image_size": 224, "batch": 64, "num_ops": 100, "num_layers": 10,
+             "persistent_bytes": 10 * MiB,
+             "scenarios": {"unbounded": {"budget_bytes": None, "policies": {
+                 "none": {"swaps": 0, "swapped_bytes": 0, "peak_bytes": 5000 * MiB, "step_time_s": 0.075,
+                          "stall_s": 0.0},
+                 "vdnn": {"swaps": 100, "swapped_bytes": 4000 * MiB, "peak_bytes": 4500 * MiB,
+                          "step_time_s": 0.150, "stall_s": 0.075},
+                 "tflms": {"error": "BudgetTooSmallError: too small"},
+                 "dymem": {"swaps": 60, "swapped_bytes": 1500 * MiB, "peak_bytes": 4400 * MiB,
+                           "step_time_s": 0.075, "stall_s": 0.0}}}}},
+            {"model": "densenet121", "image_size": 224, "batch": 64, "error": "RuntimeError: boom"}]},
+        "replay": {"traces": [], "trace_meta": [{"model": "resnet50", "status": "failed", "error": "no GTBM"}],
+                   "dsa": {"dir": DSA_DIR, "rows": replay_rows or [], "skipped": [["Y_1.csv", "time box"]],
+                           "note": ""}},
+    }
+
+
+def test_summarize_matrix_medians_and_interleaved_ratios():
+    s = report.summarize_matrix(synthetic_results()["matrix"])
+    r = s["resnet50"]["dymem"]
+    assert r["step_ratio"] == pytest.approx(1.1)
+    assert r["step_ratio_rounds"] == pytest.approx([1.1, 1.1])
+    assert r["fragmentation"] == pytest.approx(1 - 240 / 250)
+    assert r["peak_vs_none"] == pytest.approx(240 / 400)
+    assert s["resnet50"]["none"]["step_ratio"] == pytest.approx(1.0)
+
+
+def test_summarize_matrix_reports_failed_runs():
+    res = synthetic_results()
+    res["matrix"]["runs"] = [r for r in res["matrix"]["runs"] if not (r["model"] == "vgg16" and r["policy"] == "vdnn")]
+    res["matrix"]["runs"].append(_run("vgg16", "vdnn", 0, 0, 0, 0, status="oom"))
+    s = report.summarize_matrix(res["matrix"])
+    assert s["vgg16"]["vdnn"]["status"] == "oom"
+    md = report.render_markdown(res)
+    assert "oom: ResourceExhausted" in md
+
+
+def test_derived_anchor_figures():
+    d = report.derive(synthetic_results())
+    a = d["anchors"]
+    assert a["memory_vs_vdnn"]["resnet50"]["reserved"] == pytest.approx(1 - 250 / 330)
+    assert a["throughput_vs_vdnn_measured"]["resnet50"] == pytest.approx(1.5 / 1.1 - 1)
+    assert a["throughput_vs_vdnn_modelled"]["unbounded"]["resnet50"] == pytest.approx(1.0)
+    assert a["max_batch_ratio"] == pytest.approx(2.0)
+    assert a["bfc"][0]["reserved_ratio"] == pytest.approx(420 / 510)
+    assert d["modelled"]["densenet121"]["error"].startswith("RuntimeError")
+
+
+def test_markdown_states_provenance_and_measured_vs_modelled():
+    md = report.render_markdown(synthetic_results())
+    assert "`python bench/run_all.py --synthetic`" in md
+    assert "2026-01-01 00:00 UTC" in md
+    assert "Test CPU, 2 cores" in md and "TensorFlow 2.21.0" in md
+    assert "measured on the CPU" in md and "modelled" in md and "h200" in md
+    for heading in ("## Comparison with the anchors' published figures", "## 1. Device memory", "## 2. GTBM vs",
+                    "## 3. Largest batch", "## 4. Modelled", "## 5. GTBM placement"):
+        assert heading in md
+    assert "| resnet50 | dymem | ok | 240.0 | 0.60x | 250.0 | 4.0% |" in md
+    assert "1.10x [1.10, 1.10]" in md
+    assert "step-time ratio differed by up to 0.00 between rounds" in md
+    assert "The device peaks repeated within 0.0 MiB between rounds." in md
+    assert "does not fit: BudgetTooSmallError" in md
+    assert "error: RuntimeError: boom" in md
+    assert "skipped Y_1.csv: time box" in md
+    assert "no GTBM" in md  # the failed trace recording is reported, not hidden
+
+
+def test_comparison_text_follows_the_numbers():
+    # Met: 24% memory -> short of 31%; 36% faster -> short of 42%; 2x batch -> short of 4.7x.
+    md = report.render_markdown(synthetic_results())
+    assert "falls short of 31%" in md
+    assert "falls short of +42%" in md  # measured on the CPU: 1.5/1.1 - 1 = 36%
+    assert "reaches +42%" in md  # modelled: vdnn twice as slow as dymem
+    assert "= 2.00x" in md and "falls short of 4.7x" in md
+    # Change the numbers: the text changes with them.
+    md2 = report.render_markdown(synthetic_results(dymem_step=1.0, vdnn_step=1.6, max_dymem=100))
+    assert "falls short of 4.7x" not in md2 and "= 5.00x" in md2 and "reaches 4.7x" in md2
+    lines = [line for line in md2.splitlines() if "measured (CPU)" in line and "+42%" in line]
+    assert lines and "reaches +42%" in lines[0]
+
+
+def test_missing_sections_are_named():
+    res = synthetic_results()
+    for key in ("bfc", "max_batch", "modelled", "replay"):
+        res.pop(key)
+    md = report.render_markdown(res)
+    assert "Sections not run this time: 2 (BFC), 3 (largest batch), 4 (modelled), 5 (replay)." in md
+    assert "not measured in this run" in md
+
+
+def test_plots_are_written(tmp_path):
+    rows = [replay_suite.replay_file(_example_path(tmp_path), "dsa", "minimalloc/challenging", alignment=1)]
+    res = synthetic_results(replay_rows=rows)
+    written = report.make_plots(res, str(tmp_path / "img"))
+    names = sorted(os.path.basename(p) for p in written)
+    assert names == ["bench_bfc.png", "bench_max_batch.png", "bench_memory.png", "bench_modelled.png",
+                     "bench_replay.png", "bench_step_time.png"]
+    for p in written:
+        with open(p, "rb") as fh:
+            assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def _example_path(tmp_path):
+    if os.path.exists(MINIMALLOC_EXAMPLE):
+        return MINIMALLOC_EXAMPLE
+    path = tmp_path / "input.12.csv"
+    path.write_text(INPUT_12)
+    return str(path)
+
+
+def test_replay_table_on_the_minimalloc_example(tmp_path):
+    row = replay_suite.replay_file(_example_path(tmp_path), "dsa", "minimalloc/examples", alignment=1)
+    assert row["num_buffers"] == 5 and row["lower_bound"] == 12
+    assert set(row["policies"]) == set(replay_suite.POLICIES)
+    for policy in ("gtbm", "first_fit"):
+        res = row["policies"][policy]
+        assert res["num_failed"] == 0
+        assert res["ratio"] >= 1.0 and res["extent_ratio"] >= 1.0
+    assert row["policies"]["gtbm"]["ratio"] == pytest.approx(1.0)  # a perfect packing exists and GTBM finds it
+    md = report.render_markdown({"meta": {}, "replay": {"traces": [], "dsa": {"dir": "x", "rows": [row]}}})
+    assert "| input.12 | minimalloc/examples | 5 | 12 | 1.000 / 1.000 |" in md
+
+
+@pytest.mark.skipif(not os.path.isdir(DSA_DIR), reason=f"{DSA_DIR} not present")
+def test_replay_dsa_real_dir_examples_and_challenging():
+    res = replay_suite.replay_dsa(DSA_DIR, time_box_s=30, max_bytes=64 << 10)
+    suites = {r["suite"] for r in res["rows"]}
+    assert {"minimalloc/examples", "minimalloc/challenging"} <= suites
+    d = report.derive({"replay": {"dsa": res}})
+    assert d["replay"]["challenging"]["gtbm"]["n"] == 11
+    assert any("larger than" in why for _, why in res["skipped"])  # the big idealloc files, by the size cap
+
+
+def test_replay_dsa_missing_dir_is_a_note(tmp_path):
+    res = replay_suite.replay_dsa(str(tmp_path / "nope"))
+    assert res["rows"] == [] and "not found" in res["note"]
+    md = report.render_markdown({"meta": {}, "replay": {"traces": [], "dsa": res}})
+    assert "not found: the public DSA instances were not replayed" in md
+
+
+def test_helpers():
+    assert run_all.parse_budget("512MiB") == 512 * MiB
+    assert run_all.parse_budget("1GiB") == 1 << 30
+    log = "I bfc_allocator.cc:183] Total allocated bytes: 126.00MiB\nI ...] Total allocated bytes: 1.50GiB\n"
+    assert run_all.parse_bfc_pool_bytes(log) == int(1.5 * (1 << 30))
+    assert run_all.parse_bfc_pool_bytes("nothing") is None
+    summary = {"peak_bytes_in_use": 300 * MiB, "persistent_bytes": 100 * MiB, "batch": 20}
+    assert run_all.estimate_max_batch(summary, 512 * MiB) == 41
+    assert run_all.estimate_max_batch(None, 512 * MiB) is None
+
+
+def test_render_only_regenerates_from_json(tmp_path):
+    res = synthetic_results()
+    src = tmp_path / "in.json"
+    src.write_text(json.dumps(res))
+    out = tmp_path / "docs" / "benchmarks.md"
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "run_all.py"), "--render-only", str(src),
+                           "--out", str(out)], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    md = out.read_text()
+    assert "python bench/run_all.py --synthetic" in md
+    saved = json.loads((tmp_path / "docs" / "benchmarks.json").read_text())
+    assert saved["derived"]["anchors"]["max_batch_ratio"] == pytest.approx(2.0)
+    assert (tmp_path / "docs" / "img" / "bench_memory.png").exists()
+
+
+@pytest.mark.parametrize("search", ["bisect", "coarse"])
+def test_max_batch_search_records_trials(monkeypatch, search):
+    sys.path.insert(0, os.path.join(REPO, "examples"))
+    import find_max_batch
+
+    limits = {"none": 23, "dymem": 41}
+    calls = []
+
+    def fake_fits(model, batch, args):
+        calls.append((args.policy, batch))
+        return batch <= limits[args.policy]
+
+    monkeypatch.setattr(find_max_batch, "fits", fake_fits)
+    cfg = {"max_batch": {"model": "resnet50", "image_size": 64, "budget": "512MiB", "steps": 2,
+                         "policies": ("none", "dymem"), "search": search}}
+    matrix = {"config": {"models": {"resnet50": {"image_size": 64, "batch": 16}}},
+              "runs": [dict(_run("resnet50", p, 0, 1.0, 300 if p == "none" else 250, 320), persistent_bytes=180 * MiB)
+                       for p in report.POLICIES]}
+    progress = run_all.Progress(1, stream=open(os.devnull, "w"))
+    out = run_all.run_max_batch(cfg, matrix, progress, lambda: None)
+    assert find_max_batch.fits is fake_fits  # restored
+    for policy, limit in limits.items():
+        p = out["policies"][policy]
+        assert p["trials"] and all(ok == (b <= limit) for b, ok in p["trials"])
+        if search == "bisect":
+            assert p["exact"] and limit - limit // 16 - 1 <= p["max_batch"] <= limit
+        else:
+            assert not p["exact"] and p["max_batch"] <= limit and len(p["trials"]) <= 4
+    md = report.render_markdown({"meta": {}, "max_batch": out})
+    assert "## 3. Largest batch" in md
