@@ -28,12 +28,14 @@ class DymemCallback(keras.callbacks.Callback):
             to the log dir of a Keras ``TensorBoard`` callback in the same ``fit`` call, if any.
         trace_allocations: with a log dir, record the GTBM allocator's allocations during ``fit`` and save them in
             the run (the dashboard's pool map and tensors at the peak need them).
+        defer_updates: run optimizer arithmetic that needs no gradient next to its gradient (saves about one
+            weight-sized temporary per optimizer slot, see :mod:`dymem_tf.update_deferral`).
         verbose: 0 silent, 1 prints the plan summary when the step is traced.
     """
 
     def __init__(self, memory_budget=None, policy: str = "dymem", device=None, swapin_ahead: int = 1,
                  min_swap_bytes: int = 1 << 16, log_dir: str | None = None, trace_allocations: bool = False,
-                 verbose: int = 1):
+                 defer_updates: bool = True, verbose: int = 1):
         super().__init__()
         if not isinstance(policy, str) or policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}: choose one of {', '.join(POLICIES)}")
@@ -47,6 +49,8 @@ class DymemCallback(keras.callbacks.Callback):
             log_dir = os.fspath(log_dir)
             if not log_dir.strip():
                 raise ValueError("log_dir must be a non-empty directory path or None")
+        if not isinstance(defer_updates, bool):
+            raise TypeError(f"defer_updates must be True or False, got {defer_updates!r}")
         if not isinstance(trace_allocations, bool):
             raise TypeError(f"trace_allocations must be True or False, got {trace_allocations!r}")
         if isinstance(verbose, bool):
@@ -65,7 +69,7 @@ class DymemCallback(keras.callbacks.Callback):
         self.verbose = verbose
         self.pass_ = step_pass.StepPass(step_pass.PassConfig(
             policy=policy, budget_bytes=self.budget_bytes, device=self.profile, swapin_ahead=swapin_ahead,
-            min_swap_bytes=min_swap_bytes, verbose=verbose))
+            min_swap_bytes=min_swap_bytes, defer_updates=defer_updates, verbose=verbose))
         self._writer = None
 
     # -- Keras hooks ---------------------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ class PassConfig:
     device: str = "cpu"
     swapin_ahead: int = 1
     min_swap_bytes: int = 1 << 16
-    defer_updates: bool = True  # see dymem_tf.update_deferral
+    defer_updates: bool = True  # see dymem_tf.update_deferral and DymemCallback(defer_updates=...)
     headroom: float = planner.DEFAULT_HEADROOM  # share of the budget the planner leaves free
     verbose: int = 1
 
