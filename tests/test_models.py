@@ -41,3 +41,14 @@ def test_application_trains_bit_identically_with_swapping(name, size, batch):
     assert len(weights) == len(base_weights)
     for a, b in zip(weights, base_weights):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=False, reason="known: at ResNet-50 64x64 batch 32 the loss with swapping differs in the "
+                   "5th digit (also with TF's allocator and without oneDNN); root cause open, see the issue note")
+def test_resnet50_at_64px_batch_32_trains_bit_identically():
+    base_loss, base_weights = train("resnet50", 64, 32, [], steps=2)
+    loss, weights = train("resnet50", 64, 32, [dymem_tf.DymemCallback(verbose=0)], steps=2)
+    assert loss == base_loss
+    for a, b in zip(weights, base_weights):
+        np.testing.assert_array_equal(a, b)
