@@ -7,7 +7,7 @@ import sys
 import keras
 import tensorflow as tf
 
-from dymem_tf import allocator, device_profiles, planner, step_pass, units
+from dymem_tf import allocator, device_profiles, grappler_config, planner, step_pass, units
 
 POLICIES = planner.POLICIES
 
@@ -88,7 +88,7 @@ class DymemCallback(keras.callbacks.Callback):
         self.pass_.default_batch_size = _fit_batch_size(model)
         step_pass.attach(model, self.pass_)
         model.make_train_function(force=True)
-        model.train_function = self._explain_out_of_memory(model.train_function)
+        model.train_function = self._wrap_train_function(model.train_function)
         log_dir = self.log_dir or _tensorboard_log_dir(self)
         if log_dir:
             from dymem_tf import summaries
@@ -111,15 +111,18 @@ class DymemCallback(keras.callbacks.Callback):
             self._writer.close()
             self._writer = None
 
-    def _explain_out_of_memory(self, train_function):
-        """``train_function`` re-raising an out-of-memory error with the budget it hit and what to change."""
+    def _wrap_train_function(self, train_function):
+        """``train_function`` run without Grappler's memory optimizer (see :mod:`dymem_tf.grappler_config`),
+        re-raising an out-of-memory error with the budget it hit and what to change."""
         if train_function is None or getattr(train_function, "_dymem_wrapped", False):
             return train_function
         callback = self
 
         def dymem_train_function(iterator):
             try:
-                return train_function(iterator)
+                # TF's own memory optimizer misjudges a step with swap ops and would change its arithmetic.
+                with grappler_config.without_memory_optimizer():
+                    return train_function(iterator)
             except tf.errors.ResourceExhaustedError as err:
                 if "dymem_tf:" in (err.message or ""):
                     raise

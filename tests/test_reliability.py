@@ -415,15 +415,15 @@ def test_out_of_memory_error_is_re_raised_with_the_budget_and_a_fix():
     def failing(iterator):
         raise original
 
-    wrapped = cb._explain_out_of_memory(failing)
-    assert cb._explain_out_of_memory(wrapped) is wrapped  # never wrapped twice
+    wrapped = cb._wrap_train_function(failing)
+    assert cb._wrap_train_function(wrapped) is wrapped  # never wrapped twice
     with pytest.raises(tf.errors.ResourceExhaustedError) as info:
         wrapped(iter(()))
     text = info.value.message
     assert text.startswith("OOM when allocating tensor with shape[64,112,112,64]")
     assert "memory_budget=96.0 MiB" in text and "lower the batch size" in text
     assert 'policy="dymem"' in text and info.value.__cause__ is original
-    assert cb._explain_out_of_memory(lambda it: 42)(None) == 42
+    assert cb._wrap_train_function(lambda it: 42)(None) == 42
 
 
 # ----------------------------------------------------------------------------------------------------------------
