@@ -9,7 +9,10 @@ For every model it builds the ``keras.applications`` network (random weights), t
 the device profile, in two scenarios: ``unbounded`` (no budget: each policy swaps its whole candidate set) and
 ``equal_budget`` (the largest of the swapping policies' unbounded peaks plus ``EQUAL_BUDGET_HEADROOM``: a budget every
 swapping policy reached without one, so each swaps what it needs to fit it and the step times compare at equal
-memory; the headroom keeps the greedy budgeted search off the exact edge). Nothing here is measured: every number is the cost model's and simulator's.
+memory; the headroom keeps the greedy budgeted search off the exact edge), plus a ``sweep`` of equal budgets from
+just above vDNN's no-budget peak (every feature map swapped: the least memory vDNN reaches) up towards the no-swap
+peak, at the fractions ``SWEEP_FRACTIONS`` of that range. Nothing here is measured: every number is the cost
+model's and simulator's.
 """
 from __future__ import annotations
 
@@ -20,6 +23,8 @@ import sys
 import time
 
 EQUAL_BUDGET_HEADROOM = 0.03
+#: Budgets of the sweep: vdnn's no-budget peak + f * (no-swap peak - vdnn's no-budget peak).
+SWEEP_FRACTIONS = (0.02, 0.1, 0.25, 0.5, 0.75)
 MODEL_IMAGE_SIZES = {"vgg16": 224, "resnet50": 224, "densenet121": 224, "inception_v3": 299}
 
 
@@ -38,6 +43,22 @@ def _plan_row(plan) -> dict:
         "no_swap_step_time_s": float(pred.get("no_swap_step_time_s", 0.0)),
         "notes": list(plan.notes),
     }
+
+
+def sweep(traced, unbounded: dict, profile: str) -> list[dict]:
+    """Equal-budget plans of the swapping policies at the budgets of ``SWEEP_FRACTIONS`` (see the module doc)."""
+    from dymem_tf import dry_run
+
+    vdnn, none = unbounded.get("vdnn"), unbounded.get("none")
+    if isinstance(vdnn, Exception) or isinstance(none, Exception) or vdnn is None or none is None:
+        return []
+    low, high = int(vdnn.predicted["peak_bytes"]), int(none.predicted["peak_bytes"])
+    rows = []
+    for f in SWEEP_FRACTIONS:
+        budget = int(low + f * (high - low))
+        plans = dry_run.plan_all(traced, [p for p in unbounded if p != "none"], budget, profile, headroom=0.0)
+        rows.append({"fraction": f, "budget_bytes": budget, "policies": {p: _plan_row(v) for p, v in plans.items()}})
+    return rows
 
 
 def model_one(name: str, image_size: int, batch: int, profile: str) -> dict:
@@ -66,6 +87,7 @@ def model_one(name: str, image_size: int, batch: int, profile: str) -> dict:
         out["scenarios"]["equal_budget"] = {"budget_bytes": budget, "margin": EQUAL_BUDGET_HEADROOM,
                                             "planner_headroom": 0.0,
                                             "policies": {p: _plan_row(v) for p, v in budgeted.items()}}
+        out["sweep"] = sweep(traced, unbounded, profile)
     out["trace_s"] = t1 - t0
     out["plan_s"] = time.perf_counter() - t1
     return out
