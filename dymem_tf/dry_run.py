@@ -18,6 +18,12 @@ class TracedStep:
     persistent_bytes: int
     batch_size: int
     num_ops: int
+    #: why the callback would leave this step unmodified (:func:`dymem_tf.step_pass.unsupported_construct`), or None
+    unsupported: str | None = None
+
+
+class StepLeftUnmodifiedError(ValueError):
+    """The callback would leave this train step as it is (a construct the pass cannot plan): no swap plan."""
 
 
 def application_names() -> list[str]:
@@ -55,21 +61,23 @@ def trace_train_step(model: keras.Model, batch_size: int) -> TracedStep:
     captured = {}
 
     def step(x, y):
-        graph = tf.compat.v1.get_default_graph()
-        start = len(graph.get_operations())
-        out = model.train_step((x, y))
-        new_ops = graph.get_operations()[start:]
-        captured["graph"] = graph_capture.capture_step_graph(new_ops, batch_size=batch_size)
-        captured["num_ops"] = len(new_ops)
+        out, new_ops = graph_capture.ops_created_by(model.train_step, (x, y))
+        sg = graph_capture.capture_step_graph(new_ops, batch_size=batch_size,
+                                              model_scope=step_pass.model_scope_of(new_ops))
+        captured.update(graph=sg, num_ops=len(new_ops), problem=step_pass.unsupported_construct(sg, batch_size))
         return out
 
     tf.function(step).get_concrete_function(x_spec, y_spec)
-    return TracedStep(captured["graph"], step_pass.persistent_bytes(model), batch_size, captured["num_ops"])
+    problem = captured["problem"]
+    unsupported = f"{problem[0]}: {problem[2]}" if problem else None
+    return TracedStep(captured["graph"], step_pass.persistent_bytes(model), batch_size, captured["num_ops"],
+                      unsupported)
 
 
 def plan_all(traced: TracedStep, policies, budget_bytes, device, headroom: float = planner.DEFAULT_HEADROOM,
              **kwargs) -> dict:
-    """A plan (or the error that stopped it) per policy for one traced step.
+    """A plan (or the error that stopped it) per policy for one traced step; a step the callback would not rewrite
+    (``traced.unsupported``) gets :class:`StepLeftUnmodifiedError` for every swapping policy.
 
     ``headroom`` is the share of the budget kept free, as the callback does; 0 compares policies at exactly the
     same modelled budget."""
@@ -78,6 +86,10 @@ def plan_all(traced: TracedStep, policies, budget_bytes, device, headroom: float
     deferred = update_deferral.defer(traced.step_graph, deferrals, copy=True)
     for policy in policies:
         graph = traced.step_graph if policy == "none" else deferred  # "none" leaves the step as Keras built it
+        if traced.unsupported and policy != "none":
+            results[policy] = StepLeftUnmodifiedError(f"the callback would leave this step unmodified "
+                                                      f"({traced.unsupported})")
+            continue
         try:
             results[policy] = planner.make_plan(graph, policy=policy, budget_bytes=budget_bytes,
                                                 headroom=headroom,

@@ -112,7 +112,7 @@ class StepPass:
         """
         try:
             step_graph = graph_capture.capture_step_graph(new_ops, batch_size=batch_size,
-                                                          model_scope=_model_scope(new_ops))
+                                                          model_scope=model_scope_of(new_ops))
         except graph_capture.UnsupportedGraphError as err:
             self.skip(graph, "unsupported-graph", "", f"{err}", replica)
             return None
@@ -174,7 +174,7 @@ def _keep_slash(match) -> str:
     return "/" if match.group(0).startswith("/") else ""
 
 
-def _model_scope(ops) -> str | None:
+def model_scope_of(ops) -> str | None:
     """The model's name scope, inferred with replica scopes (``replica_1/``) set aside and put back."""
     names = [op.name for op in ops]
     stripped = [_REPLICA_SCOPE.sub(_keep_slash, n) for n in names]
@@ -307,9 +307,7 @@ def attach(model, step_pass: StepPass) -> None:
                            "step in its own tf.function (as Keras' steps_per_execution does) to have it planned.",
                            replica[0] if replica is not None else None)
             return outputs
-        start = len(graph.get_operations())
-        outputs = original(data)
-        new_ops = graph.get_operations()[start:]
+        outputs, new_ops = graph_capture.ops_created_by(original, data)
         if replica is not None:
             new_ops = [op for op in new_ops if _belongs_to_replica(op, *replica)]
         batch = batch_size_of(data)

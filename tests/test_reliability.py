@@ -647,3 +647,23 @@ def test_allocator_core_stress_under_sanitizers():
     out = _run(binary, ["--seeds", "24", "--ops", "4000", "--threads", "4", "--thread-ops", "200000"],
                env={"ASAN_OPTIONS": "detect_leaks=1", "UBSAN_OPTIONS": "print_stacktrace=1"}, timeout=180)
     assert "4 threads x 200000 ops" in out
+
+
+def test_dry_run_reports_a_step_the_callback_would_leave_unmodified():
+    from dymem_tf import dry_run
+
+    model = _lstm()
+    model.compile(optimizer="adam", loss=LOSS)
+    traced = dry_run.trace_train_step(model, 4)
+    assert traced.unsupported.startswith("control-flow: ") and "loop" in traced.unsupported
+    plans = dry_run.plan_all(traced, ["none", "dymem", "vdnn"], None, "cpu")
+    assert not isinstance(plans["none"], Exception)
+    for policy in ("dymem", "vdnn"):
+        assert isinstance(plans[policy], dry_run.StepLeftUnmodifiedError)
+        assert "would leave this step unmodified (control-flow" in str(plans[policy])
+    # a plain convolutional step is planned as before
+    conv = net(channels=8)
+    conv.compile(optimizer="adam", loss=LOSS)
+    traced = dry_run.trace_train_step(conv, 4)
+    assert traced.unsupported is None
+    assert not isinstance(dry_run.plan_all(traced, ["dymem"], None, "cpu")["dymem"], Exception)
