@@ -323,7 +323,7 @@ def comparison_section(results: dict, d: dict) -> str:
             if m in NONLINEAR:
                 n_nl += len(v)
                 n_att += len(att)
-                missed += [f"{m} {x:+.0%}" for x, _ in att if x < target]
+                missed += [f"{m} {x:+.1%}" for x, _ in att if x < target]
             elif min(v) < 0:
                 missed.append(f"{m} slower than vdnn ({min(v):+.0%})")
         if all(x >= target for m, v in sweep.items() if m in NONLINEAR for x in v) and not missed:

@@ -146,7 +146,7 @@ def test_budget_sweep_table_and_verdict():
     assert "| met wherever any schedule could:" in md
     sweep = res["modelled"]["models"][0]["sweep"]
     sweep[1]["policies"]["dymem"]["step_time_s"] = 0.1  # reachable (bound 1.5x) but only 1.2x
-    assert "| missed where reachable: resnet50 +20% |" in report.render_markdown(res)
+    assert "| missed where reachable: resnet50 +20.0% |" in report.render_markdown(res)
     for p in sweep:
         p["policies"]["dymem"]["step_time_s"] = 0.05
     assert "| met at every budget |" in report.render_markdown(res)
