@@ -29,7 +29,7 @@ $(STAMP): $(PY) pyproject.toml setup.py $(NATIVE_SRC)
 install: $(STAMP)
 
 demo: install
-	$(PY) examples/train_resnet50.py --compare
+	$(PY) examples/train_resnet50.py --compare --deterministic
 
 test: install browser-deps
 	$(PY) -m pytest -q -ra

@@ -1,6 +1,7 @@
 """``DymemCallback``: the one-line entry point, ``model.fit(..., callbacks=[dymem_tf.DymemCallback()])``."""
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -112,16 +113,18 @@ class DymemCallback(keras.callbacks.Callback):
             self._writer = None
 
     def _wrap_train_function(self, train_function):
-        """``train_function`` run without Grappler's memory optimizer (see :mod:`dymem_tf.grappler_config`),
-        re-raising an out-of-memory error with the budget it hit and what to change."""
+        """``train_function`` run without Grappler's memory optimizer (see :mod:`dymem_tf.grappler_config`; a
+        swapping policy only), re-raising an out-of-memory error with the budget it hit and what to change."""
         if train_function is None or getattr(train_function, "_dymem_wrapped", False):
             return train_function
         callback = self
+        swap_step_options = (contextlib.nullcontext if self.policy == "none"
+                             else grappler_config.without_memory_optimizer)
 
         def dymem_train_function(iterator):
             try:
                 # TF's own memory optimizer misjudges a step with swap ops and would change its arithmetic.
-                with grappler_config.without_memory_optimizer():
+                with swap_step_options():
                     return train_function(iterator)
             except tf.errors.ResourceExhaustedError as err:
                 if "dymem_tf:" in (err.message or ""):

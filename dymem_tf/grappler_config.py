@@ -9,8 +9,9 @@ Its estimate does not understand swap ops (it cannot see that ``DymemSwapOut`` l
 rewritten by Dymem it finds a different peak than on the original step and rewrites different ``AddN`` nodes.
 Observed on TF 2.21 (CPU, ResNet-50 64x64 batch 32, op determinism on): one gradient ``AddN`` of
 ``conv5_block3_3_bn`` was turned into an accumulator only in the swapped step, and the weights after the first
-step differed in the last bits. Dymem plans the step's memory itself, so it runs its train function with that
-optimizer off (:func:`without_memory_optimizer`); every other Grappler pass stays as configured.
+step differed in the last bits. Dymem plans the step's memory itself, so the callback runs its train function with
+that optimizer off (:func:`without_memory_optimizer`; not for ``policy="none"``, which inserts nothing); every other
+Grappler setting stays as configured, and so does a ``memory_optimization`` the user set explicitly.
 """
 from __future__ import annotations
 
@@ -21,42 +22,48 @@ from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
 from tensorflow.python.eager import context
 
 _cache_lock = threading.Lock()
-_cache: dict[bytes, object] = {}
+_cache: dict[tuple, bytes] = {}
 
 
 def call_options_without_memory_optimizer(options):
-    """A copy of the eager ``FunctionCallOptions`` ``options`` with Grappler's memory optimizer off."""
+    """A new eager ``FunctionCallOptions`` like ``options`` (same executor, same config) but with Grappler's memory
+    optimizer off. A ``memory_optimization`` the user set explicitly (anything but ``DEFAULT_MEM_OPT``) is kept."""
     serialized = options.config_proto_serialized or b""
+    key = (options.executor_type, serialized)
     with _cache_lock:
-        cached = _cache.get(serialized)
-        if cached is None:
-            config = config_pb2.ConfigProto()
-            config.ParseFromString(serialized)
-            config.graph_options.rewrite_options.memory_optimization = rewriter_config_pb2.RewriterConfig.NO_MEM_OPT
-            cached = context.FunctionCallOptions(executor_type=options.executor_type, config_proto=config)
-            _cache[serialized] = cached
-    return cached
+        patched = _cache.get(key)
+        if patched is None:
+            config = config_pb2.ConfigProto.FromString(serialized)
+            rewrite = config.graph_options.rewrite_options
+            if rewrite.memory_optimization == rewriter_config_pb2.RewriterConfig.DEFAULT_MEM_OPT:
+                rewrite.memory_optimization = rewriter_config_pb2.RewriterConfig.NO_MEM_OPT
+            patched = _cache[key] = config.SerializeToString()
+    # A fresh object per call: TF may edit a thread's options in place (tf.experimental.function_executor_type).
+    return context.FunctionCallOptions(executor_type=options.executor_type,
+                                       config_proto=config_pb2.ConfigProto.FromString(patched))
 
 
 @contextlib.contextmanager
 def without_memory_optimizer():
     """Run the tf.function calls in this block (this thread only) with Grappler's memory optimizer off.
 
-    Functions first called inside the block are instantiated (and optimised) with that setting; the thread's
-    previous call options are restored on exit, also when the block raises.
+    Each call passes its config to the runtime, which optimises a function once per config. The thread's previous
+    call options are put back on exit (also when the block raises), unless TensorFlow replaced the block's options
+    meanwhile (e.g. ``tf.config.optimizer.set_experimental_options`` resets them): then its choice stays.
     """
     ctx = context.context()
     saved = ctx.function_call_options
-    ctx.function_call_options = call_options_without_memory_optimizer(saved)
+    installed = call_options_without_memory_optimizer(saved)
+    ctx.function_call_options = installed
     try:
         yield
     finally:
-        ctx.function_call_options = saved
+        if ctx._thread_local_data.function_call_options is installed:  # pylint: disable=protected-access
+            ctx.function_call_options = saved
 
 
 def memory_optimizer_setting(options=None) -> str:
     """The ``memory_optimization`` value (e.g. ``"DEFAULT_MEM_OPT"``) of ``options`` or the thread's call options."""
     options = options or context.context().function_call_options
-    config = config_pb2.ConfigProto()
-    config.ParseFromString(options.config_proto_serialized or b"")
+    config = config_pb2.ConfigProto.FromString(options.config_proto_serialized or b"")
     return rewriter_config_pb2.RewriterConfig.MemOptType.Name(config.graph_options.rewrite_options.memory_optimization)
