@@ -11,7 +11,8 @@ the device profile, in two scenarios: ``unbounded`` (no budget: each policy swap
 swapping policy reached without one, so each swaps what it needs to fit it and the step times compare at equal
 memory; the headroom keeps the greedy budgeted search off the exact edge), plus a ``sweep`` of equal budgets from
 just above vDNN's no-budget peak (every feature map swapped: the least memory vDNN reaches) up towards the no-swap
-peak, at the fractions ``SWEEP_FRACTIONS`` of that range. Nothing here is measured: every number is the cost
+peak, at the fractions ``SWEEP_FRACTIONS`` of that range; and ``vdnn_memory``: vdnn as published (no budget)
+against dymem planned to exactly vdnn's resulting peak. Nothing here is measured: every number is the cost
 model's and simulator's.
 """
 from __future__ import annotations
@@ -71,7 +72,7 @@ def model_one(name: str, image_size: int, batch: int, profile: str) -> dict:
     unbounded = dry_run.plan_all(traced, planner.POLICIES, None, profile)
     out = {
         "model": name, "image_size": image_size, "batch": batch, "profile": profile,
-        "num_ops": traced.num_ops, "num_layers": len(traced.step_graph.layers),
+        "num_ops": traced.num_ops, "num_layers": len(traced.step_graph.layers) if traced.step_graph is not None else None,
         "persistent_bytes": int(traced.persistent_bytes),
         "scenarios": {"unbounded": {"budget_bytes": None,
                                     "policies": {p: _plan_row(v) for p, v in unbounded.items()}}},
@@ -88,6 +89,15 @@ def model_one(name: str, image_size: int, batch: int, profile: str) -> dict:
                                             "planner_headroom": 0.0,
                                             "policies": {p: _plan_row(v) for p, v in budgeted.items()}}
         out["sweep"] = sweep(traced, unbounded, profile)
+        vdnn = unbounded.get("vdnn")
+        if vdnn is not None and not isinstance(vdnn, Exception):
+            # vdnn as published (no budget: all feature maps) vs dymem planned to the same peak memory
+            at_vdnn = int(vdnn.predicted["peak_bytes"])
+            dymem = dry_run.plan_all(traced, ["dymem"], at_vdnn, profile, headroom=0.0)["dymem"]
+            out["scenarios"]["vdnn_memory"] = {
+                "budget_bytes": at_vdnn, "planner_headroom": 0.0,
+                "policies": {"none": _plan_row(unbounded["none"]), "vdnn": _plan_row(vdnn),
+                             "dymem": _plan_row(dymem)}}
     out["trace_s"] = t1 - t0
     out["plan_s"] = time.perf_counter() - t1
     return out

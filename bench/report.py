@@ -27,6 +27,11 @@ ANCHORS = {
 }
 
 
+#: Section 4's scenarios (bench/modelled.py).
+SCENARIO_LABELS = {"unbounded": "no budget", "equal_budget": "equal budget",
+                   "vdnn_memory": "at vDNN's memory"}
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Formatting helpers.
 
@@ -115,6 +120,18 @@ def summarize_matrix(matrix: dict) -> dict:
             if none.get("peak_bytes_reserved") and row.get("peak_bytes_reserved"):
                 row["reserved_vs_none"] = row["peak_bytes_reserved"] / none["peak_bytes_reserved"]
     return out
+
+
+def _sweep_point_summary(p: dict) -> dict:
+    """One budget of the sweep: dymem's speed-up over vdnn, the largest possible one, and who fits."""
+    pols = p.get("policies", {})
+    fits = {k: bool(v.get("step_time_s")) and not v.get("error") for k, v in pols.items()}
+    sp, bound = p.get("dymem_speedup_vs_vdnn"), p.get("speedup_bound")
+    return {"fraction": p.get("fraction"), "gain": None if sp is None else sp - 1,
+            "bound": None if bound is None else bound - 1, "dymem_fits": fits.get("dymem", False),
+            "vdnn_fits": fits.get("vdnn", False),
+            # dymem as fast as the step without swaps (then no schedule could beat vdnn by more)
+            "at_bound": sp is not None and bound is not None and abs(sp - bound) <= 1e-6 * bound}
 
 
 def summarize_simulator_accuracy(matrix: dict, tolerance: float = 0.10) -> dict:
@@ -234,13 +251,8 @@ def derive(results: dict) -> dict:
             if s.get("dymem_speedup_vs_vdnn"):
                 mthr.setdefault(scen, {})[model] = s["dymem_speedup_vs_vdnn"] - 1
     a["throughput_vs_vdnn_modelled"] = mthr
-    a["throughput_vs_vdnn_sweep"] = {
-        model: [p["dymem_speedup_vs_vdnn"] - 1 for p in m.get("sweep", []) if p.get("dymem_speedup_vs_vdnn")]
-        for model, m in d["modelled"].items() if m.get("sweep")}
-    a["sweep_bounds"] = {
-        model: [(p["speedup_bound"] - 1 if p.get("speedup_bound") else None) for p in m.get("sweep", [])
-                if p.get("dymem_speedup_vs_vdnn")]
-        for model, m in d["modelled"].items() if m.get("sweep")}
+    a["sweep_points"] = {model: [_sweep_point_summary(p) for p in m.get("sweep", [])]
+                         for model, m in d["modelled"].items() if m.get("sweep")}
     mb = results.get("max_batch", {})
     pols = mb.get("policies", {})
     if pols.get("none", {}).get("max_batch") and pols.get("dymem", {}).get("max_batch") is not None:
@@ -305,34 +317,39 @@ def comparison_section(results: dict, d: dict) -> str:
             continue
         best = max(nl.values())
         detail = ", ".join(f"{m} {v:+.0%}" for m, v in nl.items())
-        label = "no budget" if scen == "unbounded" else "equal budget"
+        label = SCENARIO_LABELS.get(scen, scen)
         rows.append(["Dymem: up to 42% higher throughput than layer-by-layer (vDNN) on nonlinear nets",
                      f"H200 model ({label}), vdnn / dymem step time - 1: up to {best:+.0%} ({detail})",
                      "modelled (h200)", f"{_verdict(best, ANCHORS['dymem_throughput_vs_vdnn'])} +42%"])
-    sweep = {m: v for m, v in a.get("throughput_vs_vdnn_sweep", {}).items() if v}
-    if sweep:
+    points = {m: v for m, v in a.get("sweep_points", {}).items() if v}
+    if points:
         target = ANCHORS["issue_modelled_speedup"]
-        bounds = a.get("sweep_bounds", {})
-        parts, missed, n_att, n_nl = [], [], 0, 0
-        for m, v in sweep.items():
-            b = bounds.get(m) or [None] * len(v)
-            att = [(x, bb) for x, bb in zip(v, b) if bb is not None and bb >= target]
-            parts.append(f"{m} {min(v):+.0%}..{max(v):+.0%}, >= {target:+.0%} at {sum(x >= target for x in v)} of "
-                         f"{len(v)} budgets ({sum(x >= target for x, _ in att)} of the {len(att)} where vdnn's own "
-                         f"overhead is >= {target:.0%})")
+        parts, missed, slow = [], [], 0
+        for m, pts in points.items():
+            both = [p for p in pts if p["gain"] is not None]
+            reach = [p for p in both if p["bound"] is not None and p["bound"] >= target]
+            gains = [p["gain"] for p in both]
+            span = f"{min(gains):+.0%}..{max(gains):+.0%}, " if gains else ""
+            parts.append(f"{m} {span}>= {target:+.0%} at {sum(g >= target for g in gains)} of {len(pts)} budgets "
+                         f"({sum(p['gain'] >= target for p in reach)} of the {len(reach)} where vdnn's own overhead "
+                         f"is >= {target:.0%})")
+            missed += [f"{m} does not fit at f={p['fraction']}" for p in pts if p["vdnn_fits"] and not p["dymem_fits"]]
             if m in NONLINEAR:
-                n_nl += len(v)
-                n_att += len(att)
-                missed += [f"{m} {x:+.1%}" for x, _ in att if x < target]
-            elif min(v) < 0:
-                missed.append(f"{m} slower than vdnn ({min(v):+.0%})")
-        if all(x >= target for m, v in sweep.items() if m in NONLINEAR for x in v) and not missed:
+                missed += [f"{m} {p['gain']:+.1%} at f={p['fraction']}" for p in reach if p["gain"] < target]
+                slow += sum(not p["at_bound"] for p in both if p not in reach)
+            else:
+                missed += [f"{m} slower than vdnn at f={p['fraction']}" for p in both if p["gain"] < 0]
+        if not missed and all(p["gain"] is not None and p["gain"] >= target
+                              for m, pts in points.items() if m in NONLINEAR for p in pts):
             verdict = "met at every budget"
-        elif not missed:
+        elif not missed and not slow:
             verdict = (f"met wherever any schedule could: at the other budgets vdnn's overhead over the no-swap step "
-                       f"is below {target:.0%}, and dymem runs at the no-swap step time")
+                       f"is below {target:.0%}, and dymem runs at the no-swap step time there")
+        elif not missed:
+            verdict = (f"met wherever vdnn's overhead is >= {target:.0%}; at {slow} other budgets dymem is slower than "
+                       "the no-swap step")
         else:
-            verdict = f"missed where reachable: {', '.join(missed)}"
+            verdict = f"missed: {', '.join(missed)}"
         rows.append([f"This project's target: dymem's modelled step time beats vdnn by >= {target:.0%} on the "
                      "nonlinear nets at equal budget, and is not worse on VGG16",
                      f"H200 model, budget sweep (section 4), vdnn / dymem step time - 1: {'; '.join(parts)}",
@@ -422,7 +439,10 @@ def _matrix_section(results: dict, d: dict) -> str:
         + f". Rounds: {cfg.get('rounds', 1)}; in round *r* the policy order is rotated by *r*, and each policy's "
         "step time is divided by `none`'s from the same round (median of the rounds; the per-round ratios are in "
         "brackets). Step time is the median of the steps after the first (which includes tracing and the Dymem "
-        "pass). Memory figures are medians over the rounds. Fragmentation = 1 - peak in use / peak reserved.")
+        "pass). Memory figures are medians over the rounds. Fragmentation = 1 - peak in use / peak reserved. These "
+        "timing runs leave op determinism off, so the loss column may differ between policies in the last digits "
+        "(multi-threaded kernels round differently from run to run); bit-identity with and without swapping is "
+        "checked with determinism on in tests/test_models.py.")
     lines.append("")
     header = ["model", "policy", "status", "device peak MiB", "vs none", "predicted MiB (error)", "reserved MiB",
               "fragmentation", "host peak MiB", "swapped", "step s", "step vs none", "loss"]
@@ -528,10 +548,13 @@ def _modelled_section(results: dict, d: dict) -> str:
     mo = results.get("modelled", {})
     lines = ["## 4. Modelled step time and stall on an H200 (simulator, no training)", "",
              f"`dymem_tf.dry_run.trace_train_step` + `plan_all` with the `{mo.get('profile', 'h200')}` device "
-             f"profile, batch {mo.get('batch', '?')}, ImageNet-size inputs (224x224; inception_v3 299x299). Two "
-             "scenarios: *no budget* (every policy swaps its whole candidate set; dymem drops candidates whose "
-             "copies it cannot hide) and *equal budget* (the largest of the swapping policies' no-budget peaks "
-             "plus 3% headroom, so every policy must reach the same memory; each chooses its own swap set). These "
+             f"profile, batch {mo.get('batch', '?')}, ImageNet-size inputs (224x224; inception_v3 299x299). "
+             "Scenarios: *no budget* (every policy swaps its whole candidate set; dymem drops candidates whose "
+             "copies it cannot hide); *at vDNN's memory* (vdnn as published -- every feature map swapped, "
+             "prefetched one layer ahead, no budget -- against dymem planned to vdnn's resulting peak: equal memory, "
+             "each policy's own selection); *equal budget* (the largest of the swapping policies' no-budget peaks "
+             "plus 3% headroom; every policy, vdnn and tflms included, chooses its swap set for that budget with the "
+             "planner's budgeted search -- greedy addition, then pruning -- and keeps its own prefetch rule). These "
              "numbers are the cost model's, not measurements.", ""]
     if mo.get("error"):
         lines.append(f"Not available in this run: {mo['error']}")
@@ -544,7 +567,7 @@ def _modelled_section(results: dict, d: dict) -> str:
             rows.append([model, "-", "-", "-", f"error: {m['error'][:100]}"] + ["-"] * 5)
             continue
         for scen, s in m.get("scenarios", {}).items():
-            label = "no budget" if scen == "unbounded" else "equal budget"
+            label = SCENARIO_LABELS.get(scen, scen)
             for policy in POLICIES:
                 p = s["policies"].get(policy)
                 if p is None:

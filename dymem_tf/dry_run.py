@@ -14,7 +14,7 @@ from dymem_tf import graph_capture, planner, step_pass, update_deferral
 class TracedStep:
     """The analysed train step of a model at one batch size, ready to be planned."""
 
-    step_graph: object
+    step_graph: object  # None when the ops could not be captured (then ``unsupported`` says why)
     persistent_bytes: int
     batch_size: int
     num_ops: int
@@ -62,9 +62,14 @@ def trace_train_step(model: keras.Model, batch_size: int) -> TracedStep:
 
     def step(x, y):
         out, new_ops = graph_capture.ops_created_by(model.train_step, (x, y))
-        sg = graph_capture.capture_step_graph(new_ops, batch_size=batch_size,
-                                              model_scope=step_pass.model_scope_of(new_ops))
-        captured.update(graph=sg, num_ops=len(new_ops), problem=step_pass.unsupported_construct(sg, batch_size))
+        captured["num_ops"] = len(new_ops)
+        try:
+            sg = graph_capture.capture_step_graph(new_ops, batch_size=batch_size,
+                                                  model_scope=step_pass.model_scope_of(new_ops))
+        except graph_capture.UnsupportedGraphError as err:  # the callback skips such a step as well
+            captured.update(graph=None, problem=("unsupported-graph", "", str(err)))
+            return out
+        captured.update(graph=sg, problem=step_pass.unsupported_construct(sg, batch_size))
         return out
 
     tf.function(step).get_concrete_function(x_spec, y_spec)
@@ -82,11 +87,13 @@ def plan_all(traced: TracedStep, policies, budget_bytes, device, headroom: float
     ``headroom`` is the share of the budget kept free, as the callback does; 0 compares policies at exactly the
     same modelled budget."""
     results = {}
-    deferrals = update_deferral.find_deferrals(traced.step_graph)
-    deferred = update_deferral.defer(traced.step_graph, deferrals, copy=True)
+    deferred = None
+    if traced.step_graph is not None:
+        deferrals = update_deferral.find_deferrals(traced.step_graph)
+        deferred = update_deferral.defer(traced.step_graph, deferrals, copy=True)
     for policy in policies:
         graph = traced.step_graph if policy == "none" else deferred  # "none" leaves the step as Keras built it
-        if traced.unsupported and policy != "none":
+        if traced.unsupported and (policy != "none" or graph is None):
             results[policy] = StepLeftUnmodifiedError(f"the callback would leave this step unmodified "
                                                       f"({traced.unsupported})")
             continue

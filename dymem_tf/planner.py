@@ -21,9 +21,9 @@ With a ``budget_bytes`` every policy chooses its swap set greedily: simulate, fi
 candidates that would be off the device at that instant, repeat until the simulated peak fits. Without a budget
 every candidate is swapped. The greedy search runs in stages that give up speed for memory only when needed:
 hidden round trips first, then any eligible tensor, and for dymem then later triggers (each copy hidden as if the
-channel were idle, and finally one layer before the consumers). When the hidden round trips do not suffice, the
-planner also starts from the first whole pool that fits and prunes it (latest-produced tensors first, while the plan
-still fits and gets no slower), and keeps the faster of the two plans: adding tensors at the peak stalls when the D2H
+channel were idle, and finally one layer before the consumers). When the greedy plan is slower than the step without
+swaps, the planner also starts from the first whole pool that fits and prunes it (latest-produced tensors first,
+while the plan still fits and gets no slower), and keeps the faster of the two plans: adding tensors at the peak stalls when the D2H
 channel is the bottleneck at the end of the forward pass. :class:`BudgetTooSmallError` reports the peak of the last
 stage with every eligible tensor swapped. Predictions come from :mod:`dymem_tf.simulator`.
 
@@ -404,9 +404,10 @@ class _Planner:
 
     def prune(self, policy: str, mode: str, pool: list[_Candidate], budget: int, persistent: int,
               res: SimResult) -> tuple[list[_Candidate], SimResult]:
-        """Drop candidates from ``pool`` (whose plan ``res`` fits ``budget``) while the plan still fits and gets no
-        slower: latest-produced first (they are the least likely to leave the device before the forward pass ends,
-        and their swap-ins come first in the backward pass), in chunks that halve when a removal does not fit."""
+        """Drop candidates from ``pool`` (whose plan ``res`` fits ``budget``) as long as the plan still fits and does
+        not get slower: latest-produced first (they are the least likely to leave the device before the forward pass
+        ends, and their swap-ins come first in the backward pass), in chunks that halve when a removal is rejected
+        and double again after one is accepted. A heuristic: the result need not be the smallest such set."""
         kept = list(pool)
         order = sorted(pool, key=lambda c: (-c.prod_pos, c.tensor))
         i, chunk = 0, max(1, len(order) // 8)
@@ -417,6 +418,7 @@ class _Planner:
             if r is not None and r.peak_bytes <= budget and r.step_time_s <= res.step_time_s * (1 + 1e-9):
                 kept, res = trial, r
                 i += chunk
+                chunk *= 2
             elif chunk > 1:
                 chunk //= 2
             else:
@@ -505,7 +507,8 @@ def make_plan(step_graph: StepGraph, policy: str = "dymem", budget_bytes: int | 
 def _choose(pl: _Planner, policy: str, budget: int | None, persistent: int, base: SimResult,
             batch_size: int | None, notes: list[str]) -> tuple[list[_Candidate], str]:
     """The swap set and dymem trigger mode: every candidate without a budget, else a greedy fit in stages that
-    trade speed for memory (hidden copies first; then any eligible tensor; for dymem then later triggers)."""
+    trade speed for memory (hidden copies first; then any eligible tensor; for dymem then later triggers) and, unless
+    that plan is as fast as no swapping, a pruned whole pool of the first stage that fits -- the faster plan wins."""
     cands = pl.candidates(policy)
     notes.append(f"{len(cands)} candidates for policy {policy}")
     if policy == "dymem":
@@ -525,19 +528,18 @@ def _choose(pl: _Planner, policy: str, budget: int | None, persistent: int, base
         stages += [(relaxed, "isolated"), (relaxed, "jit")]
     chosen: list[_Candidate] = []
     best: tuple[float, list[_Candidate], str, str] | None = None
-    for k, (pool, mode) in enumerate(stages):
+    for pool, mode in stages:
         chosen, res = pl.fit_budget(policy, mode, pool, chosen, budget, persistent)
         if res.peak_bytes <= budget:
-            if k == 0:
-                return chosen, mode
             best = (res.step_time_s, chosen, mode, "greedy")
             break
+    if best is not None and best[0] <= base.step_time_s * (1 + 1e-9):
+        return best[1], best[2]  # as fast as the step without swaps: nothing to gain
     # Adding tensors greedily can fall short or overshoot when the D2H channel is the bottleneck (a tensor added at
     # the peak only queues behind the others). Also start from the first whole pool that fits and drop what the
     # budget does not need; keep whichever plan is faster.
-    prune_stages = [(cands, "queue")] + stages[1:] if policy == "dymem" else [(relaxed, stages[-1][1])]
     res = None
-    for pool, mode in prune_stages:
+    for pool, mode in stages:
         res = pl.run(pl.decisions(policy, pool, mode), persistent)
         if res.peak_bytes <= budget:
             kept, pruned = pl.prune(policy, mode, pool, budget, persistent, res)
@@ -546,8 +548,9 @@ def _choose(pl: _Planner, policy: str, budget: int | None, persistent: int, base
             break
     if best is None:
         raise _too_small(res.peak_bytes, budget, persistent, batch_size, len(relaxed), policy)
-    notes.append(f"the budget needs swaps whose copies cannot all be hidden (stalls expected; swap set "
-                 f"{best[3]})")
+    if best[0] > base.step_time_s * (1 + 1e-9):
+        notes.append(f"the budget needs swaps whose copies cannot all be hidden (stalls expected; swap set "
+                     f"{best[3]})")
     return best[1], best[2]
 
 

@@ -136,19 +136,26 @@ def test_simulator_accuracy_compares_predicted_with_measured_peaks():
 
 def test_budget_sweep_table_and_verdict():
     res = synthetic_results()
-    d = report.derive(res)
-    assert d["anchors"]["throughput_vs_vdnn_sweep"]["resnet50"] == pytest.approx([0.1 / 0.09 - 1, 0.5])
+    points = report.derive(res)["anchors"]["sweep_points"]["resnet50"]
+    assert [p["gain"] for p in points] == pytest.approx([0.1 / 0.09 - 1, 0.5])
+    assert [p["bound"] for p in points] == pytest.approx([0.25, 0.5])
+    assert [p["at_bound"] for p in points] == [False, True]
     md = report.render_markdown(res)
     assert "**Budget sweep.**" in md
     # vdnn 100 ms, no swaps 80 ms: at most 1.25x possible at f=0.02; 1.50x at f=0.5
     assert "| resnet50 | 0.02 | 4510.0 | 100.0 (5) | does not fit | 90.0 (5) | 1.11x | 1.25x |" in md
     assert "resnet50 +11%..+50%, >= +30% at 1 of 2 budgets (1 of the 1 where vdnn's own overhead is >= 30%)" in md
-    assert "| met wherever any schedule could:" in md
+    # f=0.02 is out of reach (bound +25%) but dymem is not at the no-swap step there (90 vs 80 ms)
+    assert "| met wherever vdnn's overhead is >= 30%; at 1 other budgets dymem is slower than the no-swap step |" in md
     sweep = res["modelled"]["models"][0]["sweep"]
+    sweep[0]["policies"]["dymem"]["step_time_s"] = 0.080  # at the bound
+    assert "| met wherever any schedule could:" in report.render_markdown(res)
     sweep[1]["policies"]["dymem"]["step_time_s"] = 0.1  # reachable (bound 1.5x) but only 1.2x
-    assert "| missed where reachable: resnet50 +20.0% |" in report.render_markdown(res)
+    assert "| missed: resnet50 +20.0% at f=0.5 |" in report.render_markdown(res)
+    sweep[1]["policies"]["dymem"] = {"error": "BudgetTooSmallError: x"}  # vdnn fits, dymem does not
+    assert "| missed: resnet50 does not fit at f=0.5 |" in report.render_markdown(res)
     for p in sweep:
-        p["policies"]["dymem"]["step_time_s"] = 0.05
+        p["policies"]["dymem"] = dict(p["policies"]["vdnn"], step_time_s=0.05)
     assert "| met at every budget |" in report.render_markdown(res)
 
 
