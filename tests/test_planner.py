@@ -432,3 +432,26 @@ def test_tight_budget_on_resnet50_h200_keeps_the_schedule_fast():
     assert dymem.predicted["peak_bytes"] <= budget and vdnn.predicted["peak_bytes"] <= budget
     assert dymem.predicted["step_time_s"] <= 1.1 * dymem.predicted["no_swap_step_time_s"]
     assert vdnn.predicted["step_time_s"] >= 1.1 * dymem.predicted["step_time_s"]  # 102 vs 79 ms when written
+
+
+def test_exchange_only_accepts_faster_plans_that_fit():
+    from dymem_tf import planner as planner_mod
+    from dymem_tf.cost_model import as_cost_model
+
+    sg = train_chain(8)
+    pl = planner_mod._Planner(sg, as_cost_model(get_profile(TOY, h2d_bytes_per_s=0.5e9)), 1, None, 3)
+    pool = pl.candidates("dymem", relaxed=True)
+    # the last forward tensor, read right after the forward pass: its 2 ms swap-in cannot be hidden and stalls
+    start = [max(pool, key=lambda c: c.prod_pos)]
+    res = pl.run(pl.decisions("dymem", start, "isolated"), 0)
+    assert res.stall_s > 0
+    budget = res.peak_bytes
+    kept, out = pl.exchange("dymem", "isolated", start, pool, budget, 0, res)
+    # an earlier tensor, whose copy has time to come back, took its place: faster, within the same budget
+    assert out.peak_bytes <= budget and out.step_time_s < res.step_time_s
+    assert len(kept) == 1 and kept[0].prod_pos < start[0].prod_pos
+    again = pl.run(pl.decisions("dymem", kept, "isolated"), 0)
+    assert (again.peak_bytes, again.step_time_s) == (out.peak_bytes, out.step_time_s)
+    # nothing to gain without stalls
+    calm, calm_res = pl.exchange("dymem", "isolated", [], pool, budget, 0, pl.run([], 0))
+    assert calm == []
