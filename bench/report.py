@@ -676,6 +676,12 @@ def _replay_section(results: dict, d: dict) -> str:
     return "\n".join(lines)
 
 
+#: (results key, name in the "not run" note, renderer) of sections 1-5, in document order.
+NUMBERED_SECTIONS = (("matrix", "1 (memory and step time)", _matrix_section), ("bfc", "2 (BFC)", _bfc_section),
+                     ("max_batch", "3 (largest batch)", _max_batch_section),
+                     ("modelled", "4 (modelled)", _modelled_section), ("replay", "5 (replay)", _replay_section))
+
+
 def render_markdown(results: dict, derived: dict | None = None) -> str:
     d = derived or derive(results)
     meta = results.get("meta", {})
@@ -701,24 +707,12 @@ def render_markdown(results: dict, derived: dict | None = None) -> str:
         out.append("")
     out.append(comparison_section(results, d))
     out.append("")
-    if results.get("matrix"):
-        out.append(_matrix_section(results, d))
-        out.append("")
-    if results.get("bfc"):
-        out.append(_bfc_section(results, d))
-        out.append("")
-    if results.get("max_batch"):
-        out.append(_max_batch_section(results, d))
-        out.append("")
-    if results.get("modelled"):
-        out.append(_modelled_section(results, d))
-        out.append("")
-    if results.get("replay"):
-        out.append(_replay_section(results, d))
-        out.append("")
-    missing = [name for key, name in (("matrix", "1 (memory and step time)"), ("bfc", "2 (BFC)"),
-                                      ("max_batch", "3 (largest batch)"), ("modelled", "4 (modelled)"),
-                                      ("replay", "5 (replay)")) if not results.get(key)]
+    missing = []
+    for key, name, section in NUMBERED_SECTIONS:
+        if results.get(key):
+            out += [section(results, d), ""]
+        else:
+            missing.append(name)
     if missing:
         out.append("Sections not run this time: " + ", ".join(missing) + ".")
         out.append("")

@@ -145,16 +145,22 @@ def read_meta(path: str) -> dict:
     return meta
 
 
+def _require_swaps(doc: dict, name: str) -> list:
+    """``doc``'s ``num_layers`` and ``swaps`` list, every swap an object with a ``tensor`` name and its ``bytes``."""
+    swaps = _require(doc, name, "swaps", (list,))
+    _require(doc, name, "num_layers", (int,))
+    for i, s in enumerate(swaps):
+        if not isinstance(s, dict):
+            raise DataError(f"{name}: swaps[{i}] should be an object")
+        _require(s, name, "tensor", (str,), f"swaps[{i}].")
+        _require(s, name, "bytes", (int,), f"swaps[{i}].")
+    return swaps
+
+
 def read_plan(path: str) -> dict:
     """The plan as a dict (the fields of :class:`dymem_tf.plan.Plan`), checked for what the page uses."""
     plan = read_json(path)
-    swaps = _require(plan, PLAN_FILE, "swaps", (list,))
-    _require(plan, PLAN_FILE, "num_layers", (int,))
-    for i, s in enumerate(swaps):
-        if not isinstance(s, dict):
-            raise DataError(f"{PLAN_FILE}: swaps[{i}] should be an object")
-        _require(s, PLAN_FILE, "tensor", (str,), f"swaps[{i}].")
-        _require(s, PLAN_FILE, "bytes", (int,), f"swaps[{i}].")
+    _require_swaps(plan, PLAN_FILE)
     if not isinstance(plan.get("predicted", {}), dict):
         raise DataError(f"{PLAN_FILE}: field 'predicted' should be an object")
     return plan
@@ -181,14 +187,8 @@ def read_schedule(path: str) -> dict:
     """The swap schedule; every swap has a tensor, its bytes, its producer layer and its swap-ins."""
     sc = read_json(path)
     _check_version(sc, SCHEDULE_FILE)
-    swaps = _require(sc, SCHEDULE_FILE, "swaps", (list,))
-    _require(sc, SCHEDULE_FILE, "num_layers", (int,))
-    for i, s in enumerate(swaps):
+    for i, s in enumerate(_require_swaps(sc, SCHEDULE_FILE)):
         where = f"swaps[{i}]."
-        if not isinstance(s, dict):
-            raise DataError(f"{SCHEDULE_FILE}: swaps[{i}] should be an object")
-        _require(s, SCHEDULE_FILE, "tensor", (str,), where)
-        _require(s, SCHEDULE_FILE, "bytes", (int,), where)
         _require(s, SCHEDULE_FILE, "producer_layer", (int, float), where)
         for k, si in enumerate(_require(s, SCHEDULE_FILE, "swap_ins", (list,), where)):
             if not isinstance(si, dict):

@@ -515,14 +515,19 @@ function stepLine(xs, ys, xEnd, sx, sy) {
   return d || 'M0,0';
 }
 
+// A view whose file is absent: nothing to count, and a note unless the reader already reported a problem with it.
+function showMissing(section, data, file, text) {
+  section.dataset.count = '0';
+  if (!(data.messages || []).some((m) => m.file === file)) {
+    section.append(message(text, 'info', 'empty'));
+  }
+}
+
 // ------------------------------------------------------------------------------------------------ pool map
 function renderPool(section, data) {
   const pool = data.pool;
   if (!pool) {
-    section.dataset.count = '0';
-    if (!(data.messages || []).some((m) => m.file === 'trace.csv')) {
-      section.append(message('No allocator trace in this run.', 'info', 'empty'));
-    }
+    showMissing(section, data, 'trace.csv', 'No allocator trace in this run.');
     return;
   }
   const allocatorFragmentation = lastDefined(data.steps || [], 'fragmentation');
@@ -611,10 +616,7 @@ function renderPool(section, data) {
 function renderSchedule(section, data) {
   const sc = data.schedule;
   if (!sc) {
-    section.dataset.count = '0';
-    if (!(data.messages || []).some((m) => m.file === 'schedule.json')) {
-      section.append(message('No swap schedule in this run.', 'info', 'empty'));
-    }
+    showMissing(section, data, 'schedule.json', 'No swap schedule in this run.');
     return;
   }
   const swaps = [...sc.swaps].sort((a, b) => a.producer_layer - b.producer_layer ||
