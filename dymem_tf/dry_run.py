@@ -62,14 +62,8 @@ def trace_train_step(model: keras.Model, batch_size: int) -> TracedStep:
 
     def step(x, y):
         out, new_ops = graph_capture.ops_created_by(model.train_step, (x, y))
+        captured["graph"], captured["problem"] = step_pass.capture(new_ops, batch_size)  # as the callback does
         captured["num_ops"] = len(new_ops)
-        try:
-            sg = graph_capture.capture_step_graph(new_ops, batch_size=batch_size,
-                                                  model_scope=step_pass.model_scope_of(new_ops))
-        except graph_capture.UnsupportedGraphError as err:  # the callback skips such a step as well
-            captured.update(graph=None, problem=("unsupported-graph", "", str(err)))
-            return out
-        captured.update(graph=sg, problem=step_pass.unsupported_construct(sg, batch_size))
         return out
 
     tf.function(step).get_concrete_function(x_spec, y_spec)

@@ -404,7 +404,6 @@ class _Planner:
             res = self.run(self.decisions(policy, chosen, mode), persistent)
         return chosen, res
 
-
     def prune(self, policy: str, mode: str, pool: list[_Candidate], budget: int, persistent: int,
               res: SimResult) -> tuple[list[_Candidate], SimResult]:
         """Drop candidates from ``pool`` (whose plan ``res`` fits ``budget``) as long as the plan still fits and does
@@ -427,7 +426,6 @@ class _Planner:
             else:
                 i += 1
         return kept, res
-
 
     def exchange(self, policy: str, mode: str, kept: list[_Candidate], pool: list[_Candidate], budget: int,
                  persistent: int, res: SimResult, rounds: int = 2, tries: int = 48
@@ -563,8 +561,9 @@ def _choose(pl: _Planner, policy: str, budget: int | None, persistent: int, base
         if res.peak_bytes <= budget:
             best = (res.step_time_s, chosen, mode, "greedy")
             break
-    if best is not None and best[0] <= base.step_time_s * (1 + 1e-9):
-        return best[1], best[2]  # as fast as the step without swaps: nothing to gain
+    no_swap_time = base.step_time_s * (1 + 1e-9)  # a plan this fast stalls nowhere
+    if best is not None and best[0] <= no_swap_time:
+        return best[1], best[2]  # nothing to gain
     # Adding tensors greedily can fall short or overshoot when the D2H channel is the bottleneck (a tensor added at
     # the peak only queues behind the others). Also start from the first whole pool that fits and drop what the
     # budget does not need; keep whichever plan is faster.
@@ -579,7 +578,7 @@ def _choose(pl: _Planner, policy: str, budget: int | None, persistent: int, base
             break
     if best is None:
         raise _too_small(res.peak_bytes, budget, persistent, batch_size, len(relaxed), policy)
-    if best[0] > base.step_time_s * (1 + 1e-9):
+    if best[0] > no_swap_time:
         notes.append(f"the budget needs swaps whose copies cannot all be hidden (stalls expected; swap set "
                      f"{best[3]})")
     return best[1], best[2]

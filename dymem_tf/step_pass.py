@@ -110,13 +110,7 @@ class StepPass:
 
         Returns the record, or None when the trace is left unmodified (then :attr:`skipped` says why).
         """
-        try:
-            step_graph = graph_capture.capture_step_graph(new_ops, batch_size=batch_size,
-                                                          model_scope=model_scope_of(new_ops))
-        except graph_capture.UnsupportedGraphError as err:
-            self.skip(graph, "unsupported-graph", "", f"{err}", replica)
-            return None
-        problem = unsupported_construct(step_graph, batch_size)
+        step_graph, problem = capture(new_ops, batch_size)
         if problem is not None:
             self.skip(graph, *problem, replica)
             return None
@@ -174,7 +168,7 @@ def _keep_slash(match) -> str:
     return "/" if match.group(0).startswith("/") else ""
 
 
-def model_scope_of(ops) -> str | None:
+def _model_scope(ops) -> str | None:
     """The model's name scope, inferred with replica scopes (``replica_1/``) set aside and put back."""
     names = [op.name for op in ops]
     stripped = [_REPLICA_SCOPE.sub(_keep_slash, n) for n in names]
@@ -198,6 +192,17 @@ def _ancestors(g, seeds: list[str]) -> set[str]:
                 seen.add(m)
                 frontier.append(m)
     return seen
+
+
+def capture(new_ops: list, batch_size: int | None):
+    """``(step_graph, None)`` for the ops a train step created, or ``(step_graph or None, (kind, subject,
+    explanation))`` when the pass would leave the step unmodified (see :func:`unsupported_construct`)."""
+    try:
+        step_graph = graph_capture.capture_step_graph(new_ops, batch_size=batch_size,
+                                                      model_scope=_model_scope(new_ops))
+    except graph_capture.UnsupportedGraphError as err:
+        return None, ("unsupported-graph", "", f"{err}")
+    return step_graph, unsupported_construct(step_graph, batch_size)
 
 
 def unsupported_construct(sg, batch_size: int | None = None) -> tuple[str, str, str] | None:
