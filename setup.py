@@ -64,7 +64,9 @@ class TensorFlowBuildExt(build_ext):
         for ext in self.extensions:
             ext.extra_compile_args = (
                 compile_flags + system_includes + warnings
-                + ["-O2", "-fPIC", "-fvisibility=default", f'-DDYMEM_TF_VERSION="{tf.__version__}"']
+                # -DNDEBUG as in TF's own build: without it graph/edgeset.h's EdgeSet has another layout, and code
+                # that walks a Graph's edges (the graph pass) reads garbage.
+                + ["-O2", "-DNDEBUG", "-fPIC", "-fvisibility=default", f'-DDYMEM_TF_VERSION="{tf.__version__}"']
             )
             ext.extra_link_args = link_flags + [f"-Wl,-rpath,{d}" for d in tf_lib_dir] + ["-lpthread"]
             if ext.name == REPLAY_EXT:  # TF-free: must not pull libtensorflow_framework into a bare process

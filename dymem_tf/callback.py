@@ -1,14 +1,13 @@
 """``DymemCallback``: the one-line entry point, ``model.fit(..., callbacks=[dymem_tf.DymemCallback()])``."""
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 
 import keras
 import tensorflow as tf
 
-from dymem_tf import allocator, device_profiles, grappler_config, planner, step_pass, units
+from dymem_tf import allocator, device_profiles, graph_pass, planner, step_pass, units
 
 POLICIES = planner.POLICIES
 
@@ -87,7 +86,8 @@ class DymemCallback(keras.callbacks.Callback):
                       "the swap ops.")
         _warn_onednn_out_of_memory_crash()
         self.pass_.default_batch_size = _fit_batch_size(model)
-        step_pass.attach(model, self.pass_)
+        self.pass_.persistent_bytes = weights
+        # A new train function: its first call instantiates it, and the graph pass plans that instantiation.
         model.make_train_function(force=True)
         model.train_function = self._wrap_train_function(model.train_function)
         log_dir = self.log_dir or _tensorboard_log_dir(self)
@@ -105,7 +105,6 @@ class DymemCallback(keras.callbacks.Callback):
             self._writer.write_step(self._global_step(batch), _step_stats(self.pass_))
 
     def on_train_end(self, logs=None):
-        step_pass.detach(self.model)
         # Later fit() calls without this callback must trace the plain step again.
         self.model.train_function = None
         if self._writer is not None:
@@ -113,19 +112,23 @@ class DymemCallback(keras.callbacks.Callback):
             self._writer = None
 
     def _wrap_train_function(self, train_function):
-        """``train_function`` run without Grappler's memory optimizer (see :mod:`dymem_tf.grappler_config`; a
-        swapping policy only), re-raising an out-of-memory error with the budget it hit and what to change."""
+        """``train_function`` run with the graph pass armed (its instantiation is planned and rewritten after
+        Grappler), re-raising a refusal of the pass as its own error and an out-of-memory error with the budget it
+        hit and what to change."""
         if train_function is None or getattr(train_function, "_dymem_wrapped", False):
             return train_function
         callback = self
-        swap_step_options = (contextlib.nullcontext if self.policy == "none"
-                             else grappler_config.without_memory_optimizer)
 
         def dymem_train_function(iterator):
+            callback.pass_.refusal = None
             try:
-                # TF's own memory optimizer misjudges a step with swap ops and would change its arithmetic.
-                with swap_step_options():
+                with graph_pass.armed(callback.pass_):
                     return train_function(iterator)
+            except tf.errors.CancelledError as err:
+                refusal = callback.pass_.refusal
+                if refusal is not None and "dymem_tf:" in (err.message or ""):
+                    raise refusal from None  # the step never ran: no training state changed
+                raise
             except tf.errors.ResourceExhaustedError as err:
                 if "dymem_tf:" in (err.message or ""):
                     raise

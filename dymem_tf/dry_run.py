@@ -5,9 +5,10 @@ import dataclasses
 import inspect
 
 import keras
+import numpy as np
 import tensorflow as tf
 
-from dymem_tf import graph_capture, planner, step_pass, update_deferral
+from dymem_tf import graph_def_view, graph_pass, planner, step_pass, update_deferral
 
 
 @dataclasses.dataclass
@@ -52,21 +53,37 @@ def build_model(model: str, image_size: int, classes: int = 10) -> keras.Model:
 
 
 def trace_train_step(model: keras.Model, batch_size: int) -> TracedStep:
-    """Trace ``model.train_step`` on symbolic inputs of ``batch_size`` and return its analysed step graph."""
-    x_spec = tf.TensorSpec((batch_size,) + tuple(model.input_shape[1:]), tf.float32)
+    """The analysed train step of ``model`` at ``batch_size``, as the callback would plan it, without running it.
+
+    The step is instantiated by a ``fit`` on one batch of zeros; the graph pass captures the graph TensorFlow would
+    run (after Grappler, exactly what the callback plans) and cancels the instantiation, so the step never runs and
+    no variable changes. Differences from a run: the batch is one of zeros, and a step that the callback would see
+    with an unknown batch dimension (a partial last batch) is captured here with a full one.
+    """
+    x = np.zeros((batch_size,) + tuple(model.input_shape[1:]), np.float32)
     out_shape = model.output_shape
-    y_spec = tf.TensorSpec((batch_size,), tf.int64) if len(out_shape) == 2 else tf.TensorSpec(
-        (batch_size,) + tuple(out_shape[1:]), tf.float32)
-    model._symbolic_build(data_batch=(x_spec, y_spec, None))  # pylint: disable=protected-access
+    y = np.zeros((batch_size,), np.int64) if len(out_shape) == 2 else np.zeros(
+        (batch_size,) + tuple(out_shape[1:]), np.float32)
     captured = {}
 
-    def step(x, y):
-        out, new_ops = graph_capture.ops_created_by(model.train_step, (x, y))
-        captured["graph"], captured["problem"] = step_pass.capture(new_ops, batch_size)  # as the callback does
-        captured["num_ops"] = len(new_ops)
-        return out
+    def capture(call):
+        graph = graph_def_view.GraphView(call.graph_def_bytes)
+        _, ops = step_pass.replica_ops(graph)[0]
+        captured["graph"], captured["problem"] = step_pass.capture(ops, batch_size)  # as the callback does
+        captured["num_ops"] = len(ops)
+        call.fail("dry run: the step's graph was captured and is not run")
 
-    tf.function(step).get_concrete_function(x_spec, y_spec)
+    try:
+        with graph_pass.armed(capture):
+            model.fit(x, y, batch_size=batch_size, epochs=1, verbose=0, shuffle=False)
+    except tf.errors.CancelledError:
+        if "graph" not in captured:
+            raise
+    finally:
+        model.train_function = None  # the next fit instantiates the step afresh
+    if "graph" not in captured:
+        captured["graph"], captured["num_ops"] = None, 0
+        captured["problem"] = ("no-gradients", "", "the step has no gradient ops, so there is nothing to swap.")
     problem = captured["problem"]
     unsupported = f"{problem[0]}: {problem[2]}" if problem else None
     return TracedStep(captured["graph"], step_pass.persistent_bytes(model), batch_size, captured["num_ops"],

@@ -26,6 +26,8 @@ from dymem_tf.analysis import ALIAS_OP_TYPES, METADATA_OP_TYPES, CycleError, OpI
 _GRAD_PREFIX = "gradient_tape/"
 #: Ops whose outputs alias variable storage (persistent memory): never swapped, counted in persistent bytes.
 _VARIABLE_READ_TYPES = frozenset({"ReadVariableOp", "VarHandleOp", "VariableV2"})
+#: Ops whose outputs live as long as the function (constants, folded by Grappler or not): never swapped.
+_SOURCE_OP_TYPES = frozenset({"Const", "HostConst", "_Arg"})
 _HANDLE_DTYPES = frozenset({"resource", "variant"})
 _SUFFIX = re.compile(r"_\d+$")
 
@@ -42,13 +44,25 @@ class UnsupportedGraphError(ValueError):
     """The ops do not form a step graph dymem can plan (no ops, or a dependency cycle)."""
 
 
-def _is_gradient_name(name: str) -> bool:
+def is_gradient_name(name: str) -> bool:
     return name.startswith(_GRAD_PREFIX) or "/" + _GRAD_PREFIX in name
 
 
 def _strip_gradient(name: str) -> str:
     i = name.find(_GRAD_PREFIX)
     return name[i + len(_GRAD_PREFIX):] if i >= 0 else name
+
+
+def infer_call_prefix(names: Iterable[str]) -> str:
+    """The name prefix function inlining gave the step's ops (``StatefulPartitionedCall/`` after Grappler inlined
+    Keras' ``one_step_on_data``): the most common text before ``gradient_tape/`` in gradient op names, or ""."""
+    prefixes = Counter(n[:n.find(_GRAD_PREFIX)] for n in names if _GRAD_PREFIX in n)
+    return prefixes.most_common(1)[0][0] if prefixes else ""
+
+
+def _local(name: str, prefix: str) -> str:
+    """``name`` without the inlining prefix ``prefix``."""
+    return name[len(prefix):] if prefix and name.startswith(prefix) else name
 
 
 def infer_model_scope(names: Iterable[str]) -> str | None:
@@ -66,7 +80,7 @@ def infer_model_scope(names: Iterable[str]) -> str | None:
         parts = _strip_gradient(n).split("/")
         if len(parts) < 3:
             continue
-        if _is_gradient_name(n):
+        if is_gradient_name(n):
             grad[parts[0]] += 1
         else:
             fwd[parts[0]] += 1
@@ -185,8 +199,9 @@ def capture_step_graph(ops: Sequence[tf.Operation], batch_size: int | None = Non
     if not ops:
         raise UnsupportedGraphError("the train step created no ops to analyse")
     names = {op.name for op in ops}
+    prefix = infer_call_prefix(names)
     if model_scope is None:
-        model_scope = infer_model_scope(names)
+        model_scope = infer_model_scope(_local(n, prefix) for n in names)
     lnames = frozenset(layer_names) if layer_names is not None else None
 
     tensors: dict[str, TensorInfo] = {}
@@ -196,7 +211,8 @@ def capture_step_graph(ops: Sequence[tf.Operation], batch_size: int | None = Non
         outs = []
         for k, t in enumerate(op.outputs):
             dims, known = _shape_of(t, batch_size)
-            persistent = op.type in _VARIABLE_READ_TYPES or t.dtype.name in _HANDLE_DTYPES
+            persistent = (op.type in _VARIABLE_READ_TYPES or op.type in _SOURCE_OP_TYPES
+                          or t.dtype.name in _HANDLE_DTYPES)
             alias_of = None
             if op.type in ALIAS_OP_TYPES and k < len(op.inputs) and op.inputs[k].name in tensors:
                 alias_of = op.inputs[k].name
@@ -210,7 +226,7 @@ def capture_step_graph(ops: Sequence[tf.Operation], batch_size: int | None = Non
         infos.append(OpInfo(
             name=op.name, type=op.type, inputs=inputs, outputs=outs,
             control_inputs=[c.name for c in op.control_inputs if c.name in names],
-            is_backward=_is_gradient_name(op.name), keras_layer=keras_layer_of(op.name, model_scope, lnames),
+            is_backward=is_gradient_name(op.name), keras_layer=keras_layer_of(_local(op.name, prefix), model_scope, lnames),
             flops=_flops(op, batch_size), bytes_accessed=0))
     inferred = _infer_sizes_from_reshapes(infos, tensors)
     unknown -= inferred
@@ -267,10 +283,13 @@ def _mark_backward(sg: StepGraph) -> None:
     which runs early but belongs to the update and is not a feature map).
     """
     g = sg.graph
-    grads = [n for n in sg.ops if _is_gradient_name(n)]
-    below = _reach(g, grads, g.successors) - set(grads)
-    feeds_grads = _reach(g, grads, g.predecessors)
-    update = below | (_reach(g, list(below), g.predecessors) - feeds_grads - set(grads))
+    # After Grappler a gradient-named constant (or shape op) may be shared with the forward pass (constant folding
+    # and CSE keep one of the merged nodes' names): only ops that compute on data seed the backward pass.
+    grads = [n for n, op in sg.ops.items() if is_gradient_name(n) and op.inputs
+             and op.type not in _SOURCE_OP_TYPES and op.type not in METADATA_OP_TYPES]
+    below = reach(g, grads, g.successors) - set(grads)
+    feeds_grads = reach(g, grads, g.predecessors)
+    update = below | (reach(g, list(below), g.predecessors) - feeds_grads - set(grads))
     grad_set = set(grads)
     for name, op in sg.ops.items():
         if name in grad_set:
@@ -281,7 +300,7 @@ def _mark_backward(sg: StepGraph) -> None:
             op.is_backward, op.phase = False, "forward"
 
 
-def _reach(g, seeds: list[str], step) -> set[str]:
+def reach(g, seeds: list[str], step) -> set[str]:
     """Seeds and every node reachable from them through ``step`` (successors or predecessors)."""
     seen = set(seeds)
     frontier = list(seeds)

@@ -1,42 +1,36 @@
-"""The Dymem pass over a traced train step: analyse ▶ plan ▶ rewrite, run while Keras traces ``train_step``.
+"""The Dymem pass over an instantiated train step: analyse ▶ defer ▶ plan ▶ rewrite, after Grappler.
 
-:func:`attach` wraps a model's ``train_step`` so that, after the original step has built its forward and gradient
-ops in the current ``FuncGraph``, the pass captures those ops (:mod:`dymem_tf.graph_capture`), plans the swaps
-(:mod:`dymem_tf.planner`), inserts the swap ops (:mod:`dymem_tf.rewrite`) and installs the tensors' mobility in
-the GTBM allocator. Each trace (first call, retrace on a new input shape, each replica of a distribution strategy)
-gets its own plan.
+TensorFlow offers every instantiated function graph that holds gradient ops to a :class:`StepPass` while the
+callback's train function runs (:mod:`dymem_tf.graph_pass`, ``cc/graph_pass.cc``). The graph is the one TF will
+execute: Grappler has fused, folded and rewritten it already. The pass reads it (with the shapes TF's own shape inference gives, :mod:`dymem_tf.graph_def_view`), builds the step
+graph of each training device (:mod:`dymem_tf.graph_capture`), defers gradient-independent optimizer arithmetic
+(:mod:`dymem_tf.update_deferral`), plans the swaps (:mod:`dymem_tf.planner`) and hands the plan back to the C++
+pass, which inserts the swap ops by node name (all or nothing). Because Grappler has finished, the inserted ops
+cannot change any of its numeric rewrites: training is bit-identical by construction.
 
-Under a distribution strategy with several local replicas (``MirroredStrategy``), Keras calls the wrapped step once
-per replica, each in its own thread, all building into the same FuncGraph; the threads take turns at every
-``merge_call`` (the gradient all-reduce), so the ops created during one replica's call interleave with the other
-replicas' ops. The pass keeps a replica's own ops only: those placed on its device (ops without a device: those
-under its ``replica_<k>/`` name scope, or under none for replica 0). Each replica gets its own plan, and its swap ops
-sit on its device.
+Each instantiation (first call, retrace on a new input shape) gets its own plan; under a distribution strategy
+with several local replicas each replica's device gets its own plan (``TraceRecord.replica``).
 
-Constructs the pass cannot plan leave the trace unmodified, with one warning per construct
-(:class:`SkippedTrace`): control flow or nested function calls in the forward or backward pass (their ops live in
-another FuncGraph), forward tensors needed by the backward pass whose size is unknown, a step without gradient ops.
+Constructs the pass cannot plan leave the graph unmodified, with one warning per construct
+(:class:`SkippedTrace`): a loop feeding the backward pass, forward tensors needed by the backward pass whose size
+is unknown, a step without gradient ops.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import re
 import warnings
-import weakref
 from collections import Counter
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.framework import func_graph as func_graph_module
 
-from dymem_tf import graph_capture, planner, rewrite, update_deferral
+from dymem_tf import graph_capture, graph_def_view, graph_pass, planner, update_deferral
+from dymem_tf.device_profiles import DeviceProfile
 
 logger = logging.getLogger("dymem_tf")
-
-# model -> (original train_step, whether it was an instance attribute); kept outside the model so that Keras'
-# attribute tracking never sees it.
-_ATTACHED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 @dataclasses.dataclass
@@ -45,7 +39,7 @@ class PassConfig:
 
     policy: str = "dymem"
     budget_bytes: int | None = None
-    device: str = "cpu"
+    device: DeviceProfile | str = "cpu"  # cost-model profile (or its name)
     swapin_ahead: int = 1
     min_swap_bytes: int = 1 << 16
     defer_updates: bool = True  # see dymem_tf.update_deferral and DymemCallback(defer_updates=...)
@@ -54,48 +48,80 @@ class PassConfig:
 
 
 @dataclasses.dataclass
-class TraceRecord:
-    """One application of the pass to one traced step (``graph`` is the rewritten FuncGraph)."""
+class RewriteReport:
+    """What the pass inserted into one instantiated graph."""
 
-    graph: tf.Graph
+    swapped_tensors: int = 0
+    swap_out_ops: list = dataclasses.field(default_factory=list)
+    swap_in_ops: list = dataclasses.field(default_factory=list)
+    rerouted_inputs: int = 0
+    deferral_edges: int = 0
+
+    def summary(self) -> str:
+        return (f"{self.swapped_tensors} tensors swapped: {len(self.swap_out_ops)} swap-outs, "
+                f"{len(self.swap_in_ops)} swap-ins, {self.rerouted_inputs} consumer inputs rerouted")
+
+
+@dataclasses.dataclass
+class TraceRecord:
+    """One application of the pass to one instantiated graph (one replica's part of it under a strategy)."""
+
+    function_name: str
     batch_size: int | None
     step_graph: object
     plan: object
-    report: rewrite.RewriteReport
+    report: RewriteReport
     replica: int | None = None
+    rewritten_graph_def: bytes = b""  # the graph TF runs, swap ops included, serialized
+
+    @functools.cached_property
+    def graph(self) -> graph_def_view.GraphView:
+        """The graph TF runs (after Grappler, with the swap ops), as a read-only ``tf.Graph``-like view."""
+        return graph_def_view.GraphView(self.rewritten_graph_def)
 
 
 @dataclasses.dataclass
 class SkippedTrace:
-    """A trace the pass left unmodified: ``kind`` is ``"unsupported-graph"`` (no ops, a cycle), ``"control-flow"``,
-    ``"unknown-shape"`` or ``"no-gradients"``; ``subject`` names the op or tensor; ``reason`` is the warning's text."""
+    """A graph the pass left unmodified: ``kind`` is ``"unsupported-graph"`` (no ops, a cycle, a plan that did
+    not fit the graph), ``"control-flow"``, ``"unknown-shape"`` or ``"no-gradients"``; ``subject`` names the op
+    or tensor; ``reason`` is the warning's text."""
 
-    graph: tf.Graph
+    function_name: str
     kind: str
     subject: str
     reason: str
     replica: int | None = None
 
 
-#: Loops: their bodies live in other FuncGraphs and keep per-iteration feature maps for the backward pass in
-#: TensorList accumulators (variant tensors of unknown size), which the planner can neither size nor swap.
-LOOP_OP_TYPES = frozenset({"While", "StatelessWhile"})
-#: Conditionals and nested function calls: their bodies live in other FuncGraphs too, but every tensor the backward
-#: pass needs from them crosses the boundary as an output of the op, so they are planned as opaque ops.
+#: Loops (a Keras RNN on the TensorFlow backend; lowered to Enter/Exit/NextIteration frames by the time the pass
+#: runs): they keep per-iteration feature maps in TensorList accumulators, which the planner can neither size
+#: nor swap.
+LOOP_OP_TYPES = frozenset({"While", "StatelessWhile", "Enter", "NextIteration", "LoopCond"})
+#: Conditionals and function calls that were not inlined: what the backward pass needs from them leaves them as
+#: outputs, so they are planned as opaque ops.
 OPAQUE_OP_TYPES = frozenset({"If", "StatelessIf", "Case", "StatelessCase", "PartitionedCall",
                              "StatefulPartitionedCall"})
 _REPLICA_SCOPE = re.compile(r"(?:^|/)replica_(\d+)/")
 
 
+class StepPassError(RuntimeError):
+    """The pass refused a step on purpose (e.g. the budget cannot be met); raised by the callback after TF
+    cancelled the step's instantiation, so no training state changed."""
+
+
 class StepPass:
-    """Callable run inside the trace of ``train_step``; keeps the plans it made."""
+    """The listener the graph pass calls with each instantiated train-step graph; keeps the plans it made."""
 
     def __init__(self, config: PassConfig, print_fn=print):
         self.config = config
         self.records: list[TraceRecord] = []
         self.skipped: list[SkippedTrace] = []
-        #: batch size to plan with when a trace's batch dimension is unknown (set by the callback from ``fit``)
+        #: batch size to plan with when the graph's batch dimension is unknown (set by the callback from ``fit``)
         self.default_batch_size: int | None = None
+        #: bytes of weights and optimizer slots (set by the callback)
+        self.persistent_bytes: int = 0
+        #: the error that made the pass cancel the last instantiation (the callback raises it)
+        self.refusal: BaseException | None = None
         self._print = print_fn
         self._warned: set[str] = set()
         self._mobility: dict = {}
@@ -104,102 +130,119 @@ class StepPass:
     def last_plan(self):
         return self.records[-1].plan if self.records else None
 
-    def run(self, graph: tf.Graph, new_ops: list, batch_size: int | None, persistent_bytes: int,
-            replica: int | None = None) -> TraceRecord | None:
-        """Analyse, plan and rewrite the ops ``new_ops`` that the step created in ``graph``.
+    def __call__(self, call: graph_pass.PassCall) -> None:
+        """Plan and rewrite one instantiated graph (the :func:`dymem_tf.graph_pass.armed` listener)."""
+        graph = graph_def_view.GraphView(call.graph_def_bytes)
+        planned = []
+        for replica, ops in replica_ops(graph):
+            try:
+                result = self.plan_ops(call.function_name, ops, replica)
+            except planner.BudgetTooSmallError as err:
+                self.refusal = err
+                call.fail(str(err))
+                return
+            if result is not None:
+                planned.append((replica, *result))
+        if planned:
+            self._apply(call, planned)
 
-        Returns the record, or None when the trace is left unmodified (then :attr:`skipped` says why).
-        """
-        step_graph, problem = capture(new_ops, batch_size)
+    def plan_ops(self, function_name: str, ops: list, replica: int | None):
+        """``(step_graph, plan, deferrals)`` for one device's ops, or None when they are left unmodified."""
+        batch = graph_batch_size(ops) or self.default_batch_size
+        step_graph, problem = capture(ops, batch)
         if problem is not None:
-            self.skip(graph, *problem, replica)
+            self.skip(function_name, *problem, replica)
             return None
         deferrals = []
         if self.config.defer_updates and self.config.policy != "none":
             deferrals = update_deferral.find_deferrals(step_graph)
             update_deferral.defer(step_graph, deferrals)
         plan = planner.make_plan(
-            step_graph,
-            policy=self.config.policy,
-            budget_bytes=self.config.budget_bytes,
-            persistent_bytes=persistent_bytes,
-            profile=self.config.device,
-            batch_size=batch_size,
-            min_swap_bytes=self.config.min_swap_bytes,
-            swapin_ahead=self.config.swapin_ahead,
-            headroom=self.config.headroom,
-        )
-        op_index = {op.name: i for i, op in enumerate(graph.get_operations())}
+            step_graph, policy=self.config.policy, budget_bytes=self.config.budget_bytes,
+            persistent_bytes=self.persistent_bytes, profile=self.config.device, batch_size=batch,
+            min_swap_bytes=self.config.min_swap_bytes, swapin_ahead=self.config.swapin_ahead,
+            headroom=self.config.headroom)
         if deferrals:
-            update_deferral.apply_deferrals(graph, deferrals)
             plan.notes.append(f"{len(deferrals)} gradient-independent optimizer ops deferred to their gradients")
-        report = rewrite.apply_plan(graph, plan, layers=step_graph.layers, op_index=op_index)
-        for name in report.swap_in_ops:
-            plan.mobility[name] = "mobile"
-        # Every trace of this fit stays callable (a partial last batch, each replica): keep all their entries.
-        self._mobility.update(plan.mobility)
-        _install_mobility(self._mobility)
-        opaque = [op.name for op in step_graph.ops.values() if op.type in OPAQUE_OP_TYPES and op.phase != "update"]
-        if opaque:
-            plan.notes.append(f"{len(opaque)} conditionals or nested function calls (e.g. {opaque[0]!r}) planned as "
-                              "opaque ops: their inner ops and working memory are not modelled")
-        record = TraceRecord(graph, batch_size, step_graph, plan, report, replica)
-        self.records.append(record)
-        if self.config.verbose:
-            where = f" (replica {replica})" if replica is not None else ""
-            self._print(plan.summary())
-            self._print(f"dymem_tf: rewrite{where}: {report.summary()}")
-        return record
+        return step_graph, plan, deferrals
 
-    def skip(self, graph, kind: str, subject: str, detail: str, replica: int | None) -> None:
-        """Record that the trace of ``graph`` is left unmodified, and warn once per construct."""
+    def _apply(self, call: graph_pass.PassCall, planned: list) -> None:
+        """Hand every replica's plan to the C++ pass at once and record what it inserted."""
+        swaps = [d for _, _, plan, _ in planned for d in plan.swaps]
+        edges = [e for _, _, _, deferrals in planned for e in deferrals]
+        try:
+            rewritten = call.apply(graph_pass.encode_plan(swaps, edges))
+        except graph_pass.PlanApplyError as err:
+            self.skip(call.function_name, "unsupported-graph", "", f"the plan did not fit the graph ({err})", None)
+            return
+        for replica, step_graph, plan, deferrals in planned:
+            report = rewrite_report(plan, deferrals)
+            for name in report.swap_in_ops:
+                plan.mobility[name] = "mobile"
+            self._mobility.update(plan.mobility)  # every instantiation of this fit stays callable
+            record = TraceRecord(call.function_name, plan.batch_size, step_graph, plan, report, replica, rewritten)
+            self.records.append(record)
+            if self.config.verbose:
+                where = f" (replica {replica})" if replica is not None else ""
+                self._print(plan.summary())
+                self._print(f"dymem_tf: rewrite{where}: {report.summary()}")
+        _install_mobility(self._mobility)
+
+    def skip(self, function_name: str, kind: str, subject: str, detail: str, replica: int | None) -> None:
+        """Record that the graph is left unmodified, and warn once per construct."""
         reason = f"dymem_tf left this train step unmodified (no swapping): {detail}"
-        self.skipped.append(SkippedTrace(graph, kind, subject, reason, replica))
+        self.skipped.append(SkippedTrace(function_name, kind, subject, reason, replica))
         # one warning per construct: the same op in another replica or a retrace is the same construct
         self._warn_once(f"{kind}:{_REPLICA_SCOPE.sub(_keep_slash, subject)}", reason)
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
-            warnings.warn(message, RuntimeWarning, stacklevel=3)
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
+
+
+def rewrite_report(plan, deferrals) -> RewriteReport:
+    """What the pass inserts for ``plan``: the names :func:`dymem_tf.graph_pass.encode_plan` gives the ops."""
+    report = RewriteReport(swapped_tensors=len(plan.swaps), deferral_edges=len(deferrals))
+    for decision in plan.swaps:
+        report.swap_out_ops.append(graph_pass.swap_out_name(decision.tensor))
+        for i, swap_in in enumerate(decision.swap_ins):
+            if swap_in.consumers:
+                report.swap_in_ops.append(graph_pass.swap_in_name(decision.tensor, i))
+                report.rerouted_inputs += len(swap_in.consumers)
+    return report
 
 
 def _keep_slash(match) -> str:
     return "/" if match.group(0).startswith("/") else ""
 
 
-def _model_scope(ops) -> str | None:
-    """The model's name scope, inferred with replica scopes (``replica_1/``) set aside and put back."""
-    names = [op.name for op in ops]
-    stripped = [_REPLICA_SCOPE.sub(_keep_slash, n) for n in names]
-    scope = graph_capture.infer_model_scope(stripped)
-    if scope is None or stripped == names:
-        return scope
-    prefixed = Counter()
-    for n in names:
-        rest = n[n.find("gradient_tape/") + len("gradient_tape/"):] if "gradient_tape/" in n else n
-        m = re.match(r"^((?:[^/]+/)*?replica_\d+/)" + re.escape(scope) + "/", rest)
-        if m:
-            prefixed[m.group(1) + scope] += 1
-    return prefixed.most_common(1)[0][0] if prefixed else scope
+def replica_ops(graph: graph_def_view.GraphView) -> list[tuple[int | None, list]]:
+    """The graph's ops per training device: ``[(None, all ops)]`` on one device, else ``(replica, ops on that
+    device)`` for every device that runs gradient ops, in device-name order."""
+    ops = graph.get_operations()
+    grads = Counter(op.device for op in ops if graph_capture.is_gradient_name(op.name))
+    devices = sorted(d for d, n in grads.items() if n * 10 >= max(grads.values(), default=0))
+    if len(devices) <= 1:
+        return [(None, ops)]
+    return [(k, [op for op in ops if op.device == d]) for k, d in enumerate(devices)]
 
 
-def _ancestors(g, seeds: list[str]) -> set[str]:
-    seen, frontier = set(seeds), list(seeds)
-    while frontier:
-        for m in g.predecessors(frontier.pop()):
-            if m not in seen:
-                seen.add(m)
-                frontier.append(m)
-    return seen
+def graph_batch_size(ops) -> int | None:
+    """The static batch dimension of the step's input (``IteratorGetNext``'s first output), or None."""
+    for op in ops:
+        if op.type in ("IteratorGetNext", "IteratorGetNextSync") and op.outputs:
+            shape = op.outputs[0].shape
+            if shape.rank and shape[0] is not None:
+                return int(shape[0])
+    return None
 
 
-def capture(new_ops: list, batch_size: int | None):
-    """``(step_graph, None)`` for the ops a train step created, or ``(step_graph or None, (kind, subject,
-    explanation))`` when the pass would leave the step unmodified (see :func:`unsupported_construct`)."""
+def capture(ops: list, batch_size: int | None):
+    """``(step_graph, None)`` for the step's ops, or ``(step_graph or None, (kind, subject, explanation))`` when
+    the pass would leave the step unmodified (see :func:`unsupported_construct`)."""
     try:
-        step_graph = graph_capture.capture_step_graph(new_ops, batch_size=batch_size,
-                                                      model_scope=_model_scope(new_ops))
+        step_graph = graph_capture.capture_step_graph(ops, batch_size=batch_size)
     except graph_capture.UnsupportedGraphError as err:
         return None, ("unsupported-graph", "", f"{err}")
     return step_graph, unsupported_construct(step_graph, batch_size)
@@ -224,7 +267,8 @@ def unsupported_construct(sg, batch_size: int | None = None) -> tuple[str, str, 
                 "so no feature map is kept for a backward pass and there is nothing to swap.")
     loops = [op for op in ops.values() if op.type in LOOP_OP_TYPES and op.phase != "update"]
     if loops:
-        feeds_backward = _ancestors(sg.graph, [n for n, op in ops.items() if op.phase == "backward"])
+        feeds_backward = graph_capture.reach(sg.graph, [n for n, op in ops.items() if op.phase == "backward"],
+                                             sg.graph.predecessors)
         loops = [op for op in loops if op.phase == "backward" or op.name in feeds_backward]
     if loops:
         first = loops[0]
@@ -279,115 +323,3 @@ def persistent_bytes(model) -> int:
     return total
 
 
-def batch_size_of(data) -> int | None:
-    """The static batch dimension of the first tensor in a step's ``data`` (None when unknown)."""
-    for item in tf.nest.flatten(data):
-        shape = getattr(item, "shape", None)
-        if shape is not None and shape.rank:
-            return shape[0]
-    return None
-
-
-def attach(model, step_pass: StepPass) -> None:
-    """Wrap ``model.train_step`` so that every trace of it runs ``step_pass``; undo with :func:`detach`."""
-    if model in _ATTACHED:
-        detach(model)
-    had_instance_attr = "train_step" in model.__dict__
-    original = model.train_step
-    last_batch = {}
-
-    def train_step(data):
-        graph = tf.compat.v1.get_default_graph()
-        if tf.executing_eagerly() or not isinstance(graph, func_graph_module.FuncGraph):
-            return original(data)  # run_eagerly=True: nothing to rewrite
-        replica = _current_replica()
-        if getattr(graph, "is_control_flow_graph", False):
-            # traced inside a tf.while_loop / tf.cond body (a custom loop of steps): the step's ops would share the
-            # body with the loop's own ops, and swaps could not outlive an iteration; Keras' steps_per_execution
-            # calls the step as a nested tf.function instead, which has its own FuncGraph
-            outputs = original(data)
-            step_pass.skip(graph, "control-flow", graph.name,
-                           f"the step is traced inside a control-flow body ({type(graph).__name__} {graph.name!r}, "
-                           "e.g. the body of a tf.while_loop of steps), which the pass does not rewrite; wrap the "
-                           "step in its own tf.function (as Keras' steps_per_execution does) to have it planned.",
-                           replica[0] if replica is not None else None)
-            return outputs
-        outputs, new_ops = graph_capture.ops_created_by(original, data)
-        if replica is not None:
-            new_ops = [op for op in new_ops if _belongs_to_replica(op, *replica)]
-        batch = batch_size_of(data)
-        if batch is None:
-            # relaxed retrace or a dataset without drop_remainder: plan for the largest batch, fit's batch size
-            # (per replica), else the last static batch size seen
-            batch = _per_replica(step_pass.default_batch_size) or last_batch.get("value")
-        else:
-            last_batch["value"] = batch
-        step_pass.run(graph, new_ops, batch, persistent_bytes(model),
-                      replica=replica[0] if replica is not None else None)
-        return outputs
-
-    _ATTACHED[model] = (original, had_instance_attr)
-    model.train_step = train_step
-
-
-def _current_replica() -> tuple[int, object] | None:
-    """``(replica id, device spec)`` inside one of several local replicas of a strategy, else None."""
-    strategy = tf.distribute.get_strategy()
-    try:
-        local_devices = tuple(strategy.extended.worker_devices)
-    except (AttributeError, NotImplementedError, RuntimeError):
-        return None
-    if len(local_devices) < 2 or tf.distribute.in_cross_replica_context():
-        return None
-    ctx = tf.distribute.get_replica_context()
-    replica = getattr(ctx, "_replica_id_in_sync_group", None)
-    if not isinstance(replica, int):
-        replica = tf.get_static_value(ctx.replica_id_in_sync_group)
-    from tensorflow.python.distribute import device_util
-
-    try:
-        device = tf.DeviceSpec.from_string(device_util.current() or "")
-    except (ValueError, TypeError):
-        device = tf.DeviceSpec()
-    return (int(replica) if replica is not None else 0), device
-
-
-def _belongs_to_replica(op, replica: int, device) -> bool:
-    """Whether ``op`` (created while ``replica``'s step was being traced) is that replica's op.
-
-    Ops with a device belong to the replica placed on it; ops without one (variable reads colocated with their
-    variable) by name scope: ``replica_<k>/`` for replica k > 0, no replica scope for replica 0.
-    """
-    if op.device and device.device_type is not None:
-        spec = tf.DeviceSpec.from_string(op.device)
-        if spec.device_type is not None:
-            same = (spec.device_type.upper() == device.device_type.upper()
-                    and (spec.device_index or 0) == (device.device_index or 0))
-            for field in ("job", "task", "replica"):
-                a, b = getattr(spec, field), getattr(device, field)
-                same = same and (a is None or b is None or a == b)
-            return same
-    scopes = {int(k) for k in _REPLICA_SCOPE.findall(op.name)}
-    return replica in scopes if replica else not scopes
-
-
-def _per_replica(batch: int | None) -> int | None:
-    if not batch:
-        return None
-    try:
-        replicas = tf.distribute.get_strategy().num_replicas_in_sync
-    except (AttributeError, RuntimeError):
-        replicas = 1
-    return -(-int(batch) // max(1, int(replicas)))
-
-
-def detach(model) -> None:
-    """Restore the ``train_step`` that :func:`attach` wrapped."""
-    saved = _ATTACHED.pop(model, None)
-    if saved is None:
-        return
-    original, had_instance_attr = saved
-    if had_instance_attr:
-        model.train_step = original
-    else:
-        del model.train_step

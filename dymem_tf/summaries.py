@@ -122,14 +122,14 @@ class DymemSummaryWriter:
 
     # ------------------------------------------------------------------------------------------------ public API
     def write_plan(self, record) -> None:
-        """Write the plan of one traced step (a :class:`dymem_tf.step_pass.TraceRecord`: ``graph``, ``plan``,
-        ``step_graph``, ``report``), its simulated timeline and its swap schedule."""
+        """Write the plan of one traced step (a :class:`dymem_tf.step_pass.TraceRecord`: ``function_name``,
+        ``plan``, ``step_graph``, ``report``), its simulated timeline and its swap schedule."""
         self._check_open()
         plan, step_graph = record.plan, record.step_graph
         atomic_write_text(os.path.join(self.plugin_dir, logdata.PLAN_FILE), plan.to_json() + "\n")
         report = getattr(record, "report", None)
         self._meta.update({
-            "graph_name": getattr(getattr(record, "graph", None), "name", None), "batch_size": plan.batch_size,
+            "graph_name": getattr(record, "function_name", None), "batch_size": plan.batch_size,
             "policy": plan.policy, "device": plan.device, "budget_bytes": plan.budget_bytes,
             "persistent_bytes": plan.persistent_bytes, "num_layers": plan.num_layers,
             "num_ops": len(step_graph.ops), "num_tensors": len(step_graph.tensors),

@@ -10,7 +10,7 @@ import tensorflow as tf
 from dymem_tf import analysis, planner, summaries
 from dymem_tf.device_profiles import get_profile
 from dymem_tf.plan import Plan
-from dymem_tf.rewrite import RewriteReport
+from dymem_tf.step_pass import RewriteReport
 from dymem_tf.step_pass import TraceRecord
 from dymem_tf.tensorboard_plugin import logdata
 
@@ -37,8 +37,7 @@ def make_record(budget=12 * MiB, profile=None):
     profile = profile or get_profile("cpu")
     plan = planner.make_plan(sg, policy="dymem", budget_bytes=budget, persistent_bytes=MiB, batch_size=8,
                              profile=profile)
-    graph = types.SimpleNamespace(name="train_function")  # the rewritten FuncGraph; the writer records its name
-    return TraceRecord(graph, 8, sg, plan, RewriteReport(swapped_tensors=len(plan.swaps))), profile
+    return TraceRecord("train_function", 8, sg, plan, RewriteReport(swapped_tensors=len(plan.swaps))), profile
 
 
 def write_trace_csv(path, rows):

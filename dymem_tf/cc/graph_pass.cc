@@ -1,0 +1,174 @@
+// Dymem's graph pass: runs on the graph TensorFlow will execute, after Grappler (POST_REWRITE_FOR_EXEC), once per
+// function instantiation. It hands the graph to the Python planner through a C function pointer set with ctypes
+// and applies the plan the planner returns (step_plan.h). Nothing happens unless Python installed a handler and
+// armed the pass (DymemCallback arms it while its train function runs), and only for graphs with gradient ops.
+//
+// Why after Grappler: the plan is then made for the graph that runs (fused ops, removed identities, rewritten
+// AddNs), and the inserted swap ops cannot change what Grappler does, so training stays bit-identical.
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "step_plan.h"
+#include "tensorflow/core/common_runtime/optimization_registry.h"
+#include "tensorflow/core/common_runtime/shape_refiner.h"
+#include "tensorflow/core/framework/attr_value.pb.h"
+#include "tensorflow/core/framework/shape_inference.h"
+#include "tensorflow/core/graph/algorithm.h"
+#include "tensorflow/core/framework/function.h"
+#include "tensorflow/core/framework/graph.pb.h"
+#include "tensorflow/core/graph/graph.h"
+
+namespace dymem {
+namespace {
+
+// The Python side: called with the call's state, the function's name and its serialized GraphDef; returns
+// kContinue (run the graph as it now is) or kFail (fail the instantiation with the message set by
+// dymem_pass_fail, used by the dry run to capture a graph without running it).
+using Handler = int (*)(void* call, const char* function_name, const char* graph_def, size_t size);
+constexpr int kContinue = 0;
+constexpr int kFail = 1;
+
+std::atomic<Handler> g_handler{nullptr};
+std::atomic<int> g_armed{0};
+std::atomic<int64_t> g_handled{0};
+
+// State of one handler call, passed to Python as an opaque pointer.
+struct PassCall {
+  tensorflow::Graph* graph = nullptr;
+  std::string serialized;
+  std::string error;
+  std::string fail_message;
+};
+
+// Whether the graph holds a GradientTape's gradient ops (a train step), the only graphs Dymem plans.
+bool HasGradientOps(const tensorflow::Graph& graph) {
+  for (const tensorflow::Node* n : graph.op_nodes()) {
+    if (absl::StrContains(n->name(), "gradient_tape/")) return true;
+  }
+  return false;
+}
+
+// One inferred output shape as a TensorShapeProto (-1 for an unknown dimension).
+void ShapeToProto(tensorflow::shape_inference::InferenceContext* c, tensorflow::shape_inference::ShapeHandle h,
+                  tensorflow::TensorShapeProto* proto) {
+  if (!c->RankKnown(h)) {
+    proto->set_unknown_rank(true);
+    return;
+  }
+  for (int d = 0; d < c->Rank(h); ++d) proto->add_dim()->set_size(c->Value(c->Dim(h, d)));
+}
+
+// Adds `_dymem_output_types` and (where shape inference succeeds) `_dymem_output_shapes` to every node of `def`,
+// inferred with the runtime's own op registry (Python's may lack the kernels' dtypes, e.g. bfloat16 fusions).
+void AnnotateOutputs(const tensorflow::Graph& graph, tensorflow::GraphDef* def) {
+  std::unordered_map<std::string, tensorflow::NodeDef*> by_name;
+  for (tensorflow::NodeDef& nd : *def->mutable_node()) by_name[nd.name()] = &nd;
+  tensorflow::ShapeRefiner refiner(graph.versions(), graph.op_registry());
+  std::vector<tensorflow::Node*> order;
+  tensorflow::GetReversePostOrder(graph, &order);
+  for (tensorflow::Node* n : order) {
+    auto it = by_name.find(n->name());
+    if (!n->IsOp() || it == by_name.end()) continue;
+    tensorflow::AttrValue types;
+    for (int i = 0; i < n->num_outputs(); ++i) types.mutable_list()->add_type(n->output_type(i));
+    (*it->second->mutable_attr())["_dymem_output_types"] = types;
+    if (!refiner.AddNode(n).ok()) continue;
+    tensorflow::shape_inference::InferenceContext* c = refiner.GetContext(n);
+    tensorflow::AttrValue shapes;
+    for (int i = 0; i < c->num_outputs(); ++i) ShapeToProto(c, c->output(i), shapes.mutable_list()->add_shape());
+    (*it->second->mutable_attr())["_dymem_output_shapes"] = shapes;
+  }
+}
+
+// The graph as a serialized GraphDef with inferred output types and shapes (see AnnotateOutputs).
+std::string Serialize(const tensorflow::Graph& graph) {
+  tensorflow::GraphDef def;
+  graph.ToGraphDef(&def, /*include_flib_def=*/false);
+  AnnotateOutputs(graph, &def);
+  return def.SerializeAsString();
+}
+
+// The name of the function being instantiated (empty when TF did not say).
+std::string FunctionName(const tensorflow::GraphOptimizationPassOptions& options) {
+  return options.function_def != nullptr ? options.function_def->signature().name() : std::string();
+}
+
+class DymemStepPass : public tensorflow::GraphOptimizationPass {
+ public:
+  // Offers the graph to the Python planner when armed; a planner failure leaves the graph as it was.
+  absl::Status Run(const tensorflow::GraphOptimizationPassOptions& options) override {
+    Handler handler = g_handler.load();
+    if (handler == nullptr || g_armed.load() <= 0 || options.graph == nullptr || *options.graph == nullptr) {
+      return absl::OkStatus();
+    }
+    tensorflow::Graph* graph = options.graph->get();
+    if (!HasGradientOps(*graph)) return absl::OkStatus();
+    PassCall call;
+    call.graph = graph;
+    call.serialized = Serialize(*graph);
+    g_handled.fetch_add(1);
+    const std::string name = FunctionName(options);
+    if (handler(&call, name.c_str(), call.serialized.data(), call.serialized.size()) == kFail) {
+      return absl::CancelledError(absl::StrCat("dymem_tf: ", call.fail_message));
+    }
+    return absl::OkStatus();
+  }
+};
+
+}  // namespace
+}  // namespace dymem
+
+// After XLA's clustering passes (phases 3-60 of the same grouping): swap ops never land inside a cluster.
+REGISTER_OPTIMIZATION(tensorflow::OptimizationPassRegistry::POST_REWRITE_FOR_EXEC, 100, dymem::DymemStepPass);
+
+extern "C" {
+
+// Installs the Python handler (null removes it).
+__attribute__((visibility("default"))) void dymem_pass_set_handler(dymem::Handler handler) {
+  dymem::g_handler.store(handler);
+}
+
+// Arms (+1) or disarms (-1) the pass; it offers graphs to the handler while the count is positive.
+__attribute__((visibility("default"))) int dymem_pass_arm(int delta) { return dymem::g_armed.fetch_add(delta) + delta; }
+
+// How many graphs were offered to the handler since the library was loaded.
+__attribute__((visibility("default"))) int64_t dymem_pass_handled(void) { return dymem::g_handled.load(); }
+
+// Applies a plan (step_plan.h text form) to the graph of `call`: 0 on success, -1 with dymem_pass_error set and
+// the graph unchanged otherwise. On success the call's serialized graph is the rewritten one.
+__attribute__((visibility("default"))) int dymem_pass_apply(void* call, const char* text) {
+  auto* c = static_cast<dymem::PassCall*>(call);
+  dymem::StepPlan plan;
+  if (text == nullptr || !dymem::ParseStepPlan(text, &plan, &c->error) ||
+      !dymem::ApplyStepPlan(plan, c->graph, &c->error)) {
+    if (text == nullptr) c->error = "null plan";
+    return -1;
+  }
+  c->serialized = dymem::Serialize(*c->graph);
+  return 0;
+}
+
+// The last error of `call` ("" when none).
+__attribute__((visibility("default"))) const char* dymem_pass_error(void* call) {
+  return static_cast<dymem::PassCall*>(call)->error.c_str();
+}
+
+// The call's graph as a serialized GraphDef (after dymem_pass_apply: the rewritten graph); returns its size.
+__attribute__((visibility("default"))) int64_t dymem_pass_graph_def(void* call, const char** data) {
+  auto* c = static_cast<dymem::PassCall*>(call);
+  *data = c->serialized.data();
+  return static_cast<int64_t>(c->serialized.size());
+}
+
+// Makes the handler's kFail fail the instantiation with this message.
+__attribute__((visibility("default"))) void dymem_pass_fail(void* call, const char* message) {
+  static_cast<dymem::PassCall*>(call)->fail_message = message != nullptr ? message : "";
+}
+
+}  // extern "C"

@@ -1,0 +1,257 @@
+// Parser and applier of a swap plan (step_plan.h). The applier follows Grappler's memory_optimizer.cc: check
+// everything first, change the graph only when the whole plan fits it, and undo every change on a late failure.
+
+#include "step_plan.h"
+
+#include <deque>
+#include <sstream>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "tensorflow/core/framework/types.h"
+#include "tensorflow/core/graph/node_builder.h"
+
+namespace dymem {
+namespace {
+
+using tensorflow::Edge;
+using tensorflow::Graph;
+using tensorflow::Node;
+
+using NodeIndex = std::unordered_map<std::string, Node*>;
+
+// One rerouted data input: `consumer`'s input `index` read `src:port` before the plan.
+struct Reroute {
+  Node* consumer;
+  int index;
+  Node* src;
+  int port;
+};
+
+// What ApplyStepPlan changed, so that a late failure can put the graph back.
+struct UndoLog {
+  std::vector<Node*> added_nodes;
+  std::vector<const Edge*> added_control_edges;
+  std::vector<Reroute> reroutes;
+};
+
+// Splits one line into tab-separated fields (empty fields kept).
+std::vector<std::string> Fields(const std::string& line) { return absl::StrSplit(line, '\t'); }
+
+// Parses one `out` record; false on a malformed one.
+bool ParseOut(const std::vector<std::string>& f, StepPlan* plan) {
+  int port = 0;
+  if (f.size() != 4 || f[1].empty() || f[3].empty() || !absl::SimpleAtoi(f[2], &port) || port < 0) return false;
+  plan->swap_outs.push_back({f[1], port, f[3]});
+  return true;
+}
+
+// Parses one `in` record; false on a malformed one.
+bool ParseIn(const std::vector<std::string>& f, StepPlan* plan) {
+  if (f.size() != 5 || f[1].empty() || f[2].empty() || f[4].empty()) return false;
+  std::vector<std::string> consumers = absl::StrSplit(f[4], ',', absl::SkipEmpty());
+  plan->swap_ins.push_back({f[1], f[2], f[3], std::move(consumers)});
+  return true;
+}
+
+// Parses one `ctrl` record; false on a malformed one.
+bool ParseCtrl(const std::vector<std::string>& f, StepPlan* plan) {
+  if (f.size() != 3 || f[1].empty() || f[2].empty()) return false;
+  plan->control_edges.push_back({f[1], f[2]});
+  return true;
+}
+
+// The node called `name`, or null (with `error` set).
+Node* Find(const NodeIndex& index, const std::string& name, std::string* error) {
+  auto it = index.find(name);
+  if (it != index.end()) return it->second;
+  *error = absl::StrCat("the plan names node '", name, "', which is not in the graph");
+  return nullptr;
+}
+
+// Whether a tensor of this type can be swapped (plain bytes, not a reference).
+bool Swappable(tensorflow::DataType dtype) {
+  return !tensorflow::IsRefType(dtype) && tensorflow::DataTypeCanUseMemcpy(dtype);
+}
+
+// Checks that every name the plan uses exists (and every new name does not); false with `error` otherwise.
+bool Validate(const StepPlan& plan, const NodeIndex& index, std::string* error) {
+  std::unordered_set<std::string> outs;
+  for (const SwapOutRecord& r : plan.swap_outs) {
+    Node* producer = Find(index, r.producer, error);
+    if (producer == nullptr) return false;
+    if (r.port >= producer->num_outputs() || !Swappable(producer->output_type(r.port))) {
+      *error = absl::StrCat("output ", r.port, " of '", r.producer, "' does not exist or cannot be swapped");
+      return false;
+    }
+    if (index.count(r.name) || !outs.insert(r.name).second) {
+      *error = absl::StrCat("swap-out name '", r.name, "' is already taken");
+      return false;
+    }
+  }
+  std::unordered_set<std::string> ins;
+  for (const SwapInRecord& r : plan.swap_ins) {
+    if (!outs.count(r.swap_out) || index.count(r.name) || outs.count(r.name) || !ins.insert(r.name).second) {
+      *error = absl::StrCat("swap-in '", r.name, "' has an unknown swap-out or a taken name");
+      return false;
+    }
+    if (!r.trigger.empty() && Find(index, r.trigger, error) == nullptr) return false;
+    for (const std::string& c : r.consumers) {
+      if (Find(index, c, error) == nullptr) return false;
+    }
+  }
+  for (const ControlEdgeRecord& r : plan.control_edges) {
+    if (Find(index, r.from, error) == nullptr || Find(index, r.to, error) == nullptr) return false;
+  }
+  return true;
+}
+
+// Adds one swap op named `name` of `type` reading `src:port`, placed like `like`; null with `error` on failure.
+Node* AddSwapNode(Graph* graph, const std::string& name, const char* type, Node* src, int port, Node* like,
+                  tensorflow::DataType dtype, std::string* error) {
+  Node* node = nullptr;
+  absl::Status s = tensorflow::NodeBuilder(name, type)
+                       .Input(tensorflow::NodeBuilder::NodeOut(src, port))
+                       .Attr("T", dtype)
+                       .Device(like->assigned_device_name())
+                       .Finalize(graph, &node, /*consume=*/true);
+  if (!s.ok()) {
+    *error = absl::StrCat("could not add ", type, " '", name, "': ", s.message());
+    return nullptr;
+  }
+  node->set_assigned_device_name(like->assigned_device_name());
+  return node;
+}
+
+// Data inputs of `consumer` that read `src:port`, as input indices.
+std::vector<int> InputsReading(const Node* consumer, const Node* src, int port) {
+  std::vector<int> found;
+  for (const Edge* e : consumer->in_edges()) {
+    if (!e->IsControlEdge() && e->src() == src && e->src_output() == port) found.push_back(e->dst_input());
+  }
+  return found;
+}
+
+// Moves `consumer`'s inputs that read `src:port` to `dst:0`, logging each move; false if it read none.
+bool RerouteConsumer(Graph* graph, Node* consumer, Node* src, int port, Node* dst, UndoLog* log) {
+  std::vector<int> inputs = InputsReading(consumer, src, port);
+  for (int i : inputs) {
+    if (!graph->UpdateEdge(dst, 0, consumer, i).ok()) return false;
+    log->reroutes.push_back({consumer, i, src, port});
+  }
+  return !inputs.empty();
+}
+
+// Whether the graph (data and control edges) is free of cycles (Kahn's algorithm).
+bool Acyclic(const Graph& graph) {
+  std::vector<int> pending(graph.num_node_ids(), 0);
+  std::deque<const Node*> ready;
+  int nodes = 0;
+  for (const Node* n : graph.nodes()) {
+    ++nodes;
+    pending[n->id()] = n->in_edges().size();
+    if (pending[n->id()] == 0) ready.push_back(n);
+  }
+  int done = 0;
+  for (; !ready.empty(); ready.pop_front(), ++done) {
+    for (const Edge* e : ready.front()->out_edges()) {
+      if (--pending[e->dst()->id()] == 0) ready.push_back(e->dst());
+    }
+  }
+  return done == nodes;
+}
+
+// Undoes everything in `log`, newest first.
+void Undo(Graph* graph, const UndoLog& log) {
+  for (auto it = log.reroutes.rbegin(); it != log.reroutes.rend(); ++it) {
+    graph->UpdateEdge(it->src, it->port, it->consumer, it->index).IgnoreError();
+  }
+  for (const Edge* e : log.added_control_edges) graph->RemoveControlEdge(e);
+  for (auto it = log.added_nodes.rbegin(); it != log.added_nodes.rend(); ++it) graph->RemoveNode(*it);
+}
+
+// Adds the swap-out nodes; false with `error` on failure.
+bool AddSwapOuts(const StepPlan& plan, const NodeIndex& index, Graph* graph, NodeIndex* added, UndoLog* log,
+                 std::string* error) {
+  for (const SwapOutRecord& r : plan.swap_outs) {
+    Node* producer = index.at(r.producer);
+    Node* out = AddSwapNode(graph, r.name, "DymemSwapOut", producer, r.port, producer,
+                            producer->output_type(r.port), error);
+    if (out == nullptr) return false;
+    log->added_nodes.push_back(out);
+    (*added)[r.name] = out;
+  }
+  return true;
+}
+
+// Adds the swap-in nodes with their triggers and reroutes their consumers; false with `error` on failure.
+bool AddSwapIns(const StepPlan& plan, const NodeIndex& index, Graph* graph, NodeIndex* added, UndoLog* log,
+                std::string* error) {
+  std::unordered_map<std::string, const SwapOutRecord*> outs;
+  for (const SwapOutRecord& r : plan.swap_outs) outs[r.name] = &r;
+  for (const SwapInRecord& r : plan.swap_ins) {
+    const SwapOutRecord& src = *outs.at(r.swap_out);
+    Node* producer = index.at(src.producer);
+    Node* in = AddSwapNode(graph, r.name, "DymemSwapIn", added->at(r.swap_out), 0, producer,
+                           producer->output_type(src.port), error);
+    if (in == nullptr) return false;
+    log->added_nodes.push_back(in);
+    if (!r.trigger.empty()) log->added_control_edges.push_back(graph->AddControlEdge(index.at(r.trigger), in));
+    for (const std::string& c : r.consumers) {
+      if (!RerouteConsumer(graph, index.at(c), producer, src.port, in, log)) {
+        *error = absl::StrCat("'", c, "' does not read ", src.producer, ":", src.port);
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+// Adds the plan's control edges.
+void AddControlEdges(const StepPlan& plan, const NodeIndex& index, Graph* graph, UndoLog* log) {
+  for (const ControlEdgeRecord& r : plan.control_edges) {
+    const Edge* e = graph->AddControlEdge(index.at(r.from), index.at(r.to));
+    if (e != nullptr) log->added_control_edges.push_back(e);
+  }
+}
+
+}  // namespace
+
+bool ParseStepPlan(const std::string& text, StepPlan* plan, std::string* error) {
+  std::istringstream lines(text);
+  std::string line;
+  for (int lineno = 1; std::getline(lines, line); ++lineno) {
+    if (line.empty()) continue;
+    std::vector<std::string> f = Fields(line);
+    bool ok = (f[0] == "out" && ParseOut(f, plan)) || (f[0] == "in" && ParseIn(f, plan)) ||
+              (f[0] == "ctrl" && ParseCtrl(f, plan));
+    if (!ok) {
+      *error = absl::StrCat("plan line ", lineno, " is malformed: '", line, "'");
+      return false;
+    }
+  }
+  return true;
+}
+
+bool ApplyStepPlan(const StepPlan& plan, Graph* graph, std::string* error) {
+  NodeIndex index;
+  for (Node* n : graph->nodes()) index[n->name()] = n;
+  if (!Validate(plan, index, error)) return false;
+  UndoLog log;
+  NodeIndex added;
+  bool ok = AddSwapOuts(plan, index, graph, &added, &log, error) &&
+            AddSwapIns(plan, index, graph, &added, &log, error);
+  if (ok) AddControlEdges(plan, index, graph, &log);
+  if (ok && !Acyclic(*graph)) {
+    *error = "the plan would make the graph cyclic";
+    ok = false;
+  }
+  if (!ok) Undo(graph, log);
+  return ok;
+}
+
+}  // namespace dymem

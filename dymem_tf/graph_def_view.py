@@ -1,0 +1,126 @@
+"""A read-only view of the GraphDef the graph pass hands over, shaped like the parts of ``tf.Graph`` the pass uses.
+
+The pass serializes the graph TensorFlow will run with every node's output types and inferred shapes
+(``_dymem_output_types``, ``_dymem_output_shapes``, from the runtime's own op registry, ``cc/graph_pass.cc``). This
+view reads them, so the graph never has to be re-imported through Python's op registry, which rejects some graphs
+Grappler legitimately produces (bfloat16 ``_FusedConv2D`` under oneDNN) and costs time on large steps.
+
+``GraphView.get_operations()``, ``OpView`` (``name``, ``type``, ``device``, ``inputs``, ``outputs``,
+``control_inputs``, ``get_attr``) and ``TensorView`` (``name``, ``op``, ``value_index``, ``dtype``, ``shape``,
+``consumers()``) behave like their ``tf`` counterparts for reading.
+"""
+from __future__ import annotations
+
+import functools
+
+from tensorflow.core.framework import graph_pb2
+from tensorflow.python.framework import dtypes, tensor_shape
+
+OUTPUT_TYPES_ATTR = "_dymem_output_types"
+OUTPUT_SHAPES_ATTR = "_dymem_output_shapes"
+
+
+class TensorView:
+    """Output ``value_index`` of ``op``."""
+
+    def __init__(self, op: "OpView", value_index: int, dtype, shape):
+        self.op, self.value_index, self.dtype, self.shape = op, value_index, dtype, shape
+        self.name = f"{op.name}:{value_index}"
+
+    def consumers(self) -> list["OpView"]:
+        """Ops that read this tensor as a data input."""
+        return [c for c in self.op.graph.consumers_of(self.name)]
+
+    def __repr__(self) -> str:
+        return f"<TensorView {self.name} {self.dtype.name} {self.shape}>"
+
+
+class OpView:
+    """One node of the GraphDef."""
+
+    def __init__(self, graph: "GraphView", node):
+        self.graph, self.node_def = graph, node
+        self.name, self.type, self.device = node.name, node.op, node.device
+        self.outputs = [TensorView(self, k, dt, sh) for k, (dt, sh) in enumerate(_outputs_of(node))]
+
+    @functools.cached_property
+    def inputs(self) -> list[TensorView]:
+        """Data inputs, in order."""
+        return [self.graph.get_tensor_by_name(_tensor_name(i)) for i in self.node_def.input if not i.startswith("^")]
+
+    @functools.cached_property
+    def control_inputs(self) -> list["OpView"]:
+        """Ops this op waits for through control edges."""
+        return [self.graph.op(i[1:]) for i in self.node_def.input if i.startswith("^")]
+
+    def get_attr(self, name: str):
+        """The attribute's value, as ``tf.Operation.get_attr`` returns it for scalars and types."""
+        if name not in self.node_def.attr:
+            raise ValueError(f"operation {self.name!r} has no attr named {name!r}")
+        value = self.node_def.attr[name]
+        kind = value.WhichOneof("value")
+        if kind == "type":
+            return dtypes.as_dtype(value.type)
+        if kind == "list":
+            return list(value.list.i or value.list.f or value.list.s or value.list.b
+                        or [dtypes.as_dtype(t) for t in value.list.type])
+        return getattr(value, kind) if kind else None
+
+    def __repr__(self) -> str:
+        return f"<OpView {self.name} ({self.type})>"
+
+
+class GraphView:
+    """All nodes of a serialized GraphDef, in file order."""
+
+    def __init__(self, data: bytes):
+        self.graph_def = graph_pb2.GraphDef.FromString(data)
+        self._ops = [OpView(self, node) for node in self.graph_def.node]
+        self._by_name = {op.name: op for op in self._ops}
+        self._consumers: dict[str, list[OpView]] | None = None
+
+    def get_operations(self) -> list[OpView]:
+        return list(self._ops)
+
+    def op(self, name: str) -> OpView:
+        return self._by_name[name]
+
+    def get_operation_by_name(self, name: str) -> OpView:
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise KeyError(f"the graph has no operation {name!r}") from None
+
+    def get_tensor_by_name(self, name: str) -> TensorView:
+        op_name, _, port = name.rpartition(":")
+        try:
+            return self._by_name[op_name].outputs[int(port)]
+        except (KeyError, IndexError, ValueError):
+            raise KeyError(f"the graph has no tensor {name!r}") from None
+
+    def consumers_of(self, tensor_name: str) -> list[OpView]:
+        """Ops reading ``tensor_name`` as a data input."""
+        if self._consumers is None:
+            self._consumers = {}
+            for op in self._ops:
+                for i in op.node_def.input:
+                    if not i.startswith("^"):
+                        self._consumers.setdefault(_tensor_name(i), []).append(op)
+        return self._consumers.get(tensor_name, [])
+
+
+def _tensor_name(graph_def_input: str) -> str:
+    """``"op:k"`` of a GraphDef input string (``"op"`` means output 0)."""
+    return graph_def_input if ":" in graph_def_input else f"{graph_def_input}:0"
+
+
+def _outputs_of(node) -> list[tuple]:
+    """``(dtype, TensorShape)`` of every output of ``node``, from the pass's annotations."""
+    types = [dtypes.as_dtype(t) for t in node.attr[OUTPUT_TYPES_ATTR].list.type] \
+        if OUTPUT_TYPES_ATTR in node.attr else []
+    shapes = list(node.attr[OUTPUT_SHAPES_ATTR].list.shape) if OUTPUT_SHAPES_ATTR in node.attr else []
+    out = []
+    for k, dtype in enumerate(types):
+        shape = tensor_shape.TensorShape(shapes[k]) if k < len(shapes) else tensor_shape.TensorShape(None)
+        out.append((dtype, shape))
+    return out

@@ -1,0 +1,169 @@
+"""The bridge to Dymem's graph pass after Grappler (``cc/graph_pass.cc``): offer, plan, apply.
+
+TensorFlow runs the pass once per function instantiation, on the graph it will execute (after Grappler). While a
+:func:`armed` block is active, the pass hands every instantiated graph that holds gradient ops to the *listener*
+of that block, as a :class:`PassCall`. The listener may
+
+* :meth:`PassCall.apply` a plan (:class:`~dymem_tf.plan.Plan` records encoded by :func:`encode_plan`): the swap ops
+  are inserted by node name, all or nothing;
+* :meth:`PassCall.fail` the instantiation (the dry run captures a graph this way without running the step);
+* do nothing: the graph runs as Grappler left it.
+
+An exception in a listener is reported as a warning and leaves the graph unmodified: the pass never breaks a step.
+The listener runs on whichever thread TensorFlow instantiates the function, usually the one calling it.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import threading
+import warnings
+from typing import Callable
+
+logger = logging.getLogger("dymem_tf")
+
+_HANDLER_TYPE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t)
+_CONTINUE, _FAIL = 0, 1
+
+_lock = threading.RLock()
+_listeners: list = []  # stack of active listeners; the innermost armed block receives the graphs
+_state: dict = {}
+
+
+class PassCall:
+    """One offer of an instantiated graph to a listener (valid only while the listener runs)."""
+
+    def __init__(self, lib, handle, function_name: str, graph_def_bytes: bytes):
+        self._lib, self._handle = lib, handle
+        self.function_name = function_name
+        self.graph_def_bytes = graph_def_bytes
+        self.failed_with: str | None = None
+
+    def graph_def(self):
+        """The offered graph as a ``GraphDef`` (as Grappler left it)."""
+        from tensorflow.core.framework import graph_pb2
+
+        return graph_pb2.GraphDef.FromString(self.graph_def_bytes)
+
+    def apply(self, plan_text: str) -> bytes:
+        """Insert the plan (see :func:`encode_plan`); returns the rewritten graph serialized. Raises
+        :class:`PlanApplyError` (graph unchanged) when the plan does not fit the graph."""
+        if self._lib.dymem_pass_apply(self._handle, plan_text.encode()) != 0:
+            raise PlanApplyError(self._lib.dymem_pass_error(self._handle).decode(errors="replace"))
+        data = ctypes.c_char_p()
+        size = self._lib.dymem_pass_graph_def(self._handle, ctypes.byref(data))
+        return ctypes.string_at(data, size)
+
+    def fail(self, message: str) -> None:
+        """Fail this instantiation with ``message`` (the step does not run; variables stay untouched)."""
+        self.failed_with = message
+        self._lib.dymem_pass_fail(self._handle, message.encode())
+
+
+class PlanApplyError(RuntimeError):
+    """The pass could not apply a plan to the graph; the graph was left as it was."""
+
+
+def _library():
+    """The ops library as a ctypes handle with the pass's C functions typed."""
+    if "lib" not in _state:
+        from dymem_tf.ops import loader
+
+        lib = loader.ops_cdll()
+        lib.dymem_pass_set_handler.argtypes = [_HANDLER_TYPE]
+        lib.dymem_pass_arm.argtypes = [ctypes.c_int]
+        lib.dymem_pass_arm.restype = ctypes.c_int
+        lib.dymem_pass_handled.restype = ctypes.c_int64
+        lib.dymem_pass_apply.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+        lib.dymem_pass_apply.restype = ctypes.c_int
+        lib.dymem_pass_error.argtypes = [ctypes.c_void_p]
+        lib.dymem_pass_error.restype = ctypes.c_char_p
+        lib.dymem_pass_graph_def.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_char_p)]
+        lib.dymem_pass_graph_def.restype = ctypes.c_int64
+        lib.dymem_pass_fail.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+        _state["lib"] = lib
+    return _state["lib"]
+
+
+def _on_graph(handle, function_name, data, size) -> int:
+    """The C handler: give the graph to the innermost listener; never raise into TensorFlow."""
+    try:
+        with _lock:
+            listener = _listeners[-1] if _listeners else None
+        if listener is None:
+            return _CONTINUE
+        call = PassCall(_library(), handle, (function_name or b"").decode(errors="replace"),
+                        ctypes.string_at(data, size))
+        listener(call)
+        return _FAIL if call.failed_with is not None else _CONTINUE
+    except BaseException as err:  # pylint: disable=broad-except  (an exception must not cross into TF's C++)
+        warnings.warn(f"dymem_tf: the graph pass failed ({type(err).__name__}: {err}); the step runs unmodified",
+                      RuntimeWarning, stacklevel=1)
+        return _CONTINUE
+
+
+def _install() -> None:
+    """Install the C handler once per process (the ctypes function object is kept alive here)."""
+    with _lock:
+        if "handler" not in _state:
+            _state["handler"] = _HANDLER_TYPE(_on_graph)
+            _library().dymem_pass_set_handler(_state["handler"])
+
+
+@contextlib.contextmanager
+def armed(listener: Callable[[PassCall], None]):
+    """Offer graphs instantiated inside this block to ``listener`` (the innermost block wins)."""
+    _install()
+    lib = _library()
+    with _lock:
+        _listeners.append(listener)
+        lib.dymem_pass_arm(1)
+    try:
+        yield
+    finally:
+        with _lock:
+            _listeners.remove(listener)
+            lib.dymem_pass_arm(-1)
+
+
+def graphs_offered() -> int:
+    """How many instantiated graphs the pass has offered to Python in this process."""
+    return int(_library().dymem_pass_handled())
+
+
+def encode_plan(swaps, control_edges=()) -> str:
+    """The pass's text form of a plan: ``swaps`` are :class:`~dymem_tf.plan.SwapDecision`-like records
+    (``tensor``, ``swap_ins`` with ``consumers`` and ``trigger_op``), ``control_edges`` ``(from, to)`` op pairs.
+
+    Swap-out ``x:k`` is named ``x/dymem_swap_out_k``, its i-th swap-in ``x/dymem_swap_in_k_i``.
+    """
+    lines = []
+    for decision in swaps:
+        producer, port = split_tensor_name(decision.tensor)
+        out = swap_out_name(decision.tensor)
+        lines.append(f"out\t{producer}\t{port}\t{out}")
+        for i, swap_in in enumerate(decision.swap_ins):
+            if swap_in.consumers:
+                lines.append(f"in\t{out}\t{swap_in_name(decision.tensor, i)}\t{swap_in.trigger_op or ''}\t"
+                             + ",".join(swap_in.consumers))
+    lines += [f"ctrl\t{a}\t{b}" for a, b in control_edges]
+    return "\n".join(lines) + "\n"
+
+
+def split_tensor_name(tensor: str) -> tuple[str, int]:
+    """``("op", k)`` of a tensor name ``"op:k"``."""
+    op, _, port = tensor.rpartition(":")
+    return op, int(port)
+
+
+def swap_out_name(tensor: str) -> str:
+    """Node name of the swap-out of ``tensor``."""
+    op, port = split_tensor_name(tensor)
+    return f"{op}/dymem_swap_out_{port}"
+
+
+def swap_in_name(tensor: str, index: int) -> str:
+    """Node name of the ``index``-th swap-in of ``tensor``."""
+    op, port = split_tensor_name(tensor)
+    return f"{op}/dymem_swap_in_{port}_{index}"
