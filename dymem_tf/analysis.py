@@ -74,6 +74,8 @@ class OpInfo:
     bytes_accessed: int
     layer: int = -1
     phase: str = ""  # "forward" | "backward" | "update" (informational; is_backward covers the last two)
+    conditional: bool = False  # inside a lowered conditional branch: may not run (dead), so never a trigger
+    frame: str = ""  # lowered loop frame ("" outside loops; "outer/inner" when nested)
 
 
 class StepGraph:

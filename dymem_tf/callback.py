@@ -119,11 +119,20 @@ class DymemCallback(keras.callbacks.Callback):
             return train_function
         callback = self
 
+        first_call = [True]
+
         def dymem_train_function(iterator):
             callback.pass_.refusal = None
+            seen = len(callback.pass_.records) + len(callback.pass_.skipped)
             try:
                 with graph_pass.armed(callback.pass_):
-                    return train_function(iterator)
+                    outputs = train_function(iterator)
+                if first_call[0] and len(callback.pass_.records) + len(callback.pass_.skipped) == seen:
+                    # the first call instantiated the step, and the pass saw no gradient ops in it
+                    callback.pass_.skip(getattr(train_function, "__name__", "train_function"), "no-gradients", "",
+                                        step_pass.NO_GRADIENTS, None)
+                first_call[0] = False
+                return outputs
             except tf.errors.CancelledError as err:
                 refusal = callback.pass_.refusal
                 if refusal is not None and "dymem_tf:" in (err.message or ""):

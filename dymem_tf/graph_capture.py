@@ -222,7 +222,10 @@ def capture_step_graph(ops: Sequence[tf.Operation], batch_size: int | None = Non
             tensors[t.name] = TensorInfo(t.name, op.name, k, t.dtype.name, dims, _nbytes(t.dtype, dims, known),
                                          persistent=persistent, shape_known=known, alias_of=alias_of)
             outs.append(t.name)
-        inputs = [t.name for t in op.inputs if t.op.name in names]
+        # A lowered loop's back edge (NextIteration -> Merge) is left out: the step graph stays a DAG, and the
+        # pass reports the loop itself (dymem_tf.step_pass.unsupported_construct).
+        inputs = [t.name for t in op.inputs if t.op.name in names
+                  and not (op.type == "Merge" and t.op.type == "NextIteration")]
         infos.append(OpInfo(
             name=op.name, type=op.type, inputs=inputs, outputs=outs,
             control_inputs=[c.name for c in op.control_inputs if c.name in names],
@@ -242,11 +245,60 @@ def capture_step_graph(ops: Sequence[tf.Operation], batch_size: int | None = Non
         "batch_size": batch_size, "model_scope": model_scope, "unknown_shape_tensors": unknown,
         "sizes_inferred_from_reshape": inferred,
         "variable_read_bytes": variable_bytes})
+    enter_frames = {op.name: _frame_name(op) for op in ops if op.type == "Enter"}
     _mark_backward(sg)
     try:
-        return analyse(sg)
+        analyse(sg)
     except CycleError as err:
         raise UnsupportedGraphError(str(err)) from err
+    _mark_frames(sg, enter_frames)
+    _mark_conditional(sg)
+    return sg
+
+
+def _mark_frames(sg: StepGraph, enter_frames: dict[str, str]) -> None:
+    """Give every op the lowered loop frame it runs in: ``Enter`` opens a frame, ``Exit`` leaves it, other ops
+    run in their inputs' frame (data inputs first, then control inputs)."""
+    for name in sg.execution_order():
+        op = sg.ops[name]
+        sources = [sg.tensors[t].producer for t in op.inputs] + list(op.control_inputs)
+        outer = next((sg.ops[p].frame for p in sources if sg.ops[p].frame), "")
+        if op.type == "Enter":
+            op.frame = f"{outer}/{enter_frames.get(name, name)}".lstrip("/")
+        elif op.type == "Exit":
+            op.frame = outer.rpartition("/")[0]
+        else:
+            op.frame = outer
+
+
+def _frame_name(op) -> str:
+    """The ``frame_name`` attribute of an ``Enter`` op ("" when unreadable)."""
+    try:
+        value = op.get_attr("frame_name")
+    except (ValueError, TypeError):
+        return ""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _mark_conditional(sg: StepGraph) -> None:
+    """Flag ops inside lowered conditional branches (between a ``Switch`` and its ``Merge``) deeper than the step.
+
+    Such an op is *dead* when its branch is not taken, and a control edge from a dead op makes its target dead
+    too: a swap-in triggered by it would never produce its tensor. Depth counting handles nested conditionals;
+    depth is counted from the step's own (the shallowest gradient op's), since Keras' steps_per_execution runs the
+    whole step inside one branch, where every op is live together.
+    """
+    depth: dict[str, int] = {}
+    for name in sg.execution_order():
+        op = sg.ops[name]
+        preds = [depth[p] for p in sg.graph.predecessors(name) if p in depth]
+        d = max(preds, default=0)
+        if op.type == "Merge":
+            d = max(d - 1, 0)
+        depth[name] = d + 1 if op.type == "Switch" else d
+    base = min((depth[n] for n, op in sg.ops.items() if op.phase == "backward"), default=0)
+    for name, op in sg.ops.items():
+        op.conditional = depth[name] > base
 
 
 def _infer_sizes_from_reshapes(infos: list[OpInfo], tensors: dict[str, TensorInfo]) -> int:

@@ -122,7 +122,7 @@ class _Planner:
             runs = op.type not in FREE_OP_TYPES
             works = runs and (op.flops > 0 or op.bytes_accessed > 0)  # moves data, not only metadata
             tier = 0 if (op.is_backward and works) else 1 if op.is_backward and runs else 2 if runs else 3
-            return (tier, self.pos[name])
+            return (tier + 4 * op.conditional, self.pos[name])  # a conditional op may never run
         return min(ops, key=rank)
 
     def h2d(self, nbytes: int) -> float:
@@ -140,6 +140,9 @@ class _Planner:
                 continue
             if sg.ops[t.producer].is_backward:
                 continue
+            frame = sg.ops[t.producer].frame
+            if any(sg.ops[c].frame != frame for c in t.consumers):
+                continue  # read across a loop frame's boundary: swap ops cannot sit there
             orig, bwd = [], []
             for c in t.consumers:
                 if sg.ops[c].is_backward and sg.is_data_consumer(c):

@@ -101,12 +101,14 @@ LOOP_OP_TYPES = frozenset({"While", "StatelessWhile", "Enter", "NextIteration", 
 #: outputs, so they are planned as opaque ops.
 OPAQUE_OP_TYPES = frozenset({"If", "StatelessIf", "Case", "StatelessCase", "PartitionedCall",
                              "StatefulPartitionedCall"})
+#: Lowered control flow's plumbing: its outputs forward tensors (a loop's counter, an Optional) and are not
+#: feature maps.
+FLOW_OP_TYPES = frozenset({"Switch", "Merge", "Enter", "Exit", "NextIteration", "LoopCond"})
 _REPLICA_SCOPE = re.compile(r"(?:^|/)replica_(\d+)/")
 
 
-class StepPassError(RuntimeError):
-    """The pass refused a step on purpose (e.g. the budget cannot be met); raised by the callback after TF
-    cancelled the step's instantiation, so no training state changed."""
+NO_GRADIENTS = ("the step has no gradient ops (no GradientTape.gradient in train_step, or no trainable weights), "
+                "so no feature map is kept for a backward pass and there is nothing to swap.")
 
 
 class StepPass:
@@ -155,7 +157,8 @@ class StepPass:
             return None
         deferrals = []
         if self.config.defer_updates and self.config.policy != "none":
-            deferrals = update_deferral.find_deferrals(step_graph)
+            deferrals = [(a, b) for a, b in update_deferral.find_deferrals(step_graph)
+                         if not (step_graph.ops[a].conditional or step_graph.ops[b].conditional)]
             update_deferral.defer(step_graph, deferrals)
         plan = planner.make_plan(
             step_graph, policy=self.config.policy, budget_bytes=self.config.budget_bytes,
@@ -164,6 +167,10 @@ class StepPass:
             headroom=self.config.headroom)
         if deferrals:
             plan.notes.append(f"{len(deferrals)} gradient-independent optimizer ops deferred to their gradients")
+        untriggered = drop_conditional_triggers(plan, step_graph)
+        if untriggered:
+            plan.notes.append(f"{untriggered} swap-ins start without a trigger: their layers run only inside "
+                              "conditional branches")
         return step_graph, plan, deferrals
 
     def _apply(self, call: graph_pass.PassCall, planned: list) -> None:
@@ -199,6 +206,20 @@ class StepPass:
         if key not in self._warned:
             self._warned.add(key)
             warnings.warn(message, RuntimeWarning, stacklevel=2)
+
+
+def drop_conditional_triggers(plan, step_graph) -> int:
+    """Clear triggers that sit in conditional branches (a dead trigger would starve its swap-in) or in another loop
+    frame than the swapped tensor (TF forbids edges across frames); returns how many swap-ins now start as soon as
+    their swap-out is done."""
+    dropped = 0
+    for decision in plan.swaps:
+        frame = step_graph.ops[decision.producer].frame
+        for swap_in in decision.swap_ins:
+            op = step_graph.ops.get(swap_in.trigger_op)
+            if op is not None and (op.conditional or op.frame != frame):
+                swap_in.trigger_op, dropped = "", dropped + 1
+    return dropped
 
 
 def rewrite_report(plan, deferrals) -> RewriteReport:
@@ -262,29 +283,24 @@ def unsupported_construct(sg, batch_size: int | None = None) -> tuple[str, str, 
     """
     ops = sg.ops
     if not any(op.phase == "backward" for op in ops.values()):
-        return ("no-gradients", "",
-                "the step has no gradient ops (no GradientTape.gradient in train_step, or no trainable weights), "
-                "so no feature map is kept for a backward pass and there is nothing to swap.")
-    loops = [op for op in ops.values() if op.type in LOOP_OP_TYPES and op.phase != "update"]
-    if loops:
-        feeds_backward = graph_capture.reach(sg.graph, [n for n, op in ops.items() if op.phase == "backward"],
-                                             sg.graph.predecessors)
-        loops = [op for op in loops if op.phase == "backward" or op.name in feeds_backward]
+        return ("no-gradients", "", NO_GRADIENTS)
+    loops = _loops_inside_the_step(sg)
     if loops:
         first = loops[0]
         more = f" and {len(loops) - 1} more" if len(loops) > 1 else ""
         return ("control-flow", first.name,
-                f"its {first.phase} pass contains a loop ({first.type} op {first.name!r}{more}); the ops of a loop "
-                "body live in another FuncGraph and keep each iteration's feature maps in TensorList accumulators, "
-                "which the pass can neither size nor swap, so the step's memory cannot be planned.")
+                f"its {first.phase} pass contains a loop ({first.type} op {first.name!r}{more}); a loop body keeps "
+                "each iteration's feature maps in TensorList accumulators, which the pass can neither size nor "
+                "swap, so the step's memory cannot be planned.")
     unknown = []
     for t in sg.tensors.values():
         if t.shape_known or t.persistent or t.alias_of is not None or t.dtype in ("resource", "variant", "string"):
             continue
         prod = ops[t.producer]
-        if prod.is_backward:
+        if prod.is_backward or prod.type in FLOW_OP_TYPES:
             continue
-        if any(ops[c].is_backward and sg.is_data_consumer(c) for c in t.consumers):
+        if any(ops[c].is_backward and ops[c].type not in FLOW_OP_TYPES and sg.is_data_consumer(c)
+               for c in t.consumers):
             unknown.append(t)
     if unknown:
         first = unknown[0]
@@ -297,6 +313,19 @@ def unsupported_construct(sg, batch_size: int | None = None) -> tuple[str, str, 
                 f"tensor {first.name!r}{more}, kept for the backward pass, has an unknown static shape ({shape}), "
                 f"so its size cannot be planned{batch_note}.")
     return None
+
+
+def _loops_inside_the_step(sg) -> list:
+    """Loop ops in the backward pass or feeding it that run inside the step: a functional ``While``, or an op in a
+    lowered loop frame deeper than the step's own (Keras' steps_per_execution runs the whole step inside a loop,
+    which is fine: its ops are planned within that frame)."""
+    ops = sg.ops
+    base = min((op.frame.count("/") + bool(op.frame) for op in ops.values() if op.phase == "backward"), default=0)
+    feeds_backward = graph_capture.reach(sg.graph, [n for n, op in ops.items() if op.phase == "backward"],
+                                         sg.graph.predecessors)
+    return [op for op in ops.values() if op.phase != "update" and (op.phase == "backward" or op.name in feeds_backward)
+            and (op.type in LOOP_OP_TYPES and (op.type in ("While", "StatelessWhile")
+                                               or op.frame.count("/") + bool(op.frame) > base))]
 
 
 def _install_mobility(mobility: dict) -> None:

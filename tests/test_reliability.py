@@ -19,7 +19,7 @@ import tensorflow as tf
 import keras
 
 import dymem_tf
-from dymem_tf import step_pass
+from dymem_tf import graph_pass, step_pass
 from dymem_tf.ops import host_pool
 
 tf.config.experimental.enable_op_determinism()
@@ -106,39 +106,37 @@ def test_steps_per_execution_plans_the_nested_step_graph():
     hist, weights, _ = fit(net, [cb], x, y, compile_kwargs={"steps_per_execution": 2})
     assert hist["loss"] == base["loss"]
     assert_same_weights(weights, base_w)
-    # Keras calls the step as a nested tf.function from the while-loop body: the step has its own FuncGraph, which
-    # the pass planned and rewrote (not the loop body)
+    # Keras calls the step from a while loop's body; by the time the pass runs, TF has inlined the step into the
+    # lowered loop, and the pass plans the step's ops inside that loop frame
     assert cb.records and not cb.skipped
     for record in cb.records:
-        assert not getattr(record.graph, "is_control_flow_graph", False)
-        assert record.graph.name.startswith("one_step_on_data") and record.plan.swaps
+        assert "step_on" in record.function_name and record.plan.swaps
         assert len(swap_ops(record.graph)) == len(record.report.swap_out_ops) + len(record.report.swap_in_ops)
 
 
-def test_step_traced_inside_a_while_loop_body_is_left_unmodified_with_one_warning():
+def test_train_steps_inlined_into_a_loop_are_left_unmodified_with_one_warning():
     x, y = data(8)
     keras.utils.set_random_seed(1)
     model = net()
     model.compile(optimizer=keras.optimizers.SGD(0.05), loss=LOSS)
     model.fit(x, y, batch_size=8, verbose=0)  # builds optimizer and metrics
     passes = step_pass.StepPass(step_pass.PassConfig(min_swap_bytes=0, verbose=0))
-    step_pass.attach(model, passes)
-    try:
-        @tf.function
-        def two_steps(xb, yb):
-            def body(i):
-                model.train_step((xb, yb))
-                return i + 1
-            return tf.while_loop(lambda i: i < 2, body, [tf.constant(0)])
 
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            two_steps(tf.constant(x), tf.constant(y))
-    finally:
-        step_pass.detach(model)
+    @tf.function
+    def two_steps(xb, yb):
+        def body(i):
+            model.train_step((xb, yb))
+            return i + 1
+        return tf.while_loop(lambda i: i < 2, body, [tf.constant(0)])
+
+    with warnings.catch_warnings(record=True) as caught, graph_pass.armed(passes):
+        warnings.simplefilter("always")
+        two_steps(tf.constant(x), tf.constant(y))
     texts = dymem_warnings(caught)
-    assert len(texts) == 1 and "control-flow body" in texts[0] and "while" in texts[0].lower()
-    assert not passes.records and passes.skipped[0].kind == "control-flow"
+    # the loop is lowered before the pass runs (Enter / NextIteration frames); TF's shape inference cannot size the
+    # loop-carried loss, so the step cannot be planned and runs as Grappler left it, with one warning
+    assert len(texts) == 1, texts
+    assert not passes.records and passes.skipped[0].kind in ("control-flow", "unknown-shape")
 
 
 def test_validation_data_and_evaluate_predict_are_unaffected():
@@ -150,9 +148,8 @@ def test_validation_data_and_evaluate_predict_are_unaffected():
     assert hist == base  # loss and val_loss
     assert_same_weights(weights, base_w)
     assert cb.records and all(r.plan.swaps for r in cb.records)
-    # the test and predict functions are Keras' own (the pass wraps train_step only)
-    for graph in {id(r.graph): r.graph for r in cb.records}.values():
-        assert graph.name.startswith("one_step_on_data")
+    # the test and predict functions are Keras' own (the pass plans train-step graphs only)
+    assert all("multi_step_on_iterator" in r.function_name for r in cb.records)
     assert model.evaluate(vx, vy, verbose=0) == base_model.evaluate(vx, vy, verbose=0)
     np.testing.assert_array_equal(model.predict(vx, verbose=0), base_model.predict(vx, verbose=0))
     swaps_before = host_pool.host_pool_stats()["num_swap_outs"]
@@ -256,7 +253,7 @@ def test_retrace_on_new_input_shape_gets_its_own_plan():
     model.fit(*data(8, size=24), batch_size=8, verbose=0, callbacks=[cb])
     assert first >= 1 and len(cb.records) > first
     small, large = cb.records[first - 1], cb.records[-1]
-    assert small.graph is not large.graph
+    assert small.function_name != large.function_name
     bytes_small = sum(s.bytes for s in small.plan.swaps)
     bytes_large = sum(s.bytes for s in large.plan.swaps)
     assert bytes_small > 0 and bytes_large == pytest.approx(bytes_small * (24 * 24) / (16 * 16), rel=0.01)
@@ -344,7 +341,7 @@ def _images_of_unknown_size():
     ("control flow", _lstm, lambda: (np.random.default_rng(1).normal(size=(16, 6, 8)).astype("float32"),
                                      np.random.default_rng(1).integers(0, 10, 16)),
      "control-flow", "lstm"),
-    ("unknown dims", _dynamic, _images_of_unknown_size, "unknown-shape", "unknown static shape ([8, ?, ?, 8])"),
+    ("unknown dims", _dynamic, _images_of_unknown_size, "unknown-shape", "unknown static shape ([8, ?, ?,"),
     ("no gradients", _frozen, lambda: data(16), "no-gradients", "no gradient ops"),
 ])
 def test_unsupported_construct_is_left_unmodified_with_one_warning(case, build, make_data, kind, fragment):
@@ -361,8 +358,6 @@ def test_unsupported_construct_is_left_unmodified_with_one_warning(case, build, 
     assert len(texts) == 1, texts  # one warning although Keras traces the step twice (variable creation)
     assert fragment in texts[0] and "unmodified" in texts[0]
     assert cb.records == [] and cb.skipped and {s.kind for s in cb.skipped} == {kind}
-    for skipped in cb.skipped:
-        assert swap_ops(skipped.graph) == []
     assert hist == base
     assert_same_weights(weights, base_w)
 
@@ -382,9 +377,8 @@ class _Swish(keras.layers.Layer):
         return _swish(x)
 
 
-def test_conditionals_and_nested_function_calls_are_planned_as_opaque_ops():
-    """An ``If`` and a nested ``tf.function`` in the forward pass: what the backward pass needs from them leaves them
-    as outputs (TensorFlow adds the intermediates as extra outputs), so the step is planned and rewritten."""
+def test_conditionals_and_nested_function_calls_are_planned():
+    """An ``If`` and a nested ``tf.function`` in the forward pass: the step is planned, rewritten and bit-identical."""
     def build():
         inp = keras.Input((16, 16, 3))
         a = _Gate()(keras.layers.Conv2D(8, 3, padding="same")(inp))
@@ -402,10 +396,11 @@ def test_conditionals_and_nested_function_calls_are_planned_as_opaque_ops():
     assert hist == base
     assert_same_weights(weights, base_w)
     record = cb.records[-1]
+    # by the time the pass runs, TF has inlined the nested function and lowered the conditional (Switch / Merge),
+    # so their inner ops are planned like any other: tensors computed inside them are swapped too
+    assert record.plan.swaps and swap_ops(record.graph)
     types = {op.type for op in record.graph.get_operations()}
-    assert {"StatelessIf", "PartitionedCall"} <= types
-    assert any("PartitionedCall:" in s.tensor for s in record.plan.swaps)  # an intermediate of the call, swapped
-    assert any("planned as opaque ops" in note for note in record.plan.notes)
+    assert "Switch" in types and "Merge" in types
 
 
 def test_out_of_memory_error_is_re_raised_with_the_budget_and_a_fix():

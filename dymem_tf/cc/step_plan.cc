@@ -146,20 +146,23 @@ bool RerouteConsumer(Graph* graph, Node* consumer, Node* src, int port, Node* ds
   return !inputs.empty();
 }
 
-// Whether the graph (data and control edges) is free of cycles (Kahn's algorithm).
+// Whether `e` is a lowered loop's back edge (NextIteration -> Merge), which TF's executor expects to close a cycle.
+bool IsBackEdge(const Edge* e) { return e->src()->IsNextIteration(); }
+
+// Whether the graph (data and control edges, loop back edges aside) is free of cycles (Kahn's algorithm).
 bool Acyclic(const Graph& graph) {
   std::vector<int> pending(graph.num_node_ids(), 0);
   std::deque<const Node*> ready;
   int nodes = 0;
   for (const Node* n : graph.nodes()) {
     ++nodes;
-    pending[n->id()] = n->in_edges().size();
+    for (const Edge* e : n->in_edges()) pending[n->id()] += !IsBackEdge(e);
     if (pending[n->id()] == 0) ready.push_back(n);
   }
   int done = 0;
   for (; !ready.empty(); ready.pop_front(), ++done) {
     for (const Edge* e : ready.front()->out_edges()) {
-      if (--pending[e->dst()->id()] == 0) ready.push_back(e->dst());
+      if (!IsBackEdge(e) && --pending[e->dst()->id()] == 0) ready.push_back(e->dst());
     }
   }
   return done == nodes;
