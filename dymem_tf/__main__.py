@@ -45,7 +45,7 @@ def main(argv=None) -> int:
         return 2
     traced = dry_run.trace_train_step(model, args.batch)
     print(f"{args.model}: batch {args.batch}, {args.image_size}x{args.image_size}, {traced.num_ops} ops in the "
-          f"train step, {len(traced.step_graph.layers) if traced.step_graph is not None else "?"} dependency layers, persistent "
+          f"train step, {len(traced.step_graph.layers) if traced.step_graph is not None else '?'} dependency layers, persistent "
           f"{units.format_bytes(traced.persistent_bytes)}, device profile {profile.name}")
     plans = dry_run.plan_all(traced, policies, budget, profile)
     rows = []
