@@ -1,11 +1,13 @@
 """Finds and loads dymem_tf's native libraries, checking that they match the running TensorFlow.
 
-Two libraries live next to the package (built by ``pip install .``):
+Three libraries live next to the package (built by ``pip install .``):
 
 * ``_dymem_ops``: the ``DymemSwapOut`` / ``DymemSwapIn`` kernels and the host pool; safe to load at any time.
 * ``_dymem_gtbm``: the GTBM allocator. It registers with TF's allocator factory from a static initializer, which
   TensorFlow turns into a process-killing CHECK failure once its CPU allocator exists. It is therefore loaded only
   while TF's eager context is not yet initialised (see :func:`gtbm_load_is_safe`).
+* ``_dymem_replay``: the GTBM core and its trace replay engine, not linked to TF; loaded with ctypes by
+  :mod:`dymem_tf.replay` at any time (this module only finds its path).
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ class TensorFlowVersionMismatchError(ImportError):
 
 
 def library_path(name: str) -> str:
-    """Path of the shared library ``_dymem_<name>`` shipped in the package (``name`` is ``ops`` or ``gtbm``)."""
+    """Path of the shared library ``_dymem_<name>`` in the package (``name``: ``ops``, ``gtbm`` or ``replay``)."""
     matches = sorted(glob.glob(os.path.join(PACKAGE_DIR, f"_dymem_{name}*.so")))
     if not matches:
         raise LibraryNotBuiltError(
