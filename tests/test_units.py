@@ -1,5 +1,5 @@
-"""Byte sizes are read by one parser (dymem_tf.units): the library's budgets and environment variables and the
-bench's configuration all agree on what "MB" and "MiB" mean."""
+"""Byte sizes are read by one parser (dymem_tf.units): the library's budgets and environment variables, the host
+pool's cache limit and the bench's configuration all agree on what "MB" and "MiB" mean."""
 import os
 
 import pytest
@@ -45,6 +45,21 @@ def test_env_bytes(monkeypatch):
     monkeypatch.setenv("DYMEM_TEST_BYTES", "1 gigabyte")
     with pytest.raises(ValueError, match=r"DYMEM_TEST_BYTES='1 gigabyte' is not a valid cache size: invalid byte"):
         units.env_bytes("DYMEM_TEST_BYTES", "cache size")
+
+
+HOST_POOL_CACHE = "from dymem_tf.ops import host_pool; print(host_pool.host_pool_stats()['cache_limit'])"
+
+
+def test_host_pool_cache_env_accepts_units(python_subprocess):
+    proc = python_subprocess(HOST_POOL_CACHE, env={"DYMEM_HOST_POOL_CACHE_BYTES": "512MiB"})
+    assert proc.returncode == 0, proc.stderr
+    assert int(proc.stdout.split()[-1]) == 512 * MiB  # was the 1 GiB default: strtoll stopped at "M"
+
+
+def test_host_pool_cache_env_malformed_raises(python_subprocess):
+    proc = python_subprocess(HOST_POOL_CACHE, env={"DYMEM_HOST_POOL_CACHE_BYTES": "lots"})
+    assert proc.returncode != 0
+    assert "ValueError: DYMEM_HOST_POOL_CACHE_BYTES='lots' is not a valid host pool cache size" in proc.stderr
 
 
 def test_bench_reads_sizes_with_the_library_parser(python_subprocess):

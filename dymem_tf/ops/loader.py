@@ -17,7 +17,11 @@ import json
 import os
 import threading
 
+from dymem_tf.units import env_bytes
+
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: bytes of freed host-pool blocks kept for reuse (default 1 GiB), e.g. ``512MiB``; applied when _dymem_ops loads
+HOST_POOL_CACHE_ENV = "DYMEM_HOST_POOL_CACHE_BYTES"
 _lock = threading.Lock()
 _loaded: dict[str, object] = {}
 
@@ -64,13 +68,17 @@ def check_tensorflow_version() -> None:
 
 
 def load_ops_library():
-    """Load ``_dymem_ops`` with ``tf.load_op_library`` (once) and return the generated op module."""
+    """Load ``_dymem_ops`` with ``tf.load_op_library`` (once) and return the generated op module; the host pool
+    gets the cache limit of ``DYMEM_HOST_POOL_CACHE_BYTES``, and a malformed value raises ValueError first."""
     import tensorflow as tf
 
     with _lock:
         if "ops" not in _loaded:
             check_tensorflow_version()
+            cache_limit = env_bytes(HOST_POOL_CACHE_ENV, "host pool cache size")
             _loaded["ops"] = tf.load_op_library(library_path("ops"))
+            if cache_limit is not None:
+                _cdll("ops").dymem_host_pool_set_cache_limit(ctypes.c_int64(cache_limit))
         return _loaded["ops"]
 
 
