@@ -1,6 +1,6 @@
 """Compiles the native libraries of dymem_tf against the installed TensorFlow.
 
-Two shared libraries are built from ``dymem_tf/cc``:
+Three shared libraries are built from ``dymem_tf/cc``:
 
 * ``_dymem_gtbm``: the GTBM allocator (files ``gtbm_*.cc``). It registers itself with TF's allocator factory, so
   it must be loaded before TF's first CPU allocation; it is kept apart from the ops for that reason.

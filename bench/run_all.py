@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
 import platform
@@ -39,6 +40,17 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(REPO, "examples"))
 
 import report  # noqa: E402  (bench/report.py)
+
+
+def _library_units():
+    """``dymem_tf/units.py`` loaded by path: the library's byte parser without ``import dymem_tf`` (TensorFlow)."""
+    spec = importlib.util.spec_from_file_location("dymem_units", os.path.join(REPO, "dymem_tf", "units.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+units = _library_units()  # budgets ("512MiB", "600MB") and TF's log sizes read exactly as dymem_tf reads them
 
 SECTIONS = ("matrix", "bfc", "maxbatch", "traces", "modelled", "replay")
 POLICIES = report.POLICIES
@@ -176,17 +188,13 @@ def run_matrix(cfg: dict, progress: Progress, save) -> dict:
     return out
 
 
-_BFC_TOTAL_RE = re.compile(r"Total allocated bytes:\s*([0-9.]+)\s*([KMGTPE]?i?B)")
-_UNIT = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40, "PiB": 1 << 50, "EiB": 1 << 60}
+_BFC_TOTAL_RE = re.compile(r"Total allocated bytes:\s*([0-9.]+\s*[KMGT]?i?B)\b")
 
 
 def parse_bfc_pool_bytes(log_text: str) -> int | None:
     """The last ``Total allocated bytes: 510.00MiB`` that TF's bfc_allocator.cc logs (VLOG 1), in bytes."""
-    value = None
-    for num, unit in _BFC_TOTAL_RE.findall(log_text):
-        if unit in _UNIT:
-            value = int(float(num) * _UNIT[unit])
-    return value
+    sizes = _BFC_TOTAL_RE.findall(log_text)
+    return units.parse_bytes(sizes[-1]) if sizes else None
 
 
 def run_bfc(cfg: dict, matrix: dict | None, progress: Progress, save) -> dict:
@@ -229,16 +237,6 @@ def run_bfc(cfg: dict, matrix: dict | None, progress: Progress, save) -> dict:
     return out
 
 
-def parse_budget(text: str) -> int:
-    """``"512MiB"`` -> bytes (binary units; the parent process does not import TensorFlow for this)."""
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?i?B?)\s*", str(text))
-    if not m:
-        raise ValueError(f"cannot parse budget {text!r}")
-    unit = m.group(2).upper().replace("I", "").rstrip("B") or "B"
-    scale = {"B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[unit]
-    return int(float(m.group(1)) * scale)
-
-
 def estimate_max_batch(summary: dict | None, budget_bytes: int) -> int | None:
     """Largest batch a measured run's per-sample memory suggests for ``budget_bytes`` (None without data)."""
     if not summary or not summary.get("peak_bytes_in_use") or not summary.get("batch"):
@@ -254,7 +252,7 @@ def run_max_batch(cfg: dict, matrix: dict | None, progress: Progress, save) -> d
     import find_max_batch
 
     mb = cfg["max_batch"]
-    budget_bytes = parse_budget(mb["budget"])
+    budget_bytes = units.parse_bytes(mb["budget"])
     summary = report.summarize_matrix(matrix) if matrix else {}
     out = {"model": mb["model"], "image_size": mb["image_size"], "budget": mb["budget"], "steps": mb["steps"],
            "policies": {}}

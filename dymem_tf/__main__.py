@@ -27,13 +27,13 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     import dymem_tf  # noqa: F401  (loads the allocator before TF allocates)
-    from dymem_tf import allocator, device_profiles, dry_run, planner, units
+    from dymem_tf import device_profiles, dry_run, planner, units
 
     if args.batch <= 0 or args.image_size <= 0:
         print("error: --batch and --image-size must be positive", file=sys.stderr)
         return 2
     try:
-        budget = allocator.parse_bytes(args.budget) if args.budget else None
+        budget = units.parse_bytes(args.budget) if args.budget else None
         profile = device_profiles.get_profile(args.device)
         policies = planner.POLICIES if args.policy == "all" else (args.policy,)
         for policy in policies:
@@ -45,7 +45,7 @@ def main(argv=None) -> int:
         return 2
     traced = dry_run.trace_train_step(model, args.batch)
     print(f"{args.model}: batch {args.batch}, {args.image_size}x{args.image_size}, {traced.num_ops} ops in the "
-          f"train step, {len(traced.step_graph.layers) if traced.step_graph is not None else "?"} dependency layers, persistent "
+          f"train step, {len(traced.step_graph.layers) if traced.step_graph is not None else '?'} dependency layers, persistent "
           f"{units.format_bytes(traced.persistent_bytes)}, device profile {profile.name}")
     plans = dry_run.plan_all(traced, policies, budget, profile)
     rows = []

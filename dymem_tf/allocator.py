@@ -45,9 +45,10 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-import re
 import threading
-from typing import Iterator, Mapping, Union
+from typing import Iterator, Mapping
+
+from dymem_tf.units import ByteSize, env_bytes, parse_bytes  # parse_bytes: re-exported (this module's API)
 
 __all__ = [
     "GROUPS",
@@ -77,63 +78,13 @@ GROUPS = {"persistent": 0, "transient": 1, "mobile": 2}
 _GROUP_NAMES = {v: k for k, v in GROUPS.items()}
 DEFAULT_MAX_TRACE_RECORDS = 2_000_000
 
-ByteSize = Union[int, str]
-
 
 class GtbmNotActiveError(RuntimeError):
     """The GTBM allocator does not serve TensorFlow's CPU device in this process."""
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Byte counts.
-
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 1 << 10, "kib": 1 << 10, "kb": 10**3,
-    "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
-    "g": 1 << 30, "gib": 1 << 30, "gb": 10**9,
-    "t": 1 << 40, "tib": 1 << 40, "tb": 10**12,
-}
-_BYTES_RE = re.compile(r"^\s*\+?(?P<num>\d+(?:\.\d*)?|\.\d+)\s*(?P<unit>[A-Za-z]*)\s*$")
-_MAX_BYTES = 2**63 - 1
-
-
-def parse_bytes(value: ByteSize) -> int:
-    """Byte count from an int or a string such as ``"512MiB"``, ``"2GB"``, ``"1.5GiB"`` or ``"1073741824"``.
-
-    Units (case-insensitive): B; KiB/MiB/GiB/TiB and K/M/G/T are powers of 1024; KB/MB/GB/TB powers of 1000.
-    Fractions are rounded down to whole bytes. Raises ValueError for negatives, unknown units, garbage or values
-    beyond 2**63-1, and TypeError for other types (bool, float, None). Same rules as the C++ parser.
-    """
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise TypeError(f"a byte count must be an int or a string like '512MiB', got {type(value).__name__}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"invalid byte count {value}: negative")
-        if value > _MAX_BYTES:
-            raise ValueError(f"invalid byte count {value}: too large")
-        return value
-    match = _BYTES_RE.match(value)
-    if match is None:
-        raise ValueError(
-            f"invalid byte count {value!r}: expected a non-negative number with an optional unit, "
-            "e.g. '512MiB', '2GB', '1.5GiB' or '1073741824'"
-        )
-    unit = match.group("unit").lower()
-    if unit not in _UNITS:
-        raise ValueError(
-            f"invalid byte count {value!r}: unknown unit {match.group('unit')!r} "
-            "(use B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)"
-        )
-    whole, _, frac = match.group("num").partition(".")
-    mult = _UNITS[unit]
-    total = int(whole or "0") * mult
-    if frac:
-        total += int(frac) * mult // 10 ** len(frac)
-    if total > _MAX_BYTES:
-        raise ValueError(f"invalid byte count {value!r}: too large")
-    return total
-
+# Environment.
 
 def validate_memory_limit_env() -> int | None:
     """Check ``DYMEM_DEVICE_MEMORY_LIMIT`` (and ``DYMEM_GTBM_BLOCK_SIZE``, ``DYMEM_GTBM_RELEASE_CACHE``) before the
@@ -142,33 +93,17 @@ def validate_memory_limit_env() -> int | None:
     Returns the limit in bytes, or None when unset. Raises ValueError with a clear message when invalid, so that a
     typo fails at ``import dymem_tf`` instead of silently running without a budget.
     """
-    raw = os.environ.get(LIMIT_ENV)
-    limit = None
-    if raw is not None and raw.strip():
-        try:
-            limit = parse_bytes(raw)
-        except ValueError as err:
-            raise ValueError(f"{LIMIT_ENV}={raw!r} is not a valid memory limit: {err}") from None
-        if limit == 0:
-            raise ValueError(f"{LIMIT_ENV}={raw!r} is not a valid memory limit: it must be positive")
-    raw_block = os.environ.get(BLOCK_SIZE_ENV)
-    if raw_block is not None and raw_block.strip():
-        try:
-            block = parse_bytes(raw_block)
-        except ValueError as err:
-            raise ValueError(f"{BLOCK_SIZE_ENV}={raw_block!r} is not a valid block size: {err}") from None
-        page = os.sysconf("SC_PAGE_SIZE")
-        if block <= 0 or block % page or block & (block - 1):
-            raise ValueError(
-                f"{BLOCK_SIZE_ENV}={raw_block!r} is not a valid block size: it must be a power of two and a "
-                f"multiple of the page size ({page} bytes), e.g. '2MiB'"
-            )
-    raw_cache = os.environ.get(RELEASE_CACHE_ENV)
-    if raw_cache is not None and raw_cache.strip():
-        try:
-            parse_bytes(raw_cache)
-        except ValueError as err:
-            raise ValueError(f"{RELEASE_CACHE_ENV}={raw_cache!r} is not a valid size: {err}") from None
+    limit = env_bytes(LIMIT_ENV, "memory limit")
+    if limit == 0:
+        raise ValueError(f"{LIMIT_ENV}={os.environ[LIMIT_ENV]!r} is not a valid memory limit: it must be positive")
+    block = env_bytes(BLOCK_SIZE_ENV, "block size")
+    page = os.sysconf("SC_PAGE_SIZE")
+    if block is not None and (block <= 0 or block % page or block & (block - 1)):
+        raise ValueError(
+            f"{BLOCK_SIZE_ENV}={os.environ[BLOCK_SIZE_ENV]!r} is not a valid block size: it must be a power of two "
+            f"and a multiple of the page size ({page} bytes), e.g. '2MiB'"
+        )
+    env_bytes(RELEASE_CACHE_ENV, "size")
     return limit
 
 

@@ -4,7 +4,10 @@
 * copy time = bytes / link bandwidth (per direction) + link latency
 
 Free ops (constants, graph inputs, no-ops) take no time; metadata ops (``Shape`` ...) cost only the overhead.
-``scale`` comes from :func:`calibrate`, which fits the modelled step to a measured one.
+``scale`` is 1.0 (the profile's rates as they are) everywhere in dymem_tf: the callback and the dry run hand
+:func:`dymem_tf.planner.make_plan` a profile, which :func:`as_cost_model` wraps unscaled; no step is measured.
+:func:`calibrate` returns a model whose ``scale`` makes the modelled step match a measured one; only a caller of
+``make_plan`` that passes such a model gets a scale other than 1 (the tests do).
 """
 from __future__ import annotations
 

@@ -92,7 +92,7 @@ def calibrate_cpu(budget_s: float = 0.5) -> DeviceProfile:
 
     Returns the "cpu" preset with ``flops_per_s``, ``mem_bandwidth_bytes_per_s`` and both copy rates measured.
     The numbers are best-of-several timings (peak rates: a TF step reaches a fraction of the matmul rate, which
-    :func:`dymem_tf.cost_model.calibrate` corrects against a measured step).
+    :func:`dymem_tf.cost_model.calibrate` can correct against a measured step; dymem_tf itself does not call it).
     """
     import numpy as np
 

@@ -47,7 +47,7 @@ import sys
 import threading
 from typing import Iterable, Sequence
 
-from dymem_tf.allocator import parse_bytes
+from dymem_tf.units import parse_bytes
 
 POLICIES = ("gtbm", "gtbm_nogroups", "best_fit", "first_fit")
 GROUP_MODES = ("auto", "trace", "lifetime", "none")

@@ -3,7 +3,6 @@
 #include <stdlib.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <cstring>
 #include <string>
 #include <utility>
@@ -28,16 +27,6 @@ const char* const kHostPoolStatNames[kNumHostPoolStats] = {
 };
 
 namespace {
-
-int64_t CacheLimitFromEnv() {
-  const char* env = getenv("DYMEM_HOST_POOL_CACHE_BYTES");
-  if (env == nullptr || *env == '\0') return HostPool::kDefaultCacheLimit;
-  errno = 0;
-  char* end = nullptr;
-  const long long value = strtoll(env, &end, 10);
-  if (errno != 0 || end == env || *end != '\0' || value < 0) return HostPool::kDefaultCacheLimit;
-  return static_cast<int64_t>(value);
-}
 
 // A tensor buffer whose memory belongs to the host pool. size() is the tensor's payload; the (possibly larger)
 // block size is what the pool accounts for and what GetAllocatedBytes reports.
@@ -75,7 +64,9 @@ class HostPoolBuffer final : public TensorBuffer {
 
 }  // namespace
 
-HostPool::HostPool() { stats_[kCacheLimit] = CacheLimitFromEnv(); }
+// DYMEM_HOST_POOL_CACHE_BYTES is parsed in Python (dymem_tf.units) when the library loads and applied with
+// dymem_host_pool_set_cache_limit: one parser, and a malformed value raises instead of falling back.
+HostPool::HostPool() { stats_[kCacheLimit] = kDefaultCacheLimit; }
 
 HostPool* HostPool::Global() {
   static HostPool* const pool = new HostPool();

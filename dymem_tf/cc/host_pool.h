@@ -47,7 +47,7 @@ class HostPool {
  public:
   // All blocks are aligned to Eigen's maximum alignment, which TF requires of tensor buffers.
   static constexpr size_t kAlignment = 64;
-  static constexpr int64_t kDefaultCacheLimit = int64_t{1} << 30;  // 1 GiB; env DYMEM_HOST_POOL_CACHE_BYTES
+  static constexpr int64_t kDefaultCacheLimit = int64_t{1} << 30;  // 1 GiB; see dymem_tf/ops/loader.py
 
   // The process-wide pool. Intentionally leaked: tensors may be released after static destructors have run.
   static HostPool* Global();

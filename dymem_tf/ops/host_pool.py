@@ -72,7 +72,7 @@ def release_host_pool_cache() -> int:
 
 def set_host_pool_cache_limit(nbytes: int) -> None:
     """Keep at most ``nbytes`` of freed blocks for reuse (0 disables caching; default 1 GiB or the environment
-    variable ``DYMEM_HOST_POOL_CACHE_BYTES`` read when the library is loaded)."""
+    variable ``DYMEM_HOST_POOL_CACHE_BYTES``, e.g. ``512MiB``, applied when the library is loaded)."""
     if nbytes < 0:
         raise ValueError(f"cache limit must be >= 0, got {nbytes}")
     _native().dymem_host_pool_set_cache_limit(int(nbytes))

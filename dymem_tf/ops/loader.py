@@ -1,11 +1,13 @@
 """Finds and loads dymem_tf's native libraries, checking that they match the running TensorFlow.
 
-Two libraries live next to the package (built by ``pip install .``):
+Three libraries live next to the package (built by ``pip install .``):
 
 * ``_dymem_ops``: the ``DymemSwapOut`` / ``DymemSwapIn`` kernels and the host pool; safe to load at any time.
 * ``_dymem_gtbm``: the GTBM allocator. It registers with TF's allocator factory from a static initializer, which
   TensorFlow turns into a process-killing CHECK failure once its CPU allocator exists. It is therefore loaded only
   while TF's eager context is not yet initialised (see :func:`gtbm_load_is_safe`).
+* ``_dymem_replay``: the GTBM core and its trace replay engine, not linked to TF; loaded with ctypes by
+  :mod:`dymem_tf.replay` at any time (this module only finds its path).
 """
 from __future__ import annotations
 
@@ -15,7 +17,11 @@ import json
 import os
 import threading
 
+from dymem_tf.units import env_bytes
+
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: bytes of freed host-pool blocks kept for reuse (default 1 GiB), e.g. ``512MiB``; applied when _dymem_ops loads
+HOST_POOL_CACHE_ENV = "DYMEM_HOST_POOL_CACHE_BYTES"
 _lock = threading.Lock()
 _loaded: dict[str, object] = {}
 
@@ -29,7 +35,7 @@ class TensorFlowVersionMismatchError(ImportError):
 
 
 def library_path(name: str) -> str:
-    """Path of the shared library ``_dymem_<name>`` shipped in the package (``name`` is ``ops`` or ``gtbm``)."""
+    """Path of the shared library ``_dymem_<name>`` in the package (``name``: ``ops``, ``gtbm`` or ``replay``)."""
     matches = sorted(glob.glob(os.path.join(PACKAGE_DIR, f"_dymem_{name}*.so")))
     if not matches:
         raise LibraryNotBuiltError(
@@ -62,13 +68,17 @@ def check_tensorflow_version() -> None:
 
 
 def load_ops_library():
-    """Load ``_dymem_ops`` with ``tf.load_op_library`` (once) and return the generated op module."""
+    """Load ``_dymem_ops`` with ``tf.load_op_library`` (once) and return the generated op module; the host pool
+    gets the cache limit of ``DYMEM_HOST_POOL_CACHE_BYTES``, and a malformed value raises ValueError first."""
     import tensorflow as tf
 
     with _lock:
         if "ops" not in _loaded:
             check_tensorflow_version()
+            cache_limit = env_bytes(HOST_POOL_CACHE_ENV, "host pool cache size")
             _loaded["ops"] = tf.load_op_library(library_path("ops"))
+            if cache_limit is not None:
+                _cdll("ops").dymem_host_pool_set_cache_limit(ctypes.c_int64(cache_limit))
         return _loaded["ops"]
 
 

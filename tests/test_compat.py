@@ -1,0 +1,125 @@
+"""Every module compiles on each supported Python, and the command line (``python -m dymem_tf``) runs.
+
+The venv's interpreter alone cannot catch syntax that only a newer Python accepts (PEP 701 f-strings reusing the
+outer quote are 3.12+): each supported interpreter found on the machine byte-compiles the whole tree.
+"""
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SOURCE_DIRS = ("dymem_tf", "bench", "examples", "tests", "tools")
+SUPPORTED_PYTHONS = ("3.10", "3.11", "3.12")  # pyproject.toml: requires-python = ">=3.10,<3.13"
+
+# Run by each interpreter: compile every file named on stdin (nothing is written), print the failures.
+COMPILE_ALL = """
+import sys
+failed = 0
+for path in sys.stdin.read().splitlines():
+    with open(path, "rb") as fh:
+        src = fh.read()
+    try:
+        compile(src, path, "exec")
+    except SyntaxError as err:
+        failed += 1
+        print(f"{err.filename}:{err.lineno}: {err.msg}: {(err.text or '').strip()}")
+sys.exit(1 if failed else 0)
+"""
+
+
+def python_sources() -> list[str]:
+    """Every ``.py`` file of the repository's root and source folders (caches and hidden folders left out)."""
+    files = glob.glob(os.path.join(REPO, "*.py"))
+    for top in SOURCE_DIRS:
+        for root, dirs, names in os.walk(os.path.join(REPO, top)):
+            dirs[:] = [d for d in dirs if d != "__pycache__" and not d.startswith(".")]
+            files += [os.path.join(root, n) for n in names if n.endswith(".py")]
+    return sorted(files)
+
+
+def interpreter_version(path: str) -> str | None:
+    """``"3.11"`` for a working interpreter at ``path``; None when it does not run (e.g. an inactive pyenv shim)."""
+    try:
+        proc = subprocess.run([path, "-I", "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                              capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return proc.stdout.strip() if proc.returncode == 0 else None
+
+
+def find_python(version: str) -> str | None:
+    """An interpreter of ``version`` (``"3.10"``) from pyenv's versions or ``python3.X`` on PATH, or None."""
+    pyenv_root = os.environ.get("PYENV_ROOT", os.path.expanduser("~/.pyenv"))
+    candidates = sorted(glob.glob(os.path.join(pyenv_root, "versions", f"{version}*", "bin", "python")),
+                        reverse=True)
+    candidates.append(shutil.which(f"python{version}"))
+    if interpreter_version(sys.executable) == version:
+        candidates.insert(0, sys.executable)
+    for path in candidates:
+        if path and interpreter_version(path) == version:
+            return path
+    return None
+
+
+def test_sources_are_found():
+    files = python_sources()
+    for expected in ("dymem_tf/__main__.py", "bench/run_all.py", "examples/common.py", "tests/test_compat.py",
+                     "tools/build_backend/dymem_backend.py", "setup.py"):
+        assert os.path.join(REPO, expected) in files
+
+
+@pytest.mark.parametrize("version", SUPPORTED_PYTHONS)
+def test_every_module_compiles(version):
+    python = find_python(version)
+    if python is None:
+        pytest.skip(f"no Python {version} on this machine (looked in ~/.pyenv/versions/{version}* and for "
+                    f"python{version} on PATH)")
+    proc = subprocess.run([python, "-I", "-c", COMPILE_ALL], input="\n".join(python_sources()),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"Python {version} ({python}) cannot compile:\n{proc.stdout}{proc.stderr}"
+
+
+def run_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``python -m dymem_tf ARGS`` from the repository root in a fresh interpreter."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    return subprocess.run([sys.executable, "-m", "dymem_tf", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_cli_help():
+    proc = run_cli("--help")
+    assert proc.returncode == 0, proc.stderr
+    assert "usage: python -m dymem_tf" in proc.stdout and "plan" in proc.stdout
+
+
+def test_cli_dry_run(tmp_path):
+    from dymem_tf import planner
+
+    saved = tmp_path / "plan.json"
+    proc = run_cli("plan", "--model", "mobilenet", "--batch", "1", "--image-size", "32", "--save", str(saved))
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "mobilenet: batch 1, 32x32" in out and "ops in the train step" in out
+    assert "dymem_tf plan: policy=dymem" in out and f"plan saved to {saved}" in out
+    table = out[out.index("policy  swaps"):].splitlines()[1:]
+    rows = {line.split()[0]: line.split() for line in table if line.strip()}
+    assert set(rows) == set(planner.POLICIES)
+    plan = json.loads(saved.read_text())
+    assert plan["policy"] == "dymem" and plan["batch_size"] == 1
+    assert int(rows["dymem"][1]) == len(plan["swaps"])
+
+
+@pytest.mark.parametrize("args, message", [
+    (("plan",), "the following arguments are required: --model"),
+    (("plan", "--model", "mobilenet", "--budget", "12 parsecs"), "error: invalid byte count '12 parsecs'"),
+])
+def test_cli_bad_arguments(args, message):
+    proc = run_cli(*args)
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
