@@ -4,7 +4,7 @@ Three shared libraries are built from ``dymem_tf/cc``:
 
 * ``_dymem_gtbm``: the GTBM allocator (files ``gtbm_*.cc``). It registers itself with TF's allocator factory, so
   it must be loaded before TF's first CPU allocation; it is kept apart from the ops for that reason.
-* ``_dymem_ops``: the swap kernels and the host pool (every other ``*.cc``).
+* ``_dymem_ops``: the swap kernels, the host pool and the graph pass after Grappler (every other ``*.cc``).
 * ``_dymem_replay``: the GTBM core and its trace replay engine only (plain C++17, not linked to TF, no allocator
   registration), loaded with ctypes by ``python -m dymem_tf.replay`` at any time.
 

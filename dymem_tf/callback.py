@@ -13,7 +13,10 @@ POLICIES = planner.POLICIES
 
 
 class DymemCallback(keras.callbacks.Callback):
-    """Plans and inserts feature-map swapping into the model's train step when training begins.
+    """Plans and inserts feature-map swapping into the model's train step, on the graph TensorFlow runs.
+
+    At the start of ``fit`` the callback makes a new train function; when TensorFlow instantiates it, Dymem's graph
+    pass (after Grappler) plans the swaps on the optimized graph and inserts them (see :mod:`dymem_tf.step_pass`).
 
     Args:
         memory_budget: device bytes the step may use: an int, a string such as ``"6GiB"`` or ``"512MiB"``,
@@ -192,7 +195,8 @@ class DymemCallback(keras.callbacks.Callback):
 
     @property
     def records(self):
-        """Every trace the pass rewrote: graph name, batch size, step graph, plan and rewrite report."""
+        """Every instantiated graph the pass rewrote: function name, batch size, step graph, plan, rewrite report and
+        the rewritten graph (``record.graph``)."""
         return list(self.pass_.records)
 
     def _global_step(self, batch: int) -> int:

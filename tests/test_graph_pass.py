@@ -1,0 +1,159 @@
+"""The graph pass after Grappler (cc/graph_pass.cc, cc/step_plan.cc) through its Python bridge: what it offers,
+and that a plan is applied all or nothing."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import dymem_tf  # noqa: F401  (loads the libraries)
+from dymem_tf import graph_def_view, graph_pass
+
+
+def _step_function():
+    """A tf.function with a gradient tape (the pass only offers graphs holding gradient ops)."""
+    w = tf.Variable(np.ones((8, 8), np.float32))
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            h = tf.nn.relu(tf.matmul(x, w))
+            loss = tf.reduce_sum(tf.matmul(h, w))
+        return loss, tape.gradient(loss, w)
+
+    return step
+
+
+X = np.arange(32, dtype=np.float32).reshape(4, 8) / 32
+
+
+def _offered(listener):
+    step = _step_function()
+    with graph_pass.armed(listener):
+        out = step(tf.constant(X))
+    return [t.numpy() for t in out]
+
+
+def test_graphs_without_gradients_are_not_offered_and_unarmed_graphs_run_untouched():
+    calls = []
+
+    @tf.function
+    def plain(x):
+        return tf.nn.relu(x) * 2.0
+
+    with graph_pass.armed(calls.append):
+        plain(tf.constant(X))
+    _step_function()(tf.constant(X))  # not armed
+    assert calls == []
+
+
+def test_the_offered_graph_carries_types_and_shapes_from_the_runtime():
+    seen = []
+    _offered(lambda call: seen.append((call.function_name, graph_def_view.GraphView(call.graph_def_bytes))))
+    assert len(seen) == 1
+    name, view = seen[0]
+    assert name.startswith("__inference_step")
+    relu = [op for op in view.get_operations() if op.type == "Relu"][0]
+    assert relu.outputs[0].dtype == tf.float32 and relu.outputs[0].shape.as_list() == [4, 8]
+    grads = [op for op in view.get_operations() if "gradient_tape/" in op.name]
+    assert grads and all(op.device for op in grads)
+
+
+def _relu_swap_plan(view, consumers=None, trigger=""):
+    relu = [op for op in view.get_operations() if op.type == "Relu"][0]
+    readers = consumers or [op.name for op in relu.outputs[0].consumers() if "gradient_tape/" in op.name]
+    name = relu.name
+    return (f"out\t{name}\t0\t{name}/dymem_swap_out_0\n"
+            f"in\t{name}/dymem_swap_out_0\t{name}/dymem_swap_in_0_0\t{trigger}\t{','.join(readers)}\n")
+
+
+def test_a_plan_inserts_swap_ops_and_the_step_computes_the_same_values():
+    base = _offered(lambda call: None)
+    rewritten = []
+
+    def apply(call):
+        view = graph_def_view.GraphView(call.graph_def_bytes)
+        rewritten.append(graph_def_view.GraphView(call.apply(_relu_swap_plan(view))))
+
+    out = _offered(apply)
+    for a, b in zip(out, base):
+        np.testing.assert_array_equal(a, b)
+    types = [op.type for op in rewritten[0].get_operations()]
+    assert types.count("DymemSwapOut") == 1 and types.count("DymemSwapIn") == 1
+    swap_in = [op for op in rewritten[0].get_operations() if op.type == "DymemSwapIn"][0]
+    assert swap_in.outputs[0].consumers() and swap_in.device
+
+
+@pytest.mark.parametrize("plan, fragment", [
+    ("bogus line\n", "malformed"),
+    ("out\tno_such_node\t0\tx/dymem_swap_out_0\n", "no_such_node"),
+    ("in\tmissing_out\tx/in\t\tconsumer\n", "unknown swap-out"),
+])
+def test_a_plan_that_does_not_fit_is_refused_and_the_graph_is_unchanged(plan, fragment):
+    base = _offered(lambda call: None)
+    errors, sizes = [], []
+
+    def apply(call):
+        try:
+            call.apply(plan)
+        except graph_pass.PlanApplyError as err:
+            errors.append(str(err))
+        sizes.append(len(graph_def_view.GraphView(call.graph_def_bytes).get_operations()))
+
+    out = _offered(apply)
+    assert len(errors) == 1 and fragment in errors[0]
+    for a, b in zip(out, base):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_plan_that_would_close_a_cycle_is_undone_completely():
+    rewritten, errors = [], []
+
+    def apply(call):
+        view = graph_def_view.GraphView(call.graph_def_bytes)
+        relu = [op for op in view.get_operations() if op.type == "Relu"][0]
+        # trigger the swap-in by an op that depends on the swap-in's own consumer: a cycle
+        consumer = [op for op in relu.outputs[0].consumers() if "gradient_tape/" in op.name][0]
+        late = [op.name for op in view.get_operations() if consumer in
+                [t.op for t in op.inputs]][0]
+        plan = _relu_swap_plan(view, [consumer.name], trigger=late)
+        try:
+            call.apply(plan)
+        except graph_pass.PlanApplyError as err:
+            errors.append(str(err))
+        # nothing of the plan stays: applying a good plan afterwards still works
+        rewritten.append(call.apply(_relu_swap_plan(view)))
+
+    base = _offered(lambda call: None)
+    out = _offered(apply)
+    assert errors and "cyclic" in errors[0]
+    types = [op.type for op in graph_def_view.GraphView(rewritten[0]).get_operations()]
+    assert types.count("DymemSwapOut") == 1 and types.count("DymemSwapIn") == 1
+    for a, b in zip(out, base):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_listener_that_raises_leaves_the_step_unmodified_with_a_warning():
+    base = _offered(lambda call: None)
+
+    def broken(call):
+        raise RuntimeError("planner bug")
+
+    with pytest.warns(RuntimeWarning, match="planner bug"):
+        out = _offered(broken)
+    for a, b in zip(out, base):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_fail_cancels_the_instantiation_before_the_step_runs():
+    step = _step_function()
+    with graph_pass.armed(lambda call: call.fail("captured")):
+        with pytest.raises(tf.errors.CancelledError, match="dymem_tf: captured"):
+            step(tf.constant(X))
+
+
+def test_encode_plan_names_the_swap_ops():
+    from dymem_tf.plan import SwapDecision, SwapIn
+
+    decision = SwapDecision("a/Relu:1", "a/Relu", 64, 1, [], ["g"], [SwapIn("t", 3, ["g"], 4)])
+    text = graph_pass.encode_plan([decision], [("x", "y")])
+    assert text.splitlines() == ["out\ta/Relu\t1\ta/Relu/dymem_swap_out_1",
+                                 "in\ta/Relu/dymem_swap_out_1\ta/Relu/dymem_swap_in_1_0\tt\tg", "ctrl\tx\ty"]
