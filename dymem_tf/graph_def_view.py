@@ -27,6 +27,10 @@ class TensorView:
         self.op, self.value_index, self.dtype, self.shape = op, value_index, dtype, shape
         self.name = f"{op.name}:{value_index}"
 
+    @property
+    def device(self) -> str:
+        return self.op.device
+
     def consumers(self) -> list["OpView"]:
         """Ops that read this tensor as a data input."""
         return [c for c in self.op.graph.consumers_of(self.name)]

@@ -74,10 +74,11 @@ class TraceRecord:
     replica: int | None = None
     rewritten_graph_def: bytes = b""  # the graph TF runs, swap ops included, serialized
 
-    @functools.cached_property
+    @property
     def graph(self) -> graph_def_view.GraphView:
-        """The graph TF runs (after Grappler, with the swap ops), as a read-only ``tf.Graph``-like view."""
-        return graph_def_view.GraphView(self.rewritten_graph_def)
+        """The graph TF runs (after Grappler, with the swap ops), as a read-only ``tf.Graph``-like view (one view
+        for all replicas' records of an instantiation)."""
+        return _graph_view(self.rewritten_graph_def)
 
 
 @dataclasses.dataclass
@@ -104,6 +105,9 @@ OPAQUE_OP_TYPES = frozenset({"If", "StatelessIf", "Case", "StatelessCase", "Part
 #: Lowered control flow's plumbing: its outputs forward tensors (a loop's counter, an Optional) and are not
 #: feature maps.
 FLOW_OP_TYPES = frozenset({"Switch", "Merge", "Enter", "Exit", "NextIteration", "LoopCond"})
+#: Ops that hand the step its batch (a strategy's per-device iterators included).
+INPUT_OP_TYPES = frozenset({"IteratorGetNext", "IteratorGetNextSync", "MultiDeviceIteratorGetNextFromShard",
+                            "IteratorGetNextAsOptional"})
 _REPLICA_SCOPE = re.compile(r"(?:^|/)replica_(\d+)/")
 
 
@@ -136,9 +140,10 @@ class StepPass:
         """Plan and rewrite one instantiated graph (the :func:`dymem_tf.graph_pass.armed` listener)."""
         graph = graph_def_view.GraphView(call.graph_def_bytes)
         planned = []
-        for replica, ops in replica_ops(graph):
+        groups = replica_ops(graph)
+        for replica, ops in groups:
             try:
-                result = self.plan_ops(call.function_name, ops, replica)
+                result = self.plan_ops(call.function_name, ops, replica, len(groups))
             except planner.BudgetTooSmallError as err:
                 self.refusal = err
                 call.fail(str(err))
@@ -148,9 +153,10 @@ class StepPass:
         if planned:
             self._apply(call, planned)
 
-    def plan_ops(self, function_name: str, ops: list, replica: int | None):
+    def plan_ops(self, function_name: str, ops: list, replica: int | None, replicas: int = 1):
         """``(step_graph, plan, deferrals)`` for one device's ops, or None when they are left unmodified."""
-        batch = graph_batch_size(ops) or self.default_batch_size
+        batch = graph_batch_size(ops) or (-(-self.default_batch_size // replicas) if self.default_batch_size
+                                          else None)
         step_graph, problem = capture(ops, batch)
         if problem is not None:
             self.skip(function_name, *problem, replica)
@@ -222,6 +228,11 @@ def drop_conditional_triggers(plan, step_graph) -> int:
     return dropped
 
 
+@functools.lru_cache(maxsize=4)
+def _graph_view(data: bytes) -> graph_def_view.GraphView:
+    return graph_def_view.GraphView(data)
+
+
 def rewrite_report(plan, deferrals) -> RewriteReport:
     """What the pass inserts for ``plan``: the names :func:`dymem_tf.graph_pass.encode_plan` gives the ops."""
     report = RewriteReport(swapped_tensors=len(plan.swaps), deferral_edges=len(deferrals))
@@ -252,7 +263,7 @@ def replica_ops(graph: graph_def_view.GraphView) -> list[tuple[int | None, list]
 def graph_batch_size(ops) -> int | None:
     """The static batch dimension of the step's input (``IteratorGetNext``'s first output), or None."""
     for op in ops:
-        if op.type in ("IteratorGetNext", "IteratorGetNextSync") and op.outputs:
+        if op.type in INPUT_OP_TYPES and op.outputs:
             shape = op.outputs[0].shape
             if shape.rank and shape[0] is not None:
                 return int(shape[0])
