@@ -50,7 +50,7 @@ def is_gradient_name(name: str) -> bool:
 
 def _strip_gradient(name: str) -> str:
     i = name.find(_GRAD_PREFIX)
-    return name[i + len(_GRAD_PREFIX):] if i >= 0 else name
+    return _REPLICA.sub(r"\1", name[i + len(_GRAD_PREFIX):], count=1) if i >= 0 else name
 
 
 def infer_call_prefix(names: Iterable[str]) -> str:
@@ -60,9 +60,13 @@ def infer_call_prefix(names: Iterable[str]) -> str:
     return prefixes.most_common(1)[0][0] if prefixes else ""
 
 
+_REPLICA = re.compile(r"(^|/)replica_\d+/")
+
+
 def _local(name: str, prefix: str) -> str:
-    """``name`` without the inlining prefix ``prefix``."""
-    return name[len(prefix):] if prefix and name.startswith(prefix) else name
+    """``name`` without the inlining prefix ``prefix`` and without a strategy's replica scope (``replica_1/``)."""
+    name = name[len(prefix):] if prefix and name.startswith(prefix) else name
+    return _REPLICA.sub(r"\1", name, count=1)
 
 
 def infer_model_scope(names: Iterable[str]) -> str | None:

@@ -184,7 +184,7 @@ def test_mirrored_strategy_plans_each_replica_on_its_own_device(procs):
     assert out["dymem"] == out["base"] and out["same_weights"]
     assert not out["skipped"]
     records = out["records"]
-    # the wrapped train_step ran once per replica inside one FuncGraph; each replica got its own plan
+    # the pass planned each replica's ops (those on its device) in the one instantiated graph
     assert sorted(r["replica"] for r in records) == [0, 1]
     assert len({r["graph"] for r in records}) == 1
     by_replica = {r["replica"]: r for r in records}
@@ -195,9 +195,11 @@ def test_mirrored_strategy_plans_each_replica_on_its_own_device(procs):
         # its tensors only, and its swap ops on its device
         assert len(r["tensor_devices"]) == 1 and r["tensor_devices"][0].endswith(device), r["tensor_devices"]
         assert len(r["swap_op_devices"]) == 1 and r["swap_op_devices"][0].endswith(device), r["swap_op_devices"]
-        in_replica_scope = [("replica_1/" in name) for name in r["names"]]
+        ops = [name for name in r["names"] if not name.startswith("IteratorGetNext")]  # each replica's input
+        in_replica_scope = [("replica_1/" in name) for name in ops]
         assert all(in_replica_scope) if replica == 1 else not any(in_replica_scope)
-    assert by_replica[1]["model_scope"] == "replica_1/" + by_replica[0]["model_scope"]
+    # the replica scope is set aside: both replicas' ops map to the same Keras layers
+    assert by_replica[1]["model_scope"] == by_replica[0]["model_scope"]
     assert by_replica[0]["swaps"] == by_replica[1]["swaps"]  # the replicas are alike: so are their plans
     assert out["map_size"] == out["union_size"] > max(out["plan_map_sizes"])  # both replicas' mobility installed
     # with a budget
