@@ -23,11 +23,13 @@ def _load_allocator() -> None:
         return
     if os.environ.get("TF_CPU_ALLOCATOR_USE_BFC", "").strip().lower() in ("1", "true"):
         return  # the user asked for TF's own BFC allocator on the CPU: it bypasses the registry anyway
-    from dymem_tf.allocator import validate_memory_limit_env
+    from dymem_tf.allocator import install_input_pipeline_hook, validate_memory_limit_env
 
     validate_memory_limit_env()  # a malformed DYMEM_DEVICE_MEMORY_LIMIT raises ValueError before anything loads
     try:
-        if _loader.load_gtbm_library() is None:
+        if _loader.load_gtbm_library() is not None:
+            install_input_pipeline_hook()  # tf.data's NumPy conversions go to host memory (DYMEM_HOST_INPUTS)
+        else:
             warnings.warn(
                 "dymem_tf was imported after TensorFlow had already initialised its runtime, so the GTBM "
                 "allocator cannot be registered any more; training continues with TensorFlow's own allocator "

@@ -14,12 +14,21 @@ thread; the op's entry in :func:`set_mobility_map`; otherwise persistent for eag
 and variable updates (``Assign*VariableOp``, ``ResourceApply*``: TF's copy-on-write gives the variable a new buffer),
 transient for the other kernels of a ``tf.function`` (a Keras train step).
 
+Host inputs (``DYMEM_HOST_INPUTS``, default on; ``0`` counts everything against the budget). On a GPU the input
+pipeline lives in host memory, so on the CPU its allocations are served from a separate "host inputs" arena that
+the budget does not cap (``host_inputs_*`` in :func:`memory_stats`; ``get_memory_info('CPU:0')`` reports the device
+only): tensors that ``tf.data`` builds from Python values (``Dataset.from_tensors`` / ``from_tensor_slices``, hence
+the NumPy arrays handed to Keras ``fit``/``evaluate``/``predict``; see :func:`install_input_pipeline_hook`),
+everything allocated on ``tf.data``'s threads (map functions, batches, shuffle and prefetch buffers), and tf.data's
+iterator ops (``MakeIterator``, ``IteratorGetNext``, ...). Variables, eager ops and everything the train step's
+kernels allocate still count. :func:`host_memory` sends a thread's allocations there explicitly.
+
 Native C API (``_dymem_gtbm``; every ``int`` function returns 0 / a count on success and -1 on failure with
 ``dymem_gtbm_last_error()`` set)::
 
     int         dymem_gtbm_is_active(void);
     const char* dymem_gtbm_last_error(void);
-    void        dymem_gtbm_push_mobility(int group);     /* 0 persistent, 1 transient, 2 mobile; thread-local */
+    void        dymem_gtbm_push_mobility(int group);     /* 0 persistent, 1 transient, 2 mobile, 3 host; per thread */
     void        dymem_gtbm_pop_mobility(void);
     int         dymem_gtbm_set_mobility_map(const char* text);   /* "op_name\\tgroup" lines; returns entries */
     int         dymem_gtbm_clear_mobility_map(void);
@@ -37,6 +46,8 @@ Native C API (``_dymem_gtbm``; every ``int`` function returns 0 / a count on suc
     int64_t     dymem_gtbm_trace_count(void);
     int         dymem_gtbm_trace_info(int64_t* out, int n);  /* active, records, dropped, events, max_records */
     int         dymem_gtbm_parse_bytes(const char* text, int64_t* out);
+    int         dymem_gtbm_set_host_inputs(int enabled);  /* input pipeline from host memory (1) or counted (0) */
+    int         dymem_gtbm_host_inputs(void);            /* 1, 0, or -1 when inactive */
     int         dymem_replay_run(const char* csv, const char* policy, int64_t block_size, int64_t alignment,
                                  const char* groups_mode, int64_t* out, int n);   /* see dymem_tf.replay */
 """
@@ -44,6 +55,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import threading
 from typing import Iterator, Mapping
@@ -56,12 +68,16 @@ __all__ = [
     "clear_mobility_map",
     "dump_trace",
     "get_memory_limit",
+    "host_inputs_enabled",
+    "host_memory",
+    "install_input_pipeline_hook",
     "is_active",
     "memory_stats",
     "mobility",
     "parse_bytes",
     "record_trace",
     "reset_peak_stats",
+    "set_host_inputs",
     "set_memory_limit",
     "set_mobility_map",
     "start_trace",
@@ -74,7 +90,11 @@ __all__ = [
 LIMIT_ENV = "DYMEM_DEVICE_MEMORY_LIMIT"
 BLOCK_SIZE_ENV = "DYMEM_GTBM_BLOCK_SIZE"
 RELEASE_CACHE_ENV = "DYMEM_GTBM_RELEASE_CACHE"
+HOST_INPUTS_ENV = "DYMEM_HOST_INPUTS"
 GROUPS = {"persistent": 0, "transient": 1, "mobile": 2}
+HOST = 3  # dymem_gtbm_push_mobility value for the host-inputs arena (not a pool group)
+_FALSE_WORDS = ("0", "false", "off", "no")
+_TRUE_WORDS = ("1", "true", "on", "yes")
 _GROUP_NAMES = {v: k for k, v in GROUPS.items()}
 DEFAULT_MAX_TRACE_RECORDS = 2_000_000
 
@@ -87,8 +107,8 @@ class GtbmNotActiveError(RuntimeError):
 # Environment.
 
 def validate_memory_limit_env() -> int | None:
-    """Check ``DYMEM_DEVICE_MEMORY_LIMIT`` (and ``DYMEM_GTBM_BLOCK_SIZE``, ``DYMEM_GTBM_RELEASE_CACHE``) before the
-    allocator is loaded.
+    """Check ``DYMEM_DEVICE_MEMORY_LIMIT`` (and ``DYMEM_GTBM_BLOCK_SIZE``, ``DYMEM_GTBM_RELEASE_CACHE``,
+    ``DYMEM_HOST_INPUTS``) before the allocator is loaded.
 
     Returns the limit in bytes, or None when unset. Raises ValueError with a clear message when invalid, so that a
     typo fails at ``import dymem_tf`` instead of silently running without a budget.
@@ -104,6 +124,9 @@ def validate_memory_limit_env() -> int | None:
             f"and a multiple of the page size ({page} bytes), e.g. '2MiB'"
         )
     env_bytes(RELEASE_CACHE_ENV, "size")
+    raw_host = os.environ.get(HOST_INPUTS_ENV)
+    if raw_host is not None and raw_host.strip() and raw_host.strip().lower() not in _FALSE_WORDS + _TRUE_WORDS:
+        raise ValueError(f"{HOST_INPUTS_ENV}={raw_host!r} is not valid: use 1 (default) or 0")
     return limit
 
 
@@ -141,6 +164,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
             "dymem_gtbm_trace_count": (i64, []),
             "dymem_gtbm_trace_info": (c_int, [i64p, c_int]),
             "dymem_gtbm_parse_bytes": (c_int, [c_char_p, i64p]),
+            "dymem_gtbm_set_host_inputs": (c_int, [c_int]),
+            "dymem_gtbm_host_inputs": (c_int, []),
         }
         for name, (restype, argtypes) in signatures.items():
             fn = getattr(lib, name)
@@ -215,6 +240,13 @@ def memory_stats() -> dict:
     ``fragmentation`` = 1 - in_use / reserved now and ``peak_fragmentation`` at the moment of peak use;
     ``groups``: {"persistent"|"transient"|"mobile": {in_use, peak_in_use, reserved, peak_reserved, num_allocs}}.
 
+    All of the above describe the emulated device. The host-inputs arena (input-pipeline tensors served from host
+    memory, not counted by the budget; see the module docstring) reports ``host_inputs_enabled`` (1 while its rule
+    is on), ``host_inputs_bytes_in_use``, ``host_inputs_peak_bytes_in_use``, ``host_inputs_bytes_reserved``,
+    ``host_inputs_peak_bytes_reserved``, ``host_inputs_num_allocs``, ``host_inputs_live_allocations``,
+    ``host_inputs_largest_alloc_size`` and ``host_inputs_capacity`` (its address space). (The swap-out host pool's
+    statistics are :func:`dymem_tf.host_pool_stats`.)
+
     Raises GtbmNotActiveError when GTBM does not serve the CPU device.
     """
     lib = _active_library()
@@ -239,7 +271,7 @@ def memory_stats() -> dict:
 
 
 def reset_peak_stats() -> None:
-    """Restart the peak values (in use, reserved, extent, per group) from the current ones."""
+    """Restart the peak values (in use, reserved, extent, per group; host inputs too) from the current ones."""
     lib = _active_library()
     _check(lib, lib.dymem_gtbm_reset_peak_stats(), "resetting GTBM peak statistics")
 
@@ -269,6 +301,74 @@ def get_memory_limit() -> int:
     """The current device budget in bytes."""
     lib = _active_library()
     return _check(lib, lib.dymem_gtbm_get_limit(), "reading the GTBM memory limit")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Host inputs.
+
+def host_inputs_enabled() -> bool:
+    """Whether input-pipeline allocations are served from the host-inputs arena (not counted by the budget)."""
+    lib = _active_library()
+    return bool(_check(lib, lib.dymem_gtbm_host_inputs(), "reading the host-inputs setting"))
+
+
+def set_host_inputs(enabled: bool) -> None:
+    """Serve input-pipeline allocations from host memory (True, the default unless ``DYMEM_HOST_INPUTS=0``) or count
+    them against the device budget (False). Applies to new allocations; live tensors stay where they are."""
+    lib = _active_library()
+    _check(lib, lib.dymem_gtbm_set_host_inputs(1 if enabled else 0), "changing the host-inputs setting")
+
+
+@contextlib.contextmanager
+def host_memory() -> Iterator[None]:
+    """Serve every allocation the current thread makes inside the block from the host-inputs arena (not counted by
+    the device budget), e.g. for input data built outside ``tf.data``. No effect while host inputs are off."""
+    lib = _loaded_library()
+    lib.dymem_gtbm_push_mobility(HOST)
+    try:
+        yield
+    finally:
+        lib.dymem_gtbm_pop_mobility()
+
+
+def install_input_pipeline_hook() -> bool:
+    """Make ``tf.data`` convert Python values (NumPy arrays) into tensors in host memory.
+
+    ``Dataset.from_tensors`` / ``from_tensor_slices`` (and so Keras's adapter for NumPy inputs) convert their
+    arguments on the calling thread, where the allocation carries no op annotation -- exactly like the buffers that
+    variables adopt from ``tf.Variable(numpy_array)`` or ``assign``, which must count. The allocator cannot tell them
+    apart, so this wraps ``tensorflow.python.data.util.structure.normalize_element`` (the one place where tf.data
+    turns its arguments into tensors) in :func:`host_memory`. Called by ``import dymem_tf`` once GTBM is loaded;
+    idempotent. Returns False (and changes nothing) when GTBM is not loaded or TensorFlow has no such function.
+    """
+    from dymem_tf.ops import loader
+
+    lib = loader.gtbm_cdll()
+    if lib is None:
+        return False
+    try:
+        from tensorflow.python.data.util import structure
+    except ImportError:  # pragma: no cover - other TF layouts
+        return False
+    original = getattr(structure, "normalize_element", None)
+    if original is None:  # pragma: no cover
+        return False
+    if getattr(original, "_dymem_host_inputs", False):
+        return True
+    lib = _declare(lib)
+    push, pop = lib.dymem_gtbm_push_mobility, lib.dymem_gtbm_pop_mobility
+
+    @functools.wraps(original)
+    def normalize_element(*args, **kwargs):
+        push(HOST)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            pop()
+
+    normalize_element._dymem_host_inputs = True  # type: ignore[attr-defined]
+    structure.normalize_element = normalize_element
+    return True
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -122,26 +122,20 @@ INVALID_SCRIPT = "import tensorflow as tf\nimport dymem_tf\n"
 def _env(**extra):
     env = {k: v for k, v in os.environ.items() if k not in ("DYMEM_DEVICE_MEMORY_LIMIT", "DYMEM_GTBM",
                                                              "DYMEM_GTBM_BLOCK_SIZE", "DYMEM_GTBM_RELEASE_CACHE",
-                                                             "TF_CPU_ALLOCATOR_USE_BFC")}
+                                                             "DYMEM_HOST_INPUTS", "TF_CPU_ALLOCATOR_USE_BFC")}
     env.update(TF_CPP_MIN_LOG_LEVEL="2", **extra)
     return env
 
 
-@pytest.fixture(scope="module")
-def procs(tmp_path_factory):
-    trace = str(tmp_path_factory.mktemp("gtbm") / "live_trace.csv")
-    specs = {
-        "live": (LIVE_SCRIPT, [trace], _env(DYMEM_DEVICE_MEMORY_LIMIT="64MiB")),
-        "late": (LATE_SCRIPT, [], _env()),
-        "disabled": (DISABLED_SCRIPT, [], _env(DYMEM_GTBM="0")),
-        "invalid": (INVALID_SCRIPT, [], _env(DYMEM_DEVICE_MEMORY_LIMIT="12 parsecs")),
-    }
+def run_together(specs: dict) -> dict:
+    """Run ``{name: (code, argv, env)}`` in fresh interpreters started together (their TF imports overlap);
+    returns ``{name: (returncode, stdout, stderr)}``."""
     started = {
         name: subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), *args], cwd=REPO, env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for name, (code, args, env) in specs.items()
     }
-    results = {"trace": trace}
+    results = {}
     try:
         for name, p in started.items():
             stdout, stderr = p.communicate(timeout=600)
@@ -150,6 +144,19 @@ def procs(tmp_path_factory):
         for p in started.values():
             if p.poll() is None:
                 p.kill()
+    return results
+
+
+@pytest.fixture(scope="module")
+def procs(tmp_path_factory):
+    trace = str(tmp_path_factory.mktemp("gtbm") / "live_trace.csv")
+    results = run_together({
+        "live": (LIVE_SCRIPT, [trace], _env(DYMEM_DEVICE_MEMORY_LIMIT="64MiB")),
+        "late": (LATE_SCRIPT, [], _env()),
+        "disabled": (DISABLED_SCRIPT, [], _env(DYMEM_GTBM="0")),
+        "invalid": (INVALID_SCRIPT, [], _env(DYMEM_DEVICE_MEMORY_LIMIT="12 parsecs")),
+    })
+    results["trace"] = trace
     return results
 
 

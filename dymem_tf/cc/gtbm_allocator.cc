@@ -23,6 +23,31 @@
 //   The step id alone cannot tell a train step from set-up work: on TF 2.21 eager ops carry non-zero step ids
 //   and function-level allocations carry 0, hence the op-name test.
 //
+// Host memory for the input pipeline (DYMEM_HOST_INPUTS, default on; "0" counts everything, as before). The pool
+// above is the emulated *device*: on a GPU, tf.data and the tensors it is built from live in host memory, not in
+// the device's memory. Those allocations are served from a second arena ("host inputs") that the budget does not
+// cap, reported as host_inputs_* in the statistics and left out of GetStats() (tf.config.experimental.
+// get_memory_info('CPU:0') keeps reporting the device). An allocation goes to the host arena when, checked before
+// the mobility map and the default rules above:
+//   a. the allocating thread pushed the HOST override (dymem_gtbm_push_mobility(3)); dymem_tf does so around
+//      tf.data's element normalization (tensorflow.python.data.util.structure.normalize_element), i.e. when
+//      Dataset.from_tensors / from_tensor_slices -- and Keras's data adapter for NumPy inputs -- convert Python
+//      values into tensors;
+//   b. the thread is one of tf.data's (TF names the threads it starts; tf.data's are "tf_data_*": the private
+//      thread pool running map functions, batching, shuffle buffers, and the prefetch threads);
+//   c. the executing op is a tf.data op: iterator creation and element retrieval (MakeIterator, AnonymousIterator*,
+//      Iterator*, e.g. a step's "IteratorGetNext", which re-creates or produces pipeline tensors on the calling
+//      thread) or an eagerly run dataset constructor (a bare op name containing "Dataset").
+// Why not "no annotation means host": tensors converted from Python values carry no annotation, but so do the
+// buffers that variables adopt: TF's AssignVariableOp takes over its input's buffer when it is the only reference,
+// so tf.Variable(numpy_array), Variable.assign(numpy_array) and Keras's set_weights would leave weights uncounted.
+// Eager ops stay on the device (a GPU runs them there, and variables and optimizer slots are built from their
+// outputs); so do the step's kernels and variable updates. What the emulation still differs in: a GPU step copies
+// each input batch from host to device memory; here the step reads the host batch, so one batch of inputs per step
+// is not counted. (Also note TF issue #71744: since TF 2.17 a stock GPU run may place the tensors that
+// from_tensor_slices converts on the GPU; the emulation models the input pipeline in host memory, as tf.data
+// intends, and DYMEM_HOST_INPUTS=0 models the other case.)
+//
 // Registered with priority 300 (must exceed oneDNN's 200) from a static initializer: the library must be loaded
 // before TensorFlow creates its CPU allocator (dymem_tf/ops/loader.py makes sure of that).
 #include <sys/mman.h>
@@ -30,6 +55,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <cerrno>
 #include <cstdint>
 #include <cstdio>
@@ -47,6 +73,7 @@
 #include "gtbm_core.h"
 #include "tensorflow/core/framework/allocator.h"
 #include "tensorflow/core/framework/allocator_registry.h"
+#include "tsl/platform/env.h"
 #include "tsl/profiler/lib/scoped_memory_debug_annotation.h"
 
 namespace dymem {
@@ -59,6 +86,12 @@ constexpr uint64_t kBaseAlignment = uint64_t{1} << 30;  // largest alignment All
 constexpr char kLimitEnv[] = "DYMEM_DEVICE_MEMORY_LIMIT";
 constexpr char kBlockSizeEnv[] = "DYMEM_GTBM_BLOCK_SIZE";
 constexpr char kReleaseCacheEnv[] = "DYMEM_GTBM_RELEASE_CACHE";
+constexpr char kHostInputsEnv[] = "DYMEM_HOST_INPUTS";
+// Classification result beyond the pool's groups: serve from the host-inputs arena (not counted by the budget).
+constexpr int kHost = gtbm::kNumGroups;
+// Host-inputs arena: address space reserved (NORESERVE, pages backed when touched) and free blocks kept resident.
+constexpr uint64_t kMinHostSpace = uint64_t{1} << 30;
+constexpr uint64_t kHostReleaseCache = uint64_t{64} << 20;
 // Free blocks kept resident before madvise: releasing a block and faulting it back in moments later cost ~0.8 s per
 // ResNet-50 step (64x64, batch 32: ~900 MiB of blocks cycle through the free list every step); a cache of a few
 // hundred MiB removes almost all of it. Default min(256 MiB, budget / 8).
@@ -87,7 +120,7 @@ int CurrentOverride() {
 // Entries beyond kMaxOverrideDepth are counted but not stored, so that pushes and pops always balance.
 void PushOverride(int group) {
   if (t_override_depth < kMaxOverrideDepth) {
-    t_override[t_override_depth] = (group >= 0 && group < gtbm::kNumGroups) ? group : -1;
+    t_override[t_override_depth] = (group >= 0 && group <= kHost) ? group : -1;
   }
   ++t_override_depth;
 }
@@ -104,20 +137,58 @@ struct MobilityMap {
 std::shared_ptr<const MobilityMap> g_mobility_map;  // accessed with std::atomic_load / std::atomic_store
 std::atomic<bool> g_has_mobility_map{false};         // fast path: no map, no shared_ptr traffic per allocation
 
-// Node names default to the op type ("AssignSubVariableOp_12"), and Keras/TF optimizers keep them.
-bool IsVariableUpdate(std::string_view op) {
+std::string_view Leaf(std::string_view op) {
   const size_t slash = op.rfind('/');
-  const std::string_view leaf = slash == std::string_view::npos ? op : op.substr(slash + 1);
-  auto starts_with = [&](std::string_view prefix) { return leaf.substr(0, prefix.size()) == prefix; };
-  return starts_with("AssignVariableOp") || starts_with("AssignAddVariableOp") ||
-         starts_with("AssignSubVariableOp") || starts_with("ResourceApply") || starts_with("ResourceSparseApply") ||
-         starts_with("ResourceScatter");
+  return slash == std::string_view::npos ? op : op.substr(slash + 1);
 }
 
+bool StartsWith(std::string_view text, std::string_view prefix) { return text.substr(0, prefix.size()) == prefix; }
+
+// Node names default to the op type ("AssignSubVariableOp_12"), and Keras/TF optimizers keep them.
+bool IsVariableUpdate(std::string_view op) {
+  const std::string_view leaf = Leaf(op);
+  return StartsWith(leaf, "AssignVariableOp") || StartsWith(leaf, "AssignAddVariableOp") ||
+         StartsWith(leaf, "AssignSubVariableOp") || StartsWith(leaf, "ResourceApply") ||
+         StartsWith(leaf, "ResourceSparseApply") || StartsWith(leaf, "ResourceScatter");
+}
+
+// Rule c of the host-inputs classification (see the top of this file).
+bool IsInputPipelineOp(std::string_view op) {
+  if (op.empty()) return false;
+  const std::string_view leaf = Leaf(op);
+  if (StartsWith(leaf, "Iterator") || StartsWith(leaf, "MakeIterator") || StartsWith(leaf, "AnonymousIterator") ||
+      StartsWith(leaf, "OneShotIterator") || StartsWith(leaf, "MultiDeviceIterator") ||
+      StartsWith(leaf, "AnonymousMultiDeviceIterator") || StartsWith(leaf, "DeserializeIterator") ||
+      StartsWith(leaf, "SerializeIterator")) {
+    return true;
+  }
+  return leaf.size() == op.size() && op.find("Dataset") != std::string_view::npos;  // eager op: bare op type
+}
+
+// Rule b: TF registers a name for every thread it starts (tsl::Env::StartThread); tf.data's are "tf_data_*".
+// A thread's name does not change, so the answer is cached per thread.
+bool OnInputPipelineThread() {
+  thread_local int cached = -1;
+  if (cached < 0) {
+    std::string name;
+    cached = tsl::Env::Default()->GetCurrentThreadName(&name) && StartsWith(name, "tf_data") ? 1 : 0;
+  }
+  return cached == 1;
+}
+
+std::atomic<bool> g_host_inputs{true};  // DYMEM_HOST_INPUTS (read when the allocator is created), or the C API
+
+// Returns a pool group, or kHost.
 int Classify(const tsl::profiler::MemoryDebugAnnotation& annotation) {
   const int forced = CurrentOverride();
-  if (forced >= 0) return forced;
+  const bool host_inputs = g_host_inputs.load(std::memory_order_relaxed);
+  if (forced == kHost) {
+    if (host_inputs) return kHost;
+  } else if (forced >= 0) {
+    return forced;
+  }
   const std::string_view op(annotation.pending_op_name.data(), annotation.pending_op_name.size());
+  if (host_inputs && (OnInputPipelineThread() || IsInputPipelineOp(op))) return kHost;
   if (!op.empty() && g_has_mobility_map.load(std::memory_order_acquire)) {
     std::shared_ptr<const MobilityMap> map = std::atomic_load(&g_mobility_map);
     if (map) {
@@ -134,7 +205,7 @@ int Classify(const tsl::profiler::MemoryDebugAnnotation& annotation) {
       }
     }
   }
-  if (op.empty() || IsVariableUpdate(op)) return gtbm::kPersistent;
+  if (op.empty() || IsVariableUpdate(op)) return gtbm::kPersistent;  // a forced kHost with host inputs off too
   if (annotation.pending_step_id == 0) return gtbm::kTransient;
   return op.find('/') == std::string_view::npos ? gtbm::kPersistent : gtbm::kTransient;
 }
@@ -167,9 +238,82 @@ uint64_t BytesFromEnv(const char* name, uint64_t fallback, bool allow_zero = fal
 // ------------------------------------------------------------------------------------------------------------
 // The allocator.
 
+// DYMEM_HOST_INPUTS: unset or anything else -> on; "0", "false", "off", "no" (any case) -> off.
+bool FlagFromEnv(const char* name, bool fallback) {
+  const char* value = std::getenv(name);
+  if (value == nullptr || value[0] == '\0') return fallback;
+  std::string v(value);
+  for (char& c : v) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return !(v == "0" || v == "false" || v == "off" || v == "no");
+}
+
+// One contiguous range of address space for a pool: mmap(NORESERVE) of about `space` bytes (halved while the
+// kernel refuses, down to `min_space`), base aligned to `base_align`. Returns nullptr and sets *error on failure.
+char* ReserveAddressSpace(uint64_t* space, uint64_t min_space, uint64_t block, uint64_t base_align,
+                          std::string* error) {
+  void* raw = MAP_FAILED;
+  while (true) {
+    raw = mmap(nullptr, *space + base_align, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+               -1, 0);
+    if (raw != MAP_FAILED || *space / 2 < min_space) break;
+    *space = *space / 2 / block * block;  // strict overcommit settings: try a smaller reservation
+  }
+  if (raw == MAP_FAILED) {
+    *error = "mmap of " + std::to_string(*space) + " bytes failed: " + std::strerror(errno);
+    return nullptr;
+  }
+  const uintptr_t raw_addr = reinterpret_cast<uintptr_t>(raw);
+  const uintptr_t base = (raw_addr + base_align - 1) / base_align * base_align;
+  if (base > raw_addr) munmap(raw, base - raw_addr);
+  const uintptr_t tail = base + *space;
+  const uintptr_t raw_end = raw_addr + *space + base_align;
+  if (raw_end > tail) munmap(reinterpret_cast<void*>(tail), raw_end - tail);
+  return reinterpret_cast<char*>(base);
+}
+
+// A gtbm::Pool over its own reserved range: offsets are pointers base + offset.
+struct Arena {
+  char* base = nullptr;
+  uint64_t space = 0;
+  std::unique_ptr<gtbm::Pool> pool;
+
+  bool Owns(const void* ptr) const {
+    const uintptr_t p = reinterpret_cast<uintptr_t>(ptr);
+    const uintptr_t b = reinterpret_cast<uintptr_t>(base);
+    return pool != nullptr && p >= b && p < b + space;
+  }
+  uint64_t OffsetOf(const void* ptr) const {
+    return static_cast<uint64_t>(reinterpret_cast<uintptr_t>(ptr) - reinterpret_cast<uintptr_t>(base));
+  }
+
+  // Reserves the range and creates the pool; options.capacity is set here. Returns false with *error set.
+  bool Init(gtbm::PoolOptions options, uint64_t space_wanted, uint64_t min_space, std::string* error) {
+    space = (space_wanted + options.block_size - 1) / options.block_size * options.block_size;
+    // Over-reserve to align the base to kBaseAlignment: offsets aligned to A are then pointers aligned to A for
+    // any A up to it (over-aligned requests), and blocks are huge-page aligned.
+    base = ReserveAddressSpace(&space, std::max(min_space, options.block_size), options.block_size,
+                               std::max(options.block_size, kBaseAlignment), error);
+    if (base == nullptr) return false;
+    options.capacity = space;
+    options.limit = std::min(options.limit == 0 ? space : options.limit, space);
+    char* const mem = base;
+    options.on_release = [mem](uint64_t offset, uint64_t length) {
+      // Give the pages back: the block is free for every group, its contents are dead.
+      madvise(mem + offset, length, MADV_DONTNEED);
+    };
+    pool = gtbm::Pool::Create(options, error);
+    return pool != nullptr;
+  }
+
+  ~Arena() {
+    if (base != nullptr) munmap(base, space);
+  }
+};
+
 class GtbmAllocator final : public tensorflow::Allocator {
  public:
   GtbmAllocator() {
+    g_host_inputs.store(FlagFromEnv(kHostInputsEnv, true), std::memory_order_relaxed);
     const uint64_t default_limit = std::min(PhysicalMemory(), kDefaultMaxLimit);
     const uint64_t limit = BytesFromEnv(kLimitEnv, default_limit);
     const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
@@ -183,59 +327,42 @@ class GtbmAllocator final : public tensorflow::Allocator {
                    static_cast<unsigned long long>(auto_block));
       block = auto_block;
     }
-    // The address space covers the budget and at least the default budget, so the limit can later be raised
-    // up to it; NORESERVE makes the unused part free.
-    uint64_t space = (std::max(limit, default_limit) + block - 1) / block * block;
-    // Over-reserve to align the base to kBaseAlignment: offsets aligned to A are then pointers aligned to A for
-    // any A up to it (over-aligned requests), and blocks are huge-page aligned.
-    const uint64_t base_align = std::max(block, kBaseAlignment);
-    void* raw = MAP_FAILED;
-    while (true) {
-      raw = mmap(nullptr, space + base_align, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
-                 -1, 0);
-      if (raw != MAP_FAILED || space / 2 < std::max(limit, block)) break;
-      space = space / 2 / block * block;  // strict overcommit settings: try a smaller reservation
-    }
-    if (raw == MAP_FAILED) {
-      error_ = "mmap of " + std::to_string(space) + " bytes failed: " + std::strerror(errno);
-      std::fprintf(stderr, "dymem_tf GTBM: %s; every allocation will fail\n", error_.c_str());
-      return;
-    }
-    const uintptr_t raw_addr = reinterpret_cast<uintptr_t>(raw);
-    const uintptr_t base = (raw_addr + base_align - 1) / base_align * base_align;
-    if (base > raw_addr) munmap(raw, base - raw_addr);
-    const uintptr_t tail = base + space;
-    const uintptr_t raw_end = raw_addr + space + base_align;
-    if (raw_end > tail) munmap(reinterpret_cast<void*>(tail), raw_end - tail);
-    base_ = reinterpret_cast<char*>(base);
-    space_ = space;
 
     gtbm::PoolOptions options;
     options.policy = gtbm::Policy::kGtbm;
-    options.capacity = space;
-    options.limit = std::min(limit, space);
+    options.limit = limit;
     options.block_size = block;
     options.alignment = tensorflow::Allocator::kAllocatorAlignment;
     options.release_cache = BytesFromEnv(kReleaseCacheEnv, std::min(kMaxDefaultReleaseCache,
                                                                     limit / kReleaseCacheBudgetDivisor),
                                          /*allow_zero=*/true);
-    char* const mem = base_;
-    options.on_release = [mem](uint64_t offset, uint64_t length) {
-      // Give the pages back: the block is free for every group, its contents are dead.
-      madvise(mem + offset, length, MADV_DONTNEED);
-    };
-    pool_ = gtbm::Pool::Create(options, &error_);
-    if (!pool_) std::fprintf(stderr, "dymem_tf GTBM: cannot create the pool: %s\n", error_.c_str());
-  }
+    // The address space covers the budget and at least the default budget, so the limit can later be raised
+    // up to it; NORESERVE makes the unused part free.
+    if (!device_.Init(options, std::max(limit, default_limit), limit, &error_)) {
+      std::fprintf(stderr, "dymem_tf GTBM: cannot create the pool: %s; every allocation will fail\n",
+                   error_.c_str());
+      return;
+    }
 
-  ~GtbmAllocator() override {
-    if (base_ != nullptr) munmap(base_, space_);
+    // The host-inputs arena: no budget (limit = its whole range), one group, 2 MiB blocks.
+    gtbm::PoolOptions host;
+    host.policy = gtbm::Policy::kGtbmNoGroups;
+    host.block_size = kDefaultBlockSize;
+    host.alignment = tensorflow::Allocator::kAllocatorAlignment;
+    host.release_cache = kHostReleaseCache;
+    std::string host_error;
+    if (!host_.Init(host, std::max(PhysicalMemory(), kDefaultMaxLimit), kMinHostSpace, &host_error)) {
+      std::fprintf(stderr,
+                   "dymem_tf GTBM: no host-inputs arena (%s): input-pipeline tensors count against the device "
+                   "budget\n",
+                   host_error.c_str());
+    }
   }
 
   std::string Name() override { return "gtbm"; }
 
   void* AllocateRaw(size_t alignment, size_t num_bytes) override {
-    if (!pool_) return nullptr;
+    if (!device_.pool) return nullptr;
     if (alignment > kBaseAlignment) {
       std::fprintf(stderr, "dymem_tf GTBM: alignment %zu is not supported (at most %llu)\n", alignment,
                    static_cast<unsigned long long>(kBaseAlignment));
@@ -243,44 +370,53 @@ class GtbmAllocator final : public tensorflow::Allocator {
     }
     const tsl::profiler::MemoryDebugAnnotation& annotation =
         tsl::profiler::ScopedMemoryDebugAnnotation::CurrentAnnotation();
-    const int group = Classify(annotation);
+    int group = Classify(annotation);
     gtbm::AllocTag tag;
     tag.op_name = std::string_view(annotation.pending_op_name.data(), annotation.pending_op_name.size());
     tag.step_id = annotation.pending_step_id;
-    const uint64_t offset = pool_->Allocate(num_bytes, group, alignment, &tag);
+    if (group == kHost) {
+      if (host_.pool) {
+        const uint64_t offset = host_.pool->Allocate(num_bytes, gtbm::kPersistent, alignment, &tag);
+        if (offset != gtbm::kInvalidOffset) return host_.base + offset;
+        LogFailure(host_.pool.get(), num_bytes, alignment, kHost, tag.op_name);
+        return nullptr;
+      }
+      group = gtbm::kPersistent;  // no host arena: count it, as with DYMEM_HOST_INPUTS=0
+    }
+    const uint64_t offset = device_.pool->Allocate(num_bytes, group, alignment, &tag);
     if (offset == gtbm::kInvalidOffset) {
-      LogFailure(num_bytes, alignment, group, tag.op_name);
+      LogFailure(device_.pool.get(), num_bytes, alignment, group, tag.op_name);
       return nullptr;
     }
-    return base_ + offset;
+    return device_.base + offset;
   }
 
   void DeallocateRaw(void* ptr) override {
-    if (ptr == nullptr || !pool_) return;
-    const uintptr_t p = reinterpret_cast<uintptr_t>(ptr);
-    const uintptr_t b = reinterpret_cast<uintptr_t>(base_);
-    if (p < b || p >= b + space_ || pool_->Free(p - b) == 0) {
+    if (ptr == nullptr) return;
+    const Arena* arena = ArenaOf(ptr);
+    if (arena == nullptr || arena->pool->Free(arena->OffsetOf(ptr)) == 0) {
       std::fprintf(stderr, "dymem_tf GTBM: DeallocateRaw(%p) of a pointer it did not allocate (ignored)\n", ptr);
     }
   }
 
-  bool TracksAllocationSizes() const override { return pool_ != nullptr; }
+  bool TracksAllocationSizes() const override { return device_.pool != nullptr; }
 
   size_t RequestedSize(const void* ptr) const override {
     uint64_t requested = 0;
-    if (pool_) pool_->Lookup(OffsetOf(ptr), &requested, nullptr, nullptr);
+    if (const Arena* arena = ArenaOf(ptr)) arena->pool->Lookup(arena->OffsetOf(ptr), &requested, nullptr, nullptr);
     return requested;
   }
 
   size_t AllocatedSize(const void* ptr) const override {
     uint64_t allocated = 0;
-    if (pool_) pool_->Lookup(OffsetOf(ptr), nullptr, &allocated, nullptr);
+    if (const Arena* arena = ArenaOf(ptr)) arena->pool->Lookup(arena->OffsetOf(ptr), nullptr, &allocated, nullptr);
     return allocated;
   }
 
+  // The device pool only: the host-inputs arena is host memory (see dymem_gtbm_get_stats for it).
   std::optional<tensorflow::AllocatorStats> GetStats() override {
-    if (!pool_) return std::nullopt;
-    const gtbm::PoolStats s = pool_->Stats();
+    if (!device_.pool) return std::nullopt;
+    const gtbm::PoolStats s = device_.pool->Stats();
     tensorflow::AllocatorStats stats;
     stats.num_allocs = s.num_allocs;
     stats.bytes_in_use = s.bytes_in_use;
@@ -297,39 +433,44 @@ class GtbmAllocator final : public tensorflow::Allocator {
   }
 
   bool ClearStats() override {
-    if (!pool_) return false;
-    pool_->ClearCounters();
+    if (!device_.pool) return false;
+    device_.pool->ClearCounters();
+    if (host_.pool) host_.pool->ClearCounters();
     return true;
   }
 
   tsl::AllocatorMemoryType GetMemoryType() const override { return tsl::AllocatorMemoryType::kHostPageable; }
 
-  gtbm::Pool* pool() { return pool_.get(); }
+  gtbm::Pool* pool() { return device_.pool.get(); }
+  // nullptr when the host-inputs arena could not be reserved.
+  gtbm::Pool* host_pool() { return host_.pool.get(); }
   const std::string& error() const { return error_; }
 
  private:
-  uint64_t OffsetOf(const void* ptr) const {
-    return static_cast<uint64_t>(reinterpret_cast<uintptr_t>(ptr) - reinterpret_cast<uintptr_t>(base_));
+  const Arena* ArenaOf(const void* ptr) const {
+    if (device_.Owns(ptr)) return &device_;
+    if (host_.Owns(ptr)) return &host_;
+    return nullptr;
   }
 
-  void LogFailure(size_t num_bytes, size_t alignment, int group, std::string_view op) {
+  void LogFailure(gtbm::Pool* pool, size_t num_bytes, size_t alignment, int group, std::string_view op) {
     // Out-of-budget is an expected, recoverable condition (TF raises ResourceExhausted): log the first few only.
     const int n = failures_logged_.fetch_add(1, std::memory_order_relaxed);
     if (n >= kMaxFailureLogs) return;
-    const gtbm::PoolStats s = pool_->Stats();
+    const gtbm::PoolStats s = pool->Stats();
     std::fprintf(stderr,
-                 "dymem_tf GTBM: out of budget allocating %zu bytes (alignment %zu, group %s, op '%.*s'): "
+                 "dymem_tf GTBM: out of %s allocating %zu bytes (alignment %zu, group %s, op '%.*s'): "
                  "in use %lld, reserved %lld, limit %lld, largest free block %lld%s\n",
-                 num_bytes, alignment, gtbm::GroupName(group), static_cast<int>(op.size()), op.data(),
+                 group == kHost ? "host-inputs address space" : "budget", num_bytes, alignment,
+                 group == kHost ? "host" : gtbm::GroupName(group), static_cast<int>(op.size()), op.data(),
                  static_cast<long long>(s.bytes_in_use), static_cast<long long>(s.bytes_reserved),
                  static_cast<long long>(s.bytes_limit), static_cast<long long>(s.largest_free_block),
                  n + 1 == kMaxFailureLogs ? " (further failures are not logged)" : "");
   }
 
   static constexpr int kMaxFailureLogs = 10;
-  char* base_ = nullptr;
-  uint64_t space_ = 0;
-  std::unique_ptr<gtbm::Pool> pool_;
+  Arena device_;  // the emulated device: GTBM groups under the budget
+  Arena host_;    // host inputs: not capped, not in GetStats()
   std::string error_;
   std::atomic<int> failures_logged_{0};
 };
@@ -388,8 +529,34 @@ class GtbmAllocatorFactory final : public tensorflow::AllocatorFactory {
   tsl::SubAllocator* CreateSubAllocator(int /*numa_node*/) override { return new GtbmSubAllocator(Instance()); }
 };
 
+GtbmAllocator* ActiveAllocator();
+
 // The pool of the instance TensorFlow uses, or nullptr with the error set.
 gtbm::Pool* ActivePool() {
+  GtbmAllocator* a = ActiveAllocator();
+  return a == nullptr ? nullptr : a->pool();
+}
+
+// Statistics of the host-inputs arena appended to the pool's (dymem_gtbm_stat_names / get_stats).
+constexpr const char* kHostStatNames[] = {
+    "host_inputs_enabled",           "host_inputs_bytes_in_use",      "host_inputs_peak_bytes_in_use",
+    "host_inputs_bytes_reserved",    "host_inputs_peak_bytes_reserved", "host_inputs_num_allocs",
+    "host_inputs_live_allocations",  "host_inputs_largest_alloc_size", "host_inputs_capacity",
+};
+constexpr int kNumHostStats = static_cast<int>(sizeof(kHostStatNames) / sizeof(kHostStatNames[0]));
+
+void HostStats(gtbm::Pool* host, int64_t out[kNumHostStats]) {
+  const gtbm::PoolStats s = host != nullptr ? host->Stats() : gtbm::PoolStats();
+  const int64_t values[kNumHostStats] = {
+      g_host_inputs.load(std::memory_order_relaxed) && host != nullptr ? 1 : 0,
+      s.bytes_in_use, s.peak_bytes_in_use, s.bytes_reserved, s.peak_bytes_reserved, s.num_allocs,
+      s.live_allocations, s.largest_alloc_size, s.capacity,
+  };
+  std::copy(values, values + kNumHostStats, out);
+}
+
+// The instance TensorFlow uses with a working pool, or nullptr with the error set.
+GtbmAllocator* ActiveAllocator() {
   if (!g_created_by_tf.load(std::memory_order_acquire)) {
     SetError(
         "the GTBM allocator is not active: TensorFlow did not create it (dymem_tf must be imported right after "
@@ -401,7 +568,7 @@ gtbm::Pool* ActivePool() {
     SetError("the GTBM allocator failed to initialise: " + (a != nullptr ? a->error() : std::string("no instance")));
     return nullptr;
   }
-  return a->pool();
+  return a;
 }
 
 template <typename F>
@@ -438,7 +605,8 @@ int dymem_gtbm_is_active(void) {
 }
 
 // Mobility override for allocations made by the calling thread until the matching pop (nestable). `group`:
-// 0 persistent, 1 transient, 2 mobile; any other value pushes "no override" (keeps push/pop balanced).
+// 0 persistent, 1 transient, 2 mobile, 3 host (the host-inputs arena, not counted by the budget; ignored while host
+// inputs are off); any other value pushes "no override" (keeps push/pop balanced).
 void dymem_gtbm_push_mobility(int group) { dymem::PushOverride(group); }
 
 void dymem_gtbm_pop_mobility(void) { dymem::PopOverride(); }
@@ -507,32 +675,65 @@ int64_t dymem_gtbm_get_limit(void) {
 
 // Statistics: dymem_gtbm_stat_names() lists the comma-separated names of the values dymem_gtbm_get_stats writes
 // (min(n, dymem_gtbm_num_stats()) int64 values). get_stats returns the number of values available, or -1.
-const char* dymem_gtbm_stat_names(void) { return gtbm::StatNames(); }
-int dymem_gtbm_num_stats(void) { return gtbm::NumStats(); }
+// The device pool's values (gtbm::StatNames) come first, then the host-inputs arena's (host_inputs_*).
+const char* dymem_gtbm_stat_names(void) {
+  static const std::string* names = [] {
+    auto* all = new std::string(gtbm::StatNames());
+    for (const char* name : dymem::kHostStatNames) *all += std::string(",") + name;
+    return all;
+  }();
+  return names->c_str();
+}
+int dymem_gtbm_num_stats(void) { return gtbm::NumStats() + dymem::kNumHostStats; }
 
 int dymem_gtbm_get_stats(int64_t* out, int n) {
   return dymem::Guard([&]() -> int {
-    gtbm::Pool* pool = dymem::ActivePool();
-    if (pool == nullptr) return -1;
+    dymem::GtbmAllocator* a = dymem::ActiveAllocator();
+    if (a == nullptr) return -1;
     if (out == nullptr || n < 0) return dymem::SetError("invalid output array");
-    return gtbm::FlattenStats(pool->Stats(), out, n);
+    const int device = gtbm::FlattenStats(a->pool()->Stats(), out, n);
+    int64_t host[dymem::kNumHostStats];
+    dymem::HostStats(a->host_pool(), host);
+    for (int i = 0; i < dymem::kNumHostStats && device + i < n; ++i) out[device + i] = host[i];
+    return device + dymem::kNumHostStats;
   });
 }
 
-// Gives every cached free block back to the OS now (see DYMEM_GTBM_RELEASE_CACHE).
+// Gives every cached free block of both arenas back to the OS now (see DYMEM_GTBM_RELEASE_CACHE).
 int dymem_gtbm_trim(void) {
-  gtbm::Pool* pool = dymem::ActivePool();
-  if (pool == nullptr) return -1;
-  pool->TrimCache();
+  dymem::GtbmAllocator* a = dymem::ActiveAllocator();
+  if (a == nullptr) return -1;
+  a->pool()->TrimCache();
+  if (a->host_pool() != nullptr) a->host_pool()->TrimCache();
   return 0;
 }
 
-// Peaks restart from the current values (counters are kept).
+// Peaks of both arenas restart from the current values (counters are kept).
 int dymem_gtbm_reset_peak_stats(void) {
-  gtbm::Pool* pool = dymem::ActivePool();
-  if (pool == nullptr) return -1;
-  pool->ResetPeaks();
+  dymem::GtbmAllocator* a = dymem::ActiveAllocator();
+  if (a == nullptr) return -1;
+  a->pool()->ResetPeaks();
+  if (a->host_pool() != nullptr) a->host_pool()->ResetPeaks();
   return 0;
+}
+
+// Host memory for the input pipeline (DYMEM_HOST_INPUTS; see the top of this file): 1 to serve it from the
+// host-inputs arena (default), 0 to count every allocation against the device budget. Takes effect for new
+// allocations; live buffers stay where they are. Fails when the allocator is inactive or, for 1, when the arena
+// could not be reserved.
+int dymem_gtbm_set_host_inputs(int enabled) {
+  dymem::GtbmAllocator* a = dymem::ActiveAllocator();
+  if (a == nullptr) return -1;
+  if (enabled && a->host_pool() == nullptr) return dymem::SetError("the host-inputs arena could not be reserved");
+  dymem::g_host_inputs.store(enabled != 0, std::memory_order_relaxed);
+  return 0;
+}
+
+// 1 when input-pipeline allocations are served from the host-inputs arena, 0 when they count, -1 when inactive.
+int dymem_gtbm_host_inputs(void) {
+  dymem::GtbmAllocator* a = dymem::ActiveAllocator();
+  if (a == nullptr) return -1;
+  return dymem::g_host_inputs.load(std::memory_order_relaxed) && a->host_pool() != nullptr ? 1 : 0;
 }
 
 // Trace recording: start (discarding any previous trace) with room for max_records allocations, stop, dump as
