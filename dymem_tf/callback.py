@@ -7,7 +7,7 @@ import sys
 import keras
 import tensorflow as tf
 
-from dymem_tf import allocator, device_profiles, graph_pass, planner, step_pass, units
+from dymem_tf import allocator, device_profiles, first_step, graph_pass, planner, step_pass, units
 
 POLICIES = planner.POLICIES
 
@@ -74,6 +74,7 @@ class DymemCallback(keras.callbacks.Callback):
             policy=policy, budget_bytes=self.budget_bytes, device=self.profile, swapin_ahead=swapin_ahead,
             min_swap_bytes=min_swap_bytes, defer_updates=defer_updates, verbose=verbose))
         self._writer = None
+        self._headroom = self.pass_.config.headroom
 
     # -- Keras hooks ---------------------------------------------------------------------------------------------
     def on_train_begin(self, logs=None):
@@ -90,9 +91,13 @@ class DymemCallback(keras.callbacks.Callback):
         _warn_onednn_out_of_memory_crash()
         self.pass_.default_batch_size = _fit_batch_size(model)
         self.pass_.persistent_bytes = weights
-        # A new train function: its first call instantiates it, and the graph pass plans that instantiation.
+        # A new train function: its first call instantiates it, and the graph pass plans that instantiation. Under
+        # a budget that first step is the probe (dymem_tf.first_step): least memory, measured, variables guarded.
+        guard = self.budget_bytes is not None and self.policy != "none"
+        self.pass_.probe, self.pass_.calibration = guard, None
+        self.pass_.config.headroom = self._headroom
         model.make_train_function(force=True)
-        model.train_function = self._wrap_train_function(model.train_function)
+        model.train_function = self._wrap_train_function(model.train_function, guard=guard)
         log_dir = self.log_dir or _tensorboard_log_dir(self)
         if log_dir:
             from dymem_tf import summaries
@@ -114,28 +119,36 @@ class DymemCallback(keras.callbacks.Callback):
             self._writer.close()
             self._writer = None
 
-    def _wrap_train_function(self, train_function):
+    def _wrap_train_function(self, train_function, guard: bool = False, fallback=None):
         """``train_function`` run with the graph pass armed (its instantiation is planned and rewritten after
         Grappler), re-raising a refusal of the pass as its own error and an out-of-memory error with the budget it
-        hit and what to change."""
+        hit and what to change.
+
+        ``guard``: its first call (the one that instantiates it) runs with the variables copied to host and put
+        back if it runs out of memory (see :mod:`dymem_tf.first_step`); ``fallback`` is the probe's train function
+        that a failed or refused budgeted plan falls back to."""
         if train_function is None or getattr(train_function, "_dymem_wrapped", False):
             return train_function
         callback = self
+        state = {"first": True}
 
-        first_call = [True]
-
-        def dymem_train_function(iterator):
+        def run(iterator):
             callback.pass_.refusal = None
             seen = len(callback.pass_.records) + len(callback.pass_.skipped)
+            with graph_pass.armed(callback.pass_):
+                outputs = train_function(iterator)
+            if state["first"] and len(callback.pass_.records) + len(callback.pass_.skipped) == seen:
+                # the first call instantiated the step, and the pass saw no gradient ops in it
+                callback.pass_.skip(getattr(train_function, "__name__", "train_function"), "no-gradients", "",
+                                    step_pass.NO_GRADIENTS, None)
+            return outputs
+
+        def dymem_train_function(iterator):
+            first, state["first"] = state["first"], False
             try:
-                with graph_pass.armed(callback.pass_):
-                    outputs = train_function(iterator)
-                if first_call[0] and len(callback.pass_.records) + len(callback.pass_.skipped) == seen:
-                    # the first call instantiated the step, and the pass saw no gradient ops in it
-                    callback.pass_.skip(getattr(train_function, "__name__", "train_function"), "no-gradients", "",
-                                        step_pass.NO_GRADIENTS, None)
-                first_call[0] = False
-                return outputs
+                if first and guard:
+                    return callback._guarded_first_call(run, iterator, fallback)
+                return run(iterator)
             except tf.errors.CancelledError as err:
                 refusal = callback.pass_.refusal
                 if refusal is not None and "dymem_tf:" in (err.message or ""):
@@ -149,6 +162,77 @@ class DymemCallback(keras.callbacks.Callback):
 
         dymem_train_function._dymem_wrapped = True  # pylint: disable=protected-access
         return dymem_train_function
+
+    def _guarded_first_call(self, run, iterator, fallback):
+        """Run a new train function's first step with the variables saved to host; after the probe, calibrate and
+        install the budgeted train function; after a budgeted plan that fails, go back to the probe's."""
+        snapshot = first_step.VariableSnapshot(self.model)
+        if allocator.is_active():
+            allocator.reset_peak_stats()
+        probe = self.pass_.probe
+        try:
+            outputs = run(iterator)
+        except tf.errors.ResourceExhaustedError as err:
+            snapshot.restore()
+            if fallback is None:
+                raise self._measured_too_small(err) from err
+            self._warn(f"dymem_tf: the plan made for memory_budget {_fmt(self.budget_bytes)} ran out of memory in "
+                       "its first step; the variables were restored and training goes on with the first step's "
+                       "least-memory plan (one batch was skipped).")
+            self.model.train_function = fallback
+            return fallback(iterator)
+        except tf.errors.CancelledError:
+            if fallback is None or not isinstance(self.pass_.refusal, planner.BudgetTooSmallError):
+                raise
+            # no plan fits the calibrated budget: the probe's plan is measured to fit, keep it (the step never ran)
+            self._say(f"dymem_tf: {self.pass_.refusal}; keeping the first step's least-memory plan, which fits.")
+            self.model.train_function = fallback
+            return fallback(iterator)
+        if probe:
+            self.pass_.probe = False
+            self._install_calibrated(fallback=self.model.train_function)
+        return outputs
+
+    def _install_calibrated(self, fallback) -> None:
+        """Calibrate the planner from the probe step just run and make the train function planned for the budget."""
+        record = self.pass_.records[-1] if self.pass_.records else None
+        measured = allocator.memory_stats().get("peak_bytes_reserved") if allocator.is_active() else None
+        predicted = record.plan.predicted.get("peak_bytes") if record is not None else None
+        if measured and predicted:
+            persistent = self.pass_.persistent_bytes
+            headroom = first_step.calibrated_headroom(self.budget_bytes, int(predicted), int(measured), persistent)
+            self.pass_.calibration = first_step.Calibration(self.budget_bytes, int(predicted), int(measured),
+                                                            persistent, headroom)
+            self.pass_.config.headroom = headroom
+        self.model.make_train_function(force=True)
+        self.model.train_function = self._wrap_train_function(self.model.train_function, guard=True,
+                                                               fallback=fallback)
+
+    def _measured_too_small(self, err) -> planner.BudgetTooSmallError:
+        """The refusal after the least-memory plan ran out of memory in its first step (variables restored)."""
+        plan = self.plan
+        predicted = int(plan.predicted.get("peak_bytes", 0)) if plan is not None else 0
+        persistent = self.pass_.persistent_bytes
+        batch = plan.batch_size if plan is not None else None
+        suggested = None
+        if batch and predicted > persistent and self.budget_bytes > persistent:
+            # the simulator underestimated this plan by an unknown amount: scale from the prediction, then margin
+            share = (self.budget_bytes - persistent) / (predicted - persistent) * (1 - first_step.CALIBRATION_MARGIN)
+            suggested = max(int(batch * min(share, 1.0)) - 1, 0) if share < 1.0 else max(batch - 1, 0)
+        hint = f"reduce the batch size from {batch} to about {suggested}" if suggested is not None else \
+            "reduce the batch size"
+        error = planner.BudgetTooSmallError(
+            f"memory_budget {_fmt(self.budget_bytes)} is too small: the first step, planned for the least device "
+            f"memory (every eligible tensor swapped; predicted peak {_fmt(predicted)}, of which {_fmt(persistent)} "
+            f"weights and optimizer state), ran out of memory ({err.message.splitlines()[0] if err.message else ''})"
+            f". No variable was changed. Raise the budget or {hint}.",
+            min_peak_bytes=None, budget_bytes=self.budget_bytes, suggested_batch=suggested)
+        return error
+
+    def _warn(self, text: str) -> None:
+        import warnings
+
+        warnings.warn(text, RuntimeWarning, stacklevel=3)
 
     def out_of_memory_hint(self) -> str:
         """What the out-of-memory error of a train step under this callback adds: the budget, and what to change."""

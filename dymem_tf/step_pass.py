@@ -128,6 +128,11 @@ class StepPass:
         self.persistent_bytes: int = 0
         #: the error that made the pass cancel the last instantiation (the callback raises it)
         self.refusal: BaseException | None = None
+        #: plan the next instantiation for the least device memory (the callback's probe step, see
+        #: :mod:`dymem_tf.first_step`) instead of for the budget
+        self.probe: bool = False
+        #: the calibration the next budgeted plan was made with (noted in the plan)
+        self.calibration = None
         self._print = print_fn
         self._warned: set[str] = set()
         self._mobility: dict = {}
@@ -166,11 +171,19 @@ class StepPass:
             deferrals = [(a, b) for a, b in update_deferral.find_deferrals(step_graph)
                          if not (step_graph.ops[a].conditional or step_graph.ops[b].conditional)]
             update_deferral.defer(step_graph, deferrals)
+        budget = None if self.probe else self.config.budget_bytes
         plan = planner.make_plan(
-            step_graph, policy=self.config.policy, budget_bytes=self.config.budget_bytes,
+            step_graph, policy=self.config.policy, budget_bytes=budget,
             persistent_bytes=self.persistent_bytes, profile=self.config.device, batch_size=batch,
             min_swap_bytes=self.config.min_swap_bytes, swapin_ahead=self.config.swapin_ahead,
-            headroom=self.config.headroom)
+            headroom=0.0 if self.probe else self.config.headroom)
+        if self.probe:
+            plan.params["stage"] = "probe"
+            plan.notes.append("first step under the budget: the least-memory plan, measured to calibrate the next")
+        elif self.calibration is not None:
+            plan.params["stage"] = "calibrated"
+            plan.predicted["calibration"] = dataclasses.asdict(self.calibration)
+            plan.notes.append(self.calibration.summary())
         if deferrals:
             plan.notes.append(f"{len(deferrals)} gradient-independent optimizer ops deferred to their gradients")
         untriggered = drop_conditional_triggers(plan, step_graph)

@@ -1,0 +1,92 @@
+"""The first step under a budget: measured, calibrated and unable to lose training state.
+
+Under a ``memory_budget`` the callback runs the first step of every new input shape in two stages:
+
+1. **Probe.** The step is planned with the least device memory the policy can reach (every eligible tensor
+   swapped). The model's and the optimizer's variables are copied to host memory before it runs; if it runs out
+   of memory they are restored and :class:`~dymem_tf.planner.BudgetTooSmallError` says what was measured. The
+   allocator's peak during the step is the *measured* peak of that plan.
+2. **Budget.** The ratio of the measured to the predicted peak of the step's own memory (kernel workspaces,
+   fragmentation and whatever else the simulator does not model) sets the planner's headroom
+   (:func:`calibrated_headroom`), and
+   the step is planned again, once, for the fastest plan whose calibrated peak fits. Its first step is guarded the
+   same way; if it still runs out of memory, or no plan fits the calibrated budget, training goes on with the
+   probe's plan, which is known to fit.
+
+A refusal is therefore based on a measurement: a budget is refused only when the least-memory plan did not fit.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+#: Share of the budget kept free on top of the measured error of the simulator: the step-to-step variation of the
+#: allocator's peak (placement order, the executor's op order).
+CALIBRATION_MARGIN = 0.03
+#: The most headroom a calibration may ask for; beyond it the probe's plan is used as it is.
+MAX_HEADROOM = 0.6
+
+
+@dataclasses.dataclass
+class Calibration:
+    """Predicted and measured device peak of one step, and the headroom they imply for the budget."""
+
+    budget_bytes: int
+    predicted_peak_bytes: int
+    measured_peak_bytes: int
+    persistent_bytes: int
+    headroom: float
+
+    @property
+    def error(self) -> float:
+        """(measured - predicted) / measured."""
+        return (self.measured_peak_bytes - self.predicted_peak_bytes) / max(self.measured_peak_bytes, 1)
+
+    def summary(self) -> str:
+        mib = 1 << 20
+        return (f"calibrated on the first step: measured peak {self.measured_peak_bytes / mib:.1f} MiB, predicted "
+                f"{self.predicted_peak_bytes / mib:.1f} MiB ({self.error:+.1%}); planning with {self.headroom:.1%} "
+                f"of the {self.budget_bytes / mib:.1f} MiB budget kept free")
+
+
+def calibrated_headroom(budget_bytes: int, predicted_peak: int, measured_peak: int, persistent_bytes: int = 0,
+                        margin: float = CALIBRATION_MARGIN) -> float:
+    """Share of ``budget_bytes`` to keep free so that a plan predicted at ``(1 - h) * budget`` measures at most
+    ``(1 - margin) * budget``.
+
+    The simulator's error is taken as a ratio of the step's own memory (the peak above the persistent bytes:
+    workspaces, temporaries and fragmentation grow with the feature maps that stay on the device), never below 1
+    (an overestimate is not relied on)."""
+    persistent = max(int(persistent_bytes), 0)
+    ratio = max((int(measured_peak) - persistent) / max(int(predicted_peak) - persistent, 1), 1.0)
+    allowed = persistent + ((1.0 - margin) * budget_bytes - persistent) / ratio
+    return min(MAX_HEADROOM, max(margin, 1.0 - allowed / max(int(budget_bytes), 1)))
+
+
+class VariableSnapshot:
+    """Host copies of a model's and its optimizer's variables, to put back after a failed step."""
+
+    def __init__(self, model):
+        variables = list(model.variables)
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is not None:
+            variables += list(getattr(optimizer, "variables", []))
+        seen, self._saved = set(), []
+        for var in variables:
+            if id(var) not in seen:
+                seen.add(id(var))
+                self._saved.append((var, np.array(var.numpy(), copy=True)))
+
+    def restore(self) -> int:
+        """Assign every saved value back; returns how many variables changed (a failed step may have updated some
+        before it ran out of memory)."""
+        changed = 0
+        for var, value in self._saved:
+            if not np.array_equal(var.numpy(), value):
+                changed += 1
+            var.assign(value)
+        return changed
+
+    def __len__(self) -> int:
+        return len(self._saved)
