@@ -22,8 +22,9 @@ import dataclasses
 import numpy as np
 
 #: Share of the budget kept free on top of the measured error of the simulator: the step-to-step variation of the
-#: allocator's peak (placement order, the executor's op order).
-CALIBRATION_MARGIN = 0.03
+#: allocator's peak (placement order, the executor's op order: up to several % on the models measured) and the
+#: simulator's error growing as fewer tensors are swapped than in the probe.
+CALIBRATION_MARGIN = 0.10
 #: The most headroom a calibration may ask for; beyond it the probe's plan is used as it is.
 MAX_HEADROOM = 0.6
 

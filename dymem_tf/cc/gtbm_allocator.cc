@@ -38,6 +38,8 @@
 //   c. the executing op is a tf.data op: iterator creation and element retrieval (MakeIterator, AnonymousIterator*,
 //      Iterator*, e.g. a step's "IteratorGetNext", which re-creates or produces pipeline tensors on the calling
 //      thread) or an eagerly run dataset constructor (a bare op name containing "Dataset").
+//   d. whatever the host-inputs setting, the annotation names a whole function being instantiated (see
+//      IsFunctionInstantiation): TF's instantiation-time constant folding runs on a host device.
 // Why not "no annotation means host": tensors converted from Python values carry no annotation, but so do the
 // buffers that variables adopt: TF's AssignVariableOp takes over its input's buffer when it is the only reference,
 // so tf.Variable(numpy_array), Variable.assign(numpy_array) and Keras's set_weights would leave weights uncounted.
@@ -165,6 +167,15 @@ bool IsInputPipelineOp(std::string_view op) {
   return leaf.size() == op.size() && op.find("Dataset") != std::string_view::npos;  // eager op: bare op type
 }
 
+// Rule d: the annotation is a whole function being instantiated ("__inference_step_123"), not one of its kernels:
+// TF's per-device graph optimizer constant-folds the new function's graph with a GraphRunner on a host CPU device
+// (on a GPU too), and that code copies folded tensors without checking the allocation: refusing one there kills
+// the process. The folded values end up as constants in the graph, which the Const kernels then allocate.
+bool IsFunctionInstantiation(std::string_view op) {
+  return (StartsWith(op, "__inference_") || StartsWith(op, "__forward_") || StartsWith(op, "__backward_")) &&
+         op.find('/') == std::string_view::npos;
+}
+
 // Rule b: TF registers a name for every thread it starts (tsl::Env::StartThread); tf.data's are "tf_data_*".
 // A thread's name does not change, so the answer is cached per thread.
 bool OnInputPipelineThread() {
@@ -189,20 +200,14 @@ int Classify(const tsl::profiler::MemoryDebugAnnotation& annotation) {
   }
   const std::string_view op(annotation.pending_op_name.data(), annotation.pending_op_name.size());
   if (host_inputs && (OnInputPipelineThread() || IsInputPipelineOp(op))) return kHost;
+  if (IsFunctionInstantiation(op)) return kHost;
   if (!op.empty() && g_has_mobility_map.load(std::memory_order_acquire)) {
     std::shared_ptr<const MobilityMap> map = std::atomic_load(&g_mobility_map);
     if (map) {
-      // The planner names ops as in the traced FuncGraph ("model/conv/Relu"); at run time the function is inlined
-      // into its caller and the executor reports "StatefulPartitionedCall/model/conv/Relu". Try the full name,
-      // then each suffix after a '/', longest first.
-      std::string_view name = op;
-      while (true) {
-        auto it = map->groups.find(name);
-        if (it != map->groups.end()) return it->second;
-        const size_t slash = name.find('/');
-        if (slash == std::string_view::npos) break;
-        name.remove_prefix(slash + 1);
-      }
+      // The planner names ops as in the graph TF runs (it plans after Grappler): exact node names, so a bare leaf
+      // such as "Relu" never matches another function's op.
+      auto it = map->groups.find(op);
+      if (it != map->groups.end()) return it->second;
     }
   }
   if (op.empty() || IsVariableUpdate(op)) return gtbm::kPersistent;  // a forced kHost with host inputs off too

@@ -1,0 +1,153 @@
+"""The first step under a budget (dymem_tf/first_step.py): least-memory probe, guarded variables, calibrated re-plan.
+
+Budgets need a fresh interpreter (DYMEM_DEVICE_MEMORY_LIMIT is read when GTBM loads): those tests run a script in
+a subprocess, with oneDNN off (TF 2.21's oneDNN kernels crash instead of raising when an allocation fails).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import keras
+
+from dymem_tf import first_step
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MiB = 1 << 20
+
+
+def test_headroom_keeps_the_measured_error_of_the_step_memory_free():
+    # the simulator saw 100 MiB of step memory where 150 MiB were measured: a ratio of 1.5 on the step's own part
+    h = first_step.calibrated_headroom(512 * MiB, predicted_peak=300 * MiB, measured_peak=350 * MiB,
+                                       persistent_bytes=200 * MiB, margin=0.05)
+    allowed = (1 - h) * 512 * MiB  # the plan's predicted peak may reach this
+    measured_then = 200 * MiB + (allowed - 200 * MiB) * 1.5
+    assert measured_then == pytest.approx(0.95 * 512 * MiB)
+
+
+def test_an_overestimate_is_not_relied_on_and_the_headroom_is_bounded():
+    assert first_step.calibrated_headroom(512 * MiB, 400 * MiB, 300 * MiB, 100 * MiB, margin=0.03) == \
+        pytest.approx(0.03)
+    assert first_step.calibrated_headroom(512 * MiB, 101 * MiB, 500 * MiB, 100 * MiB) == first_step.MAX_HEADROOM
+
+
+def test_snapshot_restores_weights_and_optimizer_state():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    model.compile(optimizer="adam", loss="mse")
+    model.optimizer.build(model.trainable_variables)
+    snap = first_step.VariableSnapshot(model)
+    before = [v.numpy().copy() for v in model.variables + model.optimizer.variables]
+    model.fit(np.ones((8, 4), "float32"), np.zeros((8, 3), "float32"), verbose=0)
+    assert snap.restore() > 0
+    for v, b in zip(model.variables + model.optimizer.variables, before):
+        np.testing.assert_array_equal(v.numpy(), b)
+    assert len(snap) == len(before)
+
+
+SCRIPT = r"""
+import gc, json, os, warnings
+import tensorflow as tf
+import dymem_tf
+import numpy as np, keras
+from dymem_tf import allocator
+warnings.simplefilter("always")
+tf.config.experimental.enable_op_determinism()
+
+def build(width=256, depth=12):
+    # an MLP: its memory is feature maps (no kernel workspaces), 4 MiB each at batch 4096
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((width,))
+    h = inp
+    for _ in range(depth):
+        h = keras.layers.Dense(width, activation="relu")(h)
+    model = keras.Model(inp, keras.layers.Dense(10)(h))
+    model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.optimizer.build(model.trainable_variables)
+    return model
+
+def state(model):
+    return {v.path: v.numpy() for v in list(model.variables) + list(model.optimizer.variables)}
+
+rng = np.random.default_rng(0)
+x = rng.random((16384, 256), dtype=np.float32)
+y = rng.integers(0, 10, 16384)
+peaks = []
+class Peak(keras.callbacks.Callback):
+    def on_train_batch_begin(self, batch, logs=None):
+        allocator.reset_peak_stats()
+    def on_train_batch_end(self, batch, logs=None):
+        peaks.append(allocator.memory_stats()["peak_bytes_reserved"])
+out = {"limit": allocator.get_memory_limit()}
+
+# 1. a batch whose least-memory plan cannot fit: refused after a measured first step, nothing changed
+model = build()
+before = state(model)
+try:
+    model.fit(x, y, batch_size=16384, epochs=1, verbose=0,
+              callbacks=[dymem_tf.DymemCallback(memory_budget="auto", verbose=0)])
+    out["refused"] = None
+except dymem_tf.BudgetTooSmallError as err:
+    out["refused"] = str(err)
+    out["suggested"] = err.suggested_batch
+after = state(model)
+out["changed"] = sorted(k for k in before if not np.array_equal(before[k], after[k]))
+
+# 2. a batch that fits only with swapping: probe, calibrated plan, every step under the budget, same losses
+del model
+keras.backend.clear_session()
+gc.collect()
+dymem_tf.set_memory_limit("1GiB")  # the reference run without Dymem does not fit the budget
+allocator.reset_peak_stats()
+plain = build().fit(x, y, batch_size=4096, epochs=1, shuffle=False, verbose=0).history["loss"]
+out["plain_peak"] = allocator.memory_stats()["peak_bytes_reserved"]
+keras.backend.clear_session()
+gc.collect()
+dymem_tf.set_memory_limit(out["limit"])
+model = build()
+cb = dymem_tf.DymemCallback(memory_budget="auto", verbose=0)
+with warnings.catch_warnings(record=True) as caught:
+    hist = model.fit(x, y, batch_size=4096, epochs=1, shuffle=False, verbose=0, callbacks=[cb, Peak()])
+out["losses"], out["plain"] = hist.history["loss"], plain
+out["peaks"] = peaks
+out["stages"] = [r.plan.params.get("stage") for r in cb.records]
+out["notes"] = [n for r in cb.records for n in r.plan.notes]
+out["warnings"] = [str(w.message) for w in caught if "dymem_tf" in str(w.message)]
+out["calibration"] = cb.records[-1].plan.predicted.get("calibration")
+print("RESULT" + json.dumps(out), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def budget_run():
+    env = {k: v for k, v in os.environ.items() if k not in ("DYMEM_GTBM", "TF_CPU_ALLOCATOR_USE_BFC")}
+    env.update(DYMEM_DEVICE_MEMORY_LIMIT="64MiB", TF_ENABLE_ONEDNN_OPTS="0", TF_CPP_MIN_LOG_LEVEL="2")
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(SCRIPT)], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
+    assert proc.returncode == 0 and lines, f"rc={proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    return json.loads(lines[-1][len("RESULT"):])
+
+
+def test_a_budget_the_least_memory_plan_cannot_meet_is_refused_after_measuring_and_nothing_changes(budget_run):
+    text = budget_run["refused"]
+    assert text is not None and "ran out of memory" in text and "No variable was changed" in text
+    assert "reduce the batch size from 16384" in text and budget_run["suggested"] < 16384
+    assert budget_run["changed"] == []  # weights, optimizer slots and the iteration counter all restored
+
+
+def test_the_first_step_calibrates_and_every_step_stays_under_the_budget(budget_run):
+    out = budget_run
+    assert out["stages"][0] == "probe" and out["calibration"] is not None
+    assert out["stages"][-1] == "calibrated"
+    assert out["plain_peak"] > out["limit"]  # without Dymem this batch does not fit
+    assert all(peak <= out["limit"] for peak in out["peaks"]), (out["peaks"], out["limit"])
+    assert len(out["peaks"]) == 4 and out["warnings"] == []
+    assert out["losses"] == out["plain"]  # the probe step and the calibrated steps both train bit-identically
+    assert any("calibrated on the first step" in note for note in out["notes"])
