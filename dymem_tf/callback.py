@@ -33,12 +33,16 @@ class DymemCallback(keras.callbacks.Callback):
             the run (the dashboard's pool map and tensors at the peak need them).
         defer_updates: run optimizer arithmetic that needs no gradient next to its gradient (saves about one
             weight-sized temporary per optimizer slot, see :mod:`dymem_tf.update_deferral`).
+        calibrate: with a ``memory_budget``, run the first step as a measured probe (least memory, variables
+            guarded) and plan again from what it measured (see :mod:`dymem_tf.first_step`); on the CPU the GTBM
+            device is capped at the budget for the ``fit``. ``False`` plans for the budget from the model alone,
+            with the fixed default headroom.
         verbose: 0 silent, 1 prints the plan summary when the step is traced.
     """
 
     def __init__(self, memory_budget=None, policy: str = "dymem", device=None, swapin_ahead: int = 1,
                  min_swap_bytes: int = 1 << 16, log_dir: str | None = None, trace_allocations: bool = False,
-                 defer_updates: bool = True, verbose: int = 1):
+                 defer_updates: bool = True, calibrate: bool = True, verbose: int = 1):
         super().__init__()
         if not isinstance(policy, str) or policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}: choose one of {', '.join(POLICIES)}")
@@ -56,6 +60,8 @@ class DymemCallback(keras.callbacks.Callback):
             raise TypeError(f"defer_updates must be True or False, got {defer_updates!r}")
         if not isinstance(trace_allocations, bool):
             raise TypeError(f"trace_allocations must be True or False, got {trace_allocations!r}")
+        if not isinstance(calibrate, bool):
+            raise TypeError(f"calibrate must be True or False, got {calibrate!r}")
         if isinstance(verbose, bool):
             verbose = int(verbose)
         if not isinstance(verbose, int) or verbose not in (0, 1, 2):
@@ -69,6 +75,7 @@ class DymemCallback(keras.callbacks.Callback):
         self.policy = policy
         self.log_dir = log_dir
         self.trace_allocations = trace_allocations
+        self.calibrate = calibrate
         self.verbose = verbose
         self.pass_ = step_pass.StepPass(step_pass.PassConfig(
             policy=policy, budget_bytes=self.budget_bytes, device=self.profile, swapin_ahead=swapin_ahead,
@@ -93,8 +100,10 @@ class DymemCallback(keras.callbacks.Callback):
         self.pass_.persistent_bytes = weights
         # A new train function: its first call instantiates it, and the graph pass plans that instantiation. Under
         # a budget that first step is the probe (dymem_tf.first_step): least memory, measured, variables guarded.
-        guard = self.budget_bytes is not None and self.policy != "none"
+        guard = self.budget_bytes is not None and self.policy != "none" and self.calibrate
         self.pass_.probe, self.pass_.calibration = guard, None
+        if guard:
+            self._cap_device_at_budget()
         self.pass_.config.headroom = self._headroom
         model.make_train_function(force=True)
         model.train_function = self._wrap_train_function(model.train_function, guard=guard)
@@ -113,6 +122,7 @@ class DymemCallback(keras.callbacks.Callback):
             self._writer.write_step(self._global_step(batch), _step_stats(self.pass_))
 
     def on_train_end(self, logs=None):
+        self._restore_device_limit()
         # Later fit() calls without this callback must trace the plain step again.
         self.model.train_function = None
         if self._writer is not None:
@@ -132,12 +142,12 @@ class DymemCallback(keras.callbacks.Callback):
         callback = self
         state = {"first": True}
 
-        def run(iterator):
+        def run(iterator, first=False):
             callback.pass_.refusal = None
             seen = len(callback.pass_.records) + len(callback.pass_.skipped)
             with graph_pass.armed(callback.pass_):
                 outputs = train_function(iterator)
-            if state["first"] and len(callback.pass_.records) + len(callback.pass_.skipped) == seen:
+            if first and len(callback.pass_.records) + len(callback.pass_.skipped) == seen:
                 # the first call instantiated the step, and the pass saw no gradient ops in it
                 callback.pass_.skip(getattr(train_function, "__name__", "train_function"), "no-gradients", "",
                                     step_pass.NO_GRADIENTS, None)
@@ -147,8 +157,8 @@ class DymemCallback(keras.callbacks.Callback):
             first, state["first"] = state["first"], False
             try:
                 if first and guard:
-                    return callback._guarded_first_call(run, iterator, fallback)
-                return run(iterator)
+                    return callback._guarded_first_call(lambda it: run(it, first=True), iterator, fallback)
+                return run(iterator, first)
             except tf.errors.CancelledError as err:
                 refusal = callback.pass_.refusal
                 if refusal is not None and "dymem_tf:" in (err.message or ""):
@@ -175,6 +185,7 @@ class DymemCallback(keras.callbacks.Callback):
         except tf.errors.ResourceExhaustedError as err:
             snapshot.restore()
             if fallback is None:
+                self._restore_device_limit()
                 raise self._measured_too_small(err) from err
             self._warn(f"dymem_tf: the plan made for memory_budget {_fmt(self.budget_bytes)} ran out of memory in "
                        "its first step; the variables were restored and training goes on with the first step's "
@@ -208,6 +219,19 @@ class DymemCallback(keras.callbacks.Callback):
         self.model.train_function = self._wrap_train_function(self.model.train_function, guard=True,
                                                                fallback=fallback)
 
+    def _cap_device_at_budget(self) -> None:
+        """On the CPU, cap the GTBM device at the budget for this ``fit`` (the budget is the device there), so that a
+        probe that needs more raises instead of succeeding over the budget; :meth:`_restore_device_limit` undoes it."""
+        self._saved_limit = None
+        if allocator.is_active() and self.budget_bytes < allocator.get_memory_limit():
+            self._saved_limit = allocator.get_memory_limit()
+            allocator.set_memory_limit(self.budget_bytes)
+
+    def _restore_device_limit(self) -> None:
+        saved, self._saved_limit = getattr(self, "_saved_limit", None), None
+        if saved is not None:
+            allocator.set_memory_limit(saved)
+
     def _measured_too_small(self, err) -> planner.BudgetTooSmallError:
         """The refusal after the least-memory plan ran out of memory in its first step (variables restored)."""
         plan = self.plan
@@ -221,12 +245,18 @@ class DymemCallback(keras.callbacks.Callback):
             suggested = max(int(batch * min(share, 1.0)) - 1, 0) if share < 1.0 else max(batch - 1, 0)
         hint = f"reduce the batch size from {batch} to about {suggested}" if suggested is not None else \
             "reduce the batch size"
+        if plan is None:  # the pass left the step unmodified: nothing could be swapped
+            reasons = "; ".join(sorted({s.kind for s in self.pass_.skipped})) or "no plan"
+            return planner.BudgetTooSmallError(
+                f"memory_budget {_fmt(self.budget_bytes)} is too small: the first step ran out of memory, and Dymem "
+                f"left it unmodified ({reasons}), so no swapping could help. No variable was changed. Raise the "
+                "budget or reduce the batch size.", budget_bytes=self.budget_bytes)
         error = planner.BudgetTooSmallError(
             f"memory_budget {_fmt(self.budget_bytes)} is too small: the first step, planned for the least device "
             f"memory (every eligible tensor swapped; predicted peak {_fmt(predicted)}, of which {_fmt(persistent)} "
             f"weights and optimizer state), ran out of memory ({err.message.splitlines()[0] if err.message else ''})"
             f". No variable was changed. Raise the budget or {hint}.",
-            min_peak_bytes=None, budget_bytes=self.budget_bytes, suggested_batch=suggested)
+            min_peak_bytes=predicted or None, budget_bytes=self.budget_bytes, suggested_batch=suggested)
         return error
 
     def _warn(self, text: str) -> None:

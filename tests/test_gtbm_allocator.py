@@ -55,7 +55,8 @@ allocator.set_mobility_map({"Fill": "mobile"})
 before = allocator.memory_stats()["groups"]["mobile"]["in_use"]
 m = tf.fill((128, 128), 1.0)
 out["map_delta"] = allocator.memory_stats()["groups"]["mobile"]["in_use"] - before
-# Planner names are FuncGraph names; at run time a nested function is inlined under its call op's name.
+# The planner names ops as TF runs them (after Grappler): a nested function is inlined under its call op's name,
+# and only that exact name matches (a bare leaf name must not match another function's op).
 @tf.function
 def inner(x):
     return tf.math.multiply(x, 2.0, name="dymem_probe")
@@ -64,6 +65,10 @@ def outer(x):
     return inner(x) + 1.0
 probe = tf.ones((64, 64))
 allocator.set_mobility_map({"dymem_probe": "mobile"})
+before = allocator.memory_stats()["groups"]["mobile"]["num_allocs"]
+outer(probe)
+out["leaf_map_allocs"] = allocator.memory_stats()["groups"]["mobile"]["num_allocs"] - before
+allocator.set_mobility_map({"PartitionedCall/dymem_probe": "mobile"})
 before = allocator.memory_stats()["groups"]["mobile"]["num_allocs"]
 outer(probe)
 out["nested_map_allocs"] = allocator.memory_stats()["groups"]["mobile"]["num_allocs"] - before
@@ -187,7 +192,8 @@ def test_live_training_stats_and_trace(procs):
     assert stats["cached_free_bytes"] <= (64 << 20) // 8 and out["cached_after_trim"] == 0
     assert out["mobile_delta"] == 256 * 256 * 4
     assert out["map_delta"] == 128 * 128 * 4
-    assert out["nested_map_allocs"] >= 1  # "StatefulPartitionedCall/dymem_probe" matched by its suffix
+    assert out["nested_map_allocs"] >= 1  # the inlined op's exact name matches
+    assert out["leaf_map_allocs"] == 0  # a bare leaf name does not
     info = out["trace_info"]
     assert info["records"] > 50 and info["dropped"] == 0 and not info["active"]
     # The CSV: MiniMalloc's columns first, then GTBM's.

@@ -277,8 +277,10 @@ def train_run(log_dir, policy, device=None, budget=None, size=32, batch=16, step
     rng = np.random.default_rng(3)
     x = rng.normal(size=(batch * steps, size, size, 3)).astype("float32")
     y = rng.integers(0, 10, size=(batch * steps,))
+    # calibrate=False: the planner alone decides (its refusal and its tightest plan are what the fixture needs)
     callback = dymem_tf.DymemCallback(memory_budget=budget, policy=policy, device=device, min_swap_bytes=4096,
-                                      log_dir=log_dir and str(log_dir), trace_allocations=bool(log_dir), verbose=0)
+                                      calibrate=False, log_dir=log_dir and str(log_dir),
+                                      trace_allocations=bool(log_dir), verbose=0)
     model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[callback])
     return callback
 

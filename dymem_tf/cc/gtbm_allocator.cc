@@ -38,8 +38,8 @@
 //   c. the executing op is a tf.data op: iterator creation and element retrieval (MakeIterator, AnonymousIterator*,
 //      Iterator*, e.g. a step's "IteratorGetNext", which re-creates or produces pipeline tensors on the calling
 //      thread) or an eagerly run dataset constructor (a bare op name containing "Dataset").
-//   d. whatever the host-inputs setting, the annotation names a whole function being instantiated (see
-//      IsFunctionInstantiation): TF's instantiation-time constant folding runs on a host device.
+//   d. only when the device pool refuses it, whatever the host-inputs setting: the annotation names a whole
+//      function being instantiated (see IsFunctionInstantiation), whose constant folding cannot handle a refusal.
 // Why not "no annotation means host": tensors converted from Python values carry no annotation, but so do the
 // buffers that variables adopt: TF's AssignVariableOp takes over its input's buffer when it is the only reference,
 // so tf.Variable(numpy_array), Variable.assign(numpy_array) and Keras's set_weights would leave weights uncounted.
@@ -200,7 +200,6 @@ int Classify(const tsl::profiler::MemoryDebugAnnotation& annotation) {
   }
   const std::string_view op(annotation.pending_op_name.data(), annotation.pending_op_name.size());
   if (host_inputs && (OnInputPipelineThread() || IsInputPipelineOp(op))) return kHost;
-  if (IsFunctionInstantiation(op)) return kHost;
   if (!op.empty() && g_has_mobility_map.load(std::memory_order_acquire)) {
     std::shared_ptr<const MobilityMap> map = std::atomic_load(&g_mobility_map);
     if (map) {
@@ -391,9 +390,20 @@ class GtbmAllocator final : public tensorflow::Allocator {
     const uint64_t offset = device_.pool->Allocate(num_bytes, group, alignment, &tag);
     if (offset == gtbm::kInvalidOffset) {
       LogFailure(device_.pool.get(), num_bytes, alignment, group, tag.op_name);
-      return nullptr;
+      return OverflowToHost(num_bytes, alignment, &tag);
     }
     return device_.base + offset;
+  }
+
+  // A refused allocation of a function's instantiation (rule d at the top of this file) is served from the host
+  // arena instead: TF's code there does not check for null and would crash the process. Null otherwise.
+  void* OverflowToHost(size_t num_bytes, size_t alignment, gtbm::AllocTag* tag) {
+    if (!host_.pool || !IsFunctionInstantiation(tag->op_name)) return nullptr;
+    const uint64_t offset = host_.pool->Allocate(num_bytes, gtbm::kPersistent, alignment, tag);
+    if (offset == gtbm::kInvalidOffset) return nullptr;
+    std::fprintf(stderr, "dymem_tf GTBM: served the %zu bytes from host memory instead: TensorFlow's function "
+                 "instantiation (constant folding) cannot handle a refused allocation\n", num_bytes);
+    return host_.base + offset;
   }
 
   void DeallocateRaw(void* ptr) override {

@@ -1,0 +1,288 @@
+"""Budget reliability: does "fit into this budget" hold on models outside the benchmark four?
+
+For every model of ``bench/model_zoo.py``, in a fresh interpreter (GTBM on the CPU is the emulated device, oneDNN
+off so that running out of memory raises instead of crashing):
+
+1. **Same results**: 3 steps with op determinism on, without and with ``DymemCallback()``: losses and every weight
+   compared bit for bit.
+2. **No-swap peak** ``P0`` of a plain step and the persistent bytes ``W`` (weights and optimizer state).
+3. **Budgets** ``B = W + f * (P0 - W)`` for each fraction ``f``: the device is capped at ``B`` and the model trains
+   ``--steps`` steps on ``--samples`` samples with ``memory_budget="auto"``; every run must either train with
+   every step's measured peak <= B or be refused before its first update, never run out of memory after its first
+   step. The same budget with ``memory_budget=None`` is run too: "auto" may refuse only where None fails as well.
+   The probe's predicted and measured peaks give the simulator's raw error; the calibrated plan's prediction
+   (scaled by the calibration) against its measured steady peak gives the calibrated error.
+
+``python bench/budget_reliability.py`` writes the "Budget reliability" section of docs/benchmarks.md (between its
+markers) and prints it; ``--quick`` runs fewer steps on fewer samples and writes nothing unless ``--write``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+BEGIN, END = "<!-- budget-reliability:begin -->", "<!-- budget-reliability:end -->"
+#: batch size per model (small images: seconds per step on 2 cores)
+BATCH = {"vgg16": 32, "resnet50_sgd": 32, "resnet50_adam": 32, "densenet121": 32, "inception_v3": 16,
+         "mobilenet_v2": 32, "efficientnet_b0": 32, "transformer_encoder": 32, "gpt_decoder": 16, "unet": 8,
+         "gan": 64, "lstm": 64}
+MiB = 1 << 20
+
+
+# ------------------------------------------------------------------------------------------------ child process
+def _child(name: str, args) -> dict:
+    """All measurements of one model (runs in a fresh interpreter)."""
+    import gc
+
+    import numpy as np
+    import tensorflow as tf
+    import keras
+
+    import dymem_tf
+    from dymem_tf import allocator, step_pass
+
+    sys.path.insert(0, HERE)
+    from model_zoo import ZOO
+
+    tf.config.experimental.enable_op_determinism()
+    batch = BATCH[name]
+
+    def build(samples):
+        keras.backend.clear_session()
+        gc.collect()
+        keras.utils.set_random_seed(3)
+        return ZOO[name](batch, samples, 3)
+
+    def fit(model, x, y, steps, callbacks):
+        kwargs = dict(batch_size=batch, epochs=1, steps_per_epoch=steps, shuffle=False, verbose=0,
+                      callbacks=callbacks)
+        return model.fit(x, **kwargs) if y is None else model.fit(x, y, **kwargs)
+
+    class Peaks(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.peaks = []
+
+        def on_train_batch_begin(self, b, logs=None):
+            allocator.reset_peak_stats()
+
+        def on_train_batch_end(self, b, logs=None):
+            self.peaks.append(int(allocator.memory_stats()["peak_bytes_reserved"]))
+
+    out = {"model": name, "batch": batch}
+    # 1. same results
+    model, x, y = build(batch * args.identity_steps)
+    base = fit(model, x, y, args.identity_steps, []).history["loss"]
+    base_w = [w.numpy() for w in model.weights]
+    model, x, y = build(batch * args.identity_steps)
+    cb = dymem_tf.DymemCallback(verbose=0)
+    loss = fit(model, x, y, args.identity_steps, [cb]).history["loss"]
+    out["identical"] = loss == base and all(np.array_equal(a, b) for a, b in zip(base_w, model.weights))
+    out["swaps"] = len(cb.plan.swaps) if cb.plan is not None else 0
+    out["skipped"] = [s.kind for s in cb.skipped]
+    # 2. no-swap peak and persistent bytes
+    model, x, y = build(batch * 2)
+    peaks = Peaks()
+    fit(model, x, y, 2, [peaks])
+    out["p0"], out["persistent"] = max(peaks.peaks), step_pass.persistent_bytes(model)
+    # 3. budgets
+    runs = []
+    for f in args.fractions:
+        budget = int(out["persistent"] + f * (out["p0"] - out["persistent"]))
+        budget = -(-budget // MiB) * MiB
+        runs.append({"fraction": f, "budget": budget,
+                     "auto": _budget_run(build, fit, Peaks, budget, "auto", args),
+                     "none": _budget_run(build, fit, Peaks, budget, None, args)})
+    out["runs"] = runs
+    return out
+
+
+def _budget_run(build, fit, Peaks, budget: int, memory_budget, args) -> dict:
+    """One fit under a device capped at ``budget``: outcome, per-step peaks, predictions."""
+    import numpy as np
+    import tensorflow as tf
+
+    import dymem_tf
+    from dymem_tf import allocator
+
+    allocator.set_memory_limit(1 << 34)  # building the model and its data must not count against the cap
+    model, x, y = build(args.samples)
+    state = {v.path: v.numpy() for v in list(model.variables) + list(getattr(model.optimizer, "variables", []))}
+    allocator.set_memory_limit(budget)
+    cb, peaks = dymem_tf.DymemCallback(memory_budget=memory_budget, verbose=0), Peaks()
+    result = {"outcome": "trained"}
+    t0 = time.perf_counter()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fit(model, x, y, args.steps, [cb, peaks])
+    except dymem_tf.BudgetTooSmallError as err:
+        changed = [k for k, v in state.items() if not np.array_equal(v, _value(model, k))]
+        result.update(outcome="refused", message=str(err)[:300], changed_variables=len(changed))
+    except tf.errors.ResourceExhaustedError:
+        result["outcome"] = "oom"
+    result["seconds"] = time.perf_counter() - t0
+    result["steps_run"] = len(peaks.peaks)
+    result["peaks"] = peaks.peaks
+    result["over_budget_steps"] = sum(p > budget for p in peaks.peaks)
+    records = [r for r in cb.records]
+    if records and records[0].plan.params.get("stage") == "probe" and peaks.peaks:
+        result["probe_predicted"] = int(records[0].plan.predicted["peak_bytes"])
+        result["probe_measured"] = peaks.peaks[0]
+    calibrated = [r for r in records if r.plan.params.get("stage") == "calibrated"]
+    if calibrated and len(peaks.peaks) > 1:
+        cal = calibrated[-1].plan.predicted["calibration"]
+        predicted = int(calibrated[-1].plan.predicted["peak_bytes"])
+        ratio = max((cal["measured_peak_bytes"] - cal["persistent_bytes"])
+                    / max(cal["predicted_peak_bytes"] - cal["persistent_bytes"], 1), 1.0)
+        result["calibrated_predicted"] = int(cal["persistent_bytes"] + ratio * (predicted - cal["persistent_bytes"]))
+        result["calibrated_measured"] = max(peaks.peaks[1:])
+        result["calibrated_swaps"] = len(calibrated[-1].plan.swaps)
+    result["fallback"] = any("goes on with the first step's" in str(w.message) for w in caught)
+    return result
+
+
+def _value(model, path):
+    for v in list(model.variables) + list(getattr(model.optimizer, "variables", [])):
+        if v.path == path:
+            return v.numpy()
+    return None
+
+
+# ----------------------------------------------------------------------------------------------- parent process
+def run_model(name: str, args) -> dict:
+    """Run one model's measurements in a fresh interpreter; its result, or the failure."""
+    env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="0", TF_CPP_MIN_LOG_LEVEL="2", DYMEM_DEVICE_MEMORY_LIMIT="16GiB",
+               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--steps", str(args.steps),
+           "--samples", str(args.samples), "--fractions", ",".join(map(str, args.fractions)),
+           "--identity-steps", str(args.identity_steps)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
+    if proc.returncode != 0 or not lines:
+        return {"model": name, "error": f"rc={proc.returncode}: {proc.stderr[-600:]}"}
+    return json.loads(lines[-1][len("RESULT"):])
+
+
+def _mib(n) -> str:
+    return f"{n / MiB:.1f}" if n is not None else "–"
+
+
+def report(results: list[dict], args, seconds: float) -> str:
+    """The markdown section."""
+    lines = [BEGIN, "## Budget reliability", "",
+             f"`python bench/budget_reliability.py{' ' + ' '.join(args.argv) if args.argv else ''}` on this 2-core "
+             f"CPU machine ({seconds / 60:.1f} min). Each model in a fresh process; the CPU device capped by GTBM is "
+             f"the emulated device (oneDNN off). Budgets B = W + f x (P0 - W), W = weights + optimizer state, "
+             f"P0 = the measured no-swap peak; each budgeted run trains {args.steps} steps on {args.samples} "
+             "samples. *auto* is `memory_budget=\"auto\"`, *none* is `memory_budget=None` under the same cap.", "",
+             "| model | batch | bit-identical (3 steps) | swaps | W MiB | P0 MiB | f | B MiB | auto | auto max peak MiB "
+             "| none | probe pred./meas. MiB | calibrated pred./meas. MiB |",
+             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | --- | --- | --- |"]
+    raw_err, cal_err, violations = [], [], []
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['model']} | – | error: {r['error'][:120]!r} |" + " |" * 10)
+            continue
+        ident = "yes" if r["identical"] else "**no**"
+        if r["skipped"]:
+            ident += f" (unmodified: {', '.join(sorted(set(r['skipped'])))})"
+        for run in r["runs"]:
+            auto, none = run["auto"], run["none"]
+            peak = max(auto["peaks"]) if auto["peaks"] else None
+            probe = f"{_mib(auto.get('probe_predicted'))} / {_mib(auto.get('probe_measured'))}"
+            cal = f"{_mib(auto.get('calibrated_predicted'))} / {_mib(auto.get('calibrated_measured'))}"
+            lines.append(f"| {r['model']} | {r['batch']} | {ident} | {r['swaps']} | {_mib(r['persistent'])} | "
+                         f"{_mib(r['p0'])} | {run['fraction']} | {_mib(run['budget'])} | {_outcome(auto)} | "
+                         f"{_mib(peak)} | {_outcome(none)} | {probe} | {cal} |")
+            if auto.get("probe_measured"):
+                raw_err.append(abs(auto["probe_predicted"] - auto["probe_measured"]) / auto["probe_measured"])
+            if auto.get("calibrated_measured"):
+                cal_err.append(abs(auto["calibrated_predicted"] - auto["calibrated_measured"])
+                               / auto["calibrated_measured"])
+            if auto["outcome"] == "oom" or auto["over_budget_steps"]:
+                violations.append(f"{r['model']} f={run['fraction']}: {_outcome(auto)}")
+            if auto["outcome"] == "refused" and none["outcome"] == "trained":
+                violations.append(f"{r['model']} f={run['fraction']}: auto refused what none trained")
+    lines += ["", f"- Budget violations (an out-of-memory error after the first step, a step over B, or a refusal "
+              f"where `None` trained): {len(violations)}" + (": " + "; ".join(violations) if violations else ".")]
+    if raw_err:
+        lines.append(f"- Simulator error on the probe step (uncalibrated, device peak): median "
+                     f"{statistics.median(raw_err):.1%}, max {max(raw_err):.1%} over {len(raw_err)} runs.")
+    if cal_err:
+        lines.append(f"- Calibrated prediction of the budgeted plan vs its measured steady peak: median "
+                     f"{statistics.median(cal_err):.1%}, max {max(cal_err):.1%} over {len(cal_err)} runs.")
+    lines += [END, ""]
+    return "\n".join(lines)
+
+
+def _outcome(run: dict) -> str:
+    if run["outcome"] == "trained":
+        over = f", **{run['over_budget_steps']} steps over B**" if run["over_budget_steps"] else ""
+        fallback = ", fell back to the probe's plan" if run.get("fallback") else ""
+        return f"trained {run['steps_run']} steps{over}{fallback}"
+    if run["outcome"] == "refused":
+        return f"refused (variables changed: {run.get('changed_variables', '?')})"
+    return f"**out of memory** after {run['steps_run']} steps"
+
+
+def write_section(path: str, section: str) -> None:
+    """Replace the section between the markers in ``path`` (or append it)."""
+    text = open(path).read() if os.path.exists(path) else ""
+    if BEGIN in text and END in text:
+        text = text[:text.index(BEGIN)] + section.rstrip("\n") + text[text.index(END) + len(END):]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    with open(path, "w") as fh:
+        fh.write(text)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default=",".join(BATCH), help="comma-separated names from bench/model_zoo.py")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--samples", type=int, default=2000)
+    parser.add_argument("--fractions", default="0.35,0.6,0.85")
+    parser.add_argument("--identity-steps", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="4 steps on 256 samples, two models")
+    parser.add_argument("--write", action="store_true", help="with --quick: write docs/benchmarks.md anyway")
+    parser.add_argument("--timeout", type=int, default=3600)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.argv = list(argv if argv is not None else sys.argv[1:])
+    args.fractions = [float(f) for f in str(args.fractions).split(",")]
+    if args.quick:
+        args.steps, args.samples = min(args.steps, 4), min(args.samples, 256)
+        if args.models == ",".join(BATCH):
+            args.models = "resnet50_sgd,transformer_encoder"
+    if args.child:
+        print("RESULT" + json.dumps(_child(args.child, args)), flush=True)
+        return 0
+    unknown = [m for m in args.models.split(",") if m not in BATCH]
+    if unknown:
+        parser.error(f"unknown models {unknown}; known: {', '.join(BATCH)}")
+    t0 = time.perf_counter()
+    results = []
+    for name in args.models.split(","):
+        print(f"{name} ...", flush=True)
+        results.append(run_model(name, args))
+        print(json.dumps(results[-1])[:400], flush=True)
+    section = report(results, args, time.perf_counter() - t0)
+    print(section)
+    if not args.quick or args.write:
+        write_section(os.path.join(REPO, "docs", "benchmarks.md"), section)
+        with open(os.path.join(REPO, "docs", "budget_reliability.json"), "w") as fh:
+            json.dump(results, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""Models outside the four applications the suite started with: the kinds a new user tries first.
+
+Each entry builds a compiled Keras model and its training data at a given batch size, with random weights and
+synthetic data (no downloads): ``ZOO[name](batch, samples, seed) -> (model, x, y)``. ``y`` is None for models that
+train on ``x`` alone (the GAN). Sizes are small so that a CPU run of a few steps takes seconds.
+"""
+from __future__ import annotations
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+
+def _images(samples: int, size: int, seed: int, classes: int = 10):
+    rng = np.random.default_rng(seed)
+    return (rng.uniform(size=(samples, size, size, 3)).astype("float32"),
+            rng.integers(0, classes, size=(samples,)))
+
+
+def _application(name: str, size: int, optimizer):
+    def build(batch: int, samples: int, seed: int):
+        model = getattr(keras.applications, name)(weights=None, input_shape=(size, size, 3), classes=10)
+        model.compile(optimizer=optimizer(), loss="sparse_categorical_crossentropy")
+        return (model, *_images(samples, size, seed))
+    return build
+
+
+def _sgd():
+    return keras.optimizers.SGD(0.01, momentum=0.9)
+
+
+def transformer_encoder(batch: int, samples: int, seed: int, seq: int = 64, dim: int = 128, layers: int = 2):
+    """A Transformer encoder classifier (multi-head attention, layer norms, GELU MLP) trained with AdamW."""
+    inp = keras.Input((seq,), dtype="int32")
+    h = keras.layers.Embedding(1000, dim)(inp)
+    for _ in range(layers):
+        a = keras.layers.MultiHeadAttention(4, dim // 4)(h, h)
+        h = keras.layers.LayerNormalization()(h + a)
+        f = keras.layers.Dense(dim)(keras.layers.Dense(4 * dim, activation="gelu")(h))
+        h = keras.layers.LayerNormalization()(h + f)
+    model = keras.Model(inp, keras.layers.Dense(10)(keras.layers.GlobalAveragePooling1D()(h)))
+    model.compile(optimizer=keras.optimizers.AdamW(1e-3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(seed)
+    return model, rng.integers(0, 1000, size=(samples, seq)).astype("int32"), rng.integers(0, 10, size=(samples,))
+
+
+class _PositionEmbedding(keras.layers.Layer):
+    def __init__(self, length: int, dim: int, **kwargs):
+        super().__init__(**kwargs)
+        self.table = self.add_weight(shape=(length, dim), initializer="random_normal", name="positions")
+
+    def call(self, x):
+        return x + self.table[None, : x.shape[1]]
+
+
+def gpt_decoder(batch: int, samples: int, seed: int, seq: int = 64, dim: int = 128, layers: int = 2,
+                vocab: int = 2000):
+    """A GPT-2-style decoder-only language model (pre-norm blocks, causal self-attention, GELU MLP, next-token
+    loss) trained with AdamW. Built from layers because keras_hub's GPT2Backbone needs tensorflow-text, which is
+    not installed here."""
+    inp = keras.Input((seq,), dtype="int32")
+    h = _PositionEmbedding(seq, dim)(keras.layers.Embedding(vocab, dim)(inp))
+    for _ in range(layers):
+        n = keras.layers.LayerNormalization(epsilon=1e-5)(h)
+        h = h + keras.layers.MultiHeadAttention(4, dim // 4)(n, n, use_causal_mask=True)
+        n = keras.layers.LayerNormalization(epsilon=1e-5)(h)
+        h = h + keras.layers.Dense(dim)(keras.layers.Dense(4 * dim, activation="gelu")(n))
+    logits = keras.layers.Dense(vocab)(keras.layers.LayerNormalization(epsilon=1e-5)(h))
+    model = keras.Model(inp, logits)
+    model.compile(optimizer=keras.optimizers.AdamW(3e-4),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, vocab, size=(samples, seq + 1)).astype("int32")
+    return model, tokens[:, :-1], tokens[:, 1:]
+
+
+def unet(batch: int, samples: int, seed: int, size: int = 64, base: int = 16):
+    """A U-Net for per-pixel classification (skip connections across the whole network) trained with Adam."""
+    inp = keras.Input((size, size, 3))
+    skips, h = [], inp
+    for k in range(3):
+        h = keras.layers.Conv2D(base << k, 3, padding="same", activation="relu")(h)
+        h = keras.layers.Conv2D(base << k, 3, padding="same", activation="relu")(h)
+        skips.append(h)
+        h = keras.layers.MaxPooling2D()(h)
+    h = keras.layers.Conv2D(base << 3, 3, padding="same", activation="relu")(h)
+    for k in reversed(range(3)):
+        h = keras.layers.Conv2DTranspose(base << k, 2, strides=2, padding="same")(h)
+        h = keras.layers.Concatenate()([h, skips[k]])
+        h = keras.layers.Conv2D(base << k, 3, padding="same", activation="relu")(h)
+    model = keras.Model(inp, keras.layers.Conv2D(4, 1)(h))
+    model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(seed)
+    return (model, rng.uniform(size=(samples, size, size, 3)).astype("float32"),
+            rng.integers(0, 4, size=(samples, size, size)))
+
+
+class GAN(keras.Model):
+    """A DCGAN-style GAN: a custom ``train_step`` with two gradient tapes and two optimizers."""
+
+    def __init__(self, size: int = 32, latent: int = 64):
+        super().__init__()
+        self.latent = latent
+        self.generator = keras.Sequential([
+            keras.Input((latent,)), keras.layers.Dense((size // 4) ** 2 * 64, activation="relu"),
+            keras.layers.Reshape((size // 4, size // 4, 64)),
+            keras.layers.Conv2DTranspose(64, 4, strides=2, padding="same", activation="relu"),
+            keras.layers.Conv2DTranspose(32, 4, strides=2, padding="same", activation="relu"),
+            keras.layers.Conv2D(3, 3, padding="same", activation="sigmoid")], name="generator")
+        self.discriminator = keras.Sequential([
+            keras.Input((size, size, 3)), keras.layers.Conv2D(32, 4, strides=2, padding="same"),
+            keras.layers.LeakyReLU(0.2), keras.layers.Conv2D(64, 4, strides=2, padding="same"),
+            keras.layers.LeakyReLU(0.2), keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(1)],
+            name="discriminator")
+        self.bce = keras.losses.BinaryCrossentropy(from_logits=True)
+
+    def compile(self, **kwargs):
+        super().compile(**kwargs)
+        self.d_optimizer = keras.optimizers.Adam(2e-4, beta_1=0.5)
+        self.g_optimizer = keras.optimizers.Adam(2e-4, beta_1=0.5)
+
+    def train_step(self, data):
+        real = data[0] if isinstance(data, tuple) else data
+        n = tf.shape(real)[0]
+        noise = keras.random.normal((n, self.latent), seed=self._seed())
+        with tf.GradientTape() as tape:
+            fake = self.generator(noise, training=True)
+            real_logits = self.discriminator(real, training=True)
+            fake_logits = self.discriminator(fake, training=True)
+            d_loss = self.bce(tf.ones_like(real_logits), real_logits) + self.bce(tf.zeros_like(fake_logits),
+                                                                                fake_logits)
+        grads = tape.gradient(d_loss, self.discriminator.trainable_variables)
+        self.d_optimizer.apply_gradients(zip(grads, self.discriminator.trainable_variables))
+        with tf.GradientTape() as tape:
+            fake_logits = self.discriminator(self.generator(noise, training=True), training=True)
+            g_loss = self.bce(tf.ones_like(fake_logits), fake_logits)
+        grads = tape.gradient(g_loss, self.generator.trainable_variables)
+        self.g_optimizer.apply_gradients(zip(grads, self.generator.trainable_variables))
+        return {"loss": d_loss + g_loss, "d_loss": d_loss, "g_loss": g_loss}
+
+    def _seed(self):
+        if not hasattr(self, "_seed_gen"):
+            self._seed_gen = keras.random.SeedGenerator(7)
+        return self._seed_gen
+
+
+def gan(batch: int, samples: int, seed: int, size: int = 32):
+    model = GAN(size)
+    model.compile()
+    model.d_optimizer.build(model.discriminator.trainable_variables)
+    model.g_optimizer.build(model.generator.trainable_variables)
+    return model, _images(samples, size, seed)[0], None
+
+
+def lstm(batch: int, samples: int, seed: int, seq: int = 32, features: int = 32):
+    """An LSTM classifier: its loop feeds the backward pass, so Dymem leaves the step unmodified (with a warning)."""
+    model = keras.Sequential([keras.Input((seq, features)), keras.layers.LSTM(64), keras.layers.Dense(10)])
+    model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(seed)
+    return model, rng.normal(size=(samples, seq, features)).astype("float32"), rng.integers(0, 10, size=(samples,))
+
+
+ZOO = {
+    "vgg16": _application("VGG16", 32, _sgd),
+    "resnet50_sgd": _application("ResNet50", 32, _sgd),
+    "resnet50_adam": _application("ResNet50", 32, lambda: keras.optimizers.Adam(1e-3)),
+    "densenet121": _application("DenseNet121", 32, _sgd),
+    "inception_v3": _application("InceptionV3", 75, _sgd),
+    "mobilenet_v2": _application("MobileNetV2", 32, lambda: keras.optimizers.Adam(1e-3)),
+    "efficientnet_b0": _application("EfficientNetB0", 32, lambda: keras.optimizers.Adam(1e-3)),
+    "transformer_encoder": transformer_encoder,
+    "gpt_decoder": gpt_decoder,
+    "unet": unet,
+    "gan": gan,
+    "lstm": lstm,
+}
