@@ -3,6 +3,8 @@
 For every model of ``bench/model_zoo.py``, in a fresh interpreter (GTBM on the CPU is the emulated device, oneDNN
 off so that running out of memory raises instead of crashing):
 
+Each measurement runs in a fresh interpreter (Keras keeps every model it built alive until exit).
+
 1. **Same results**: 3 steps with op determinism on, without and with ``DymemCallback()``: losses and every weight
    compared bit for bit.
 2. **No-swap peak** ``P0`` of a plain step and the persistent bytes ``W`` (weights and optimizer state).
@@ -39,7 +41,7 @@ MiB = 1 << 20
 
 # ------------------------------------------------------------------------------------------------ child process
 def _child(name: str, args) -> dict:
-    """All measurements of one model (runs in a fresh interpreter)."""
+    """One phase (``args.phase``) of one model's measurements, in a fresh interpreter."""
     import gc
 
     import numpy as np
@@ -77,32 +79,29 @@ def _child(name: str, args) -> dict:
         def on_train_batch_end(self, b, logs=None):
             self.peaks.append(int(allocator.memory_stats()["peak_bytes_reserved"]))
 
-    out = {"model": name, "batch": batch}
-    # 1. same results
-    model, x, y = build(batch * args.identity_steps)
-    base = fit(model, x, y, args.identity_steps, []).history["loss"]
-    base_w = [w.numpy() for w in model.weights]
-    model, x, y = build(batch * args.identity_steps)
-    cb = dymem_tf.DymemCallback(verbose=0)
-    loss = fit(model, x, y, args.identity_steps, [cb]).history["loss"]
-    out["identical"] = loss == base and all(np.array_equal(a, b) for a, b in zip(base_w, model.weights))
-    out["swaps"] = len(cb.plan.swaps) if cb.plan is not None else 0
-    out["skipped"] = [s.kind for s in cb.skipped]
-    # 2. no-swap peak and persistent bytes
-    model, x, y = build(batch * 2)
-    peaks = Peaks()
-    fit(model, x, y, 2, [peaks])
-    out["p0"], out["persistent"] = max(peaks.peaks), step_pass.persistent_bytes(model)
-    # 3. budgets
-    runs = []
-    for f in args.fractions:
-        budget = int(out["persistent"] + f * (out["p0"] - out["persistent"]))
-        budget = -(-budget // MiB) * MiB
-        runs.append({"fraction": f, "budget": budget,
-                     "auto": _budget_run(build, fit, Peaks, budget, "auto", args),
-                     "none": _budget_run(build, fit, Peaks, budget, None, args)})
-    out["runs"] = runs
-    return out
+    def same_results():
+        model, x, y = build(batch * args.identity_steps)
+        base = fit(model, x, y, args.identity_steps, []).history["loss"]
+        base_w = [w.numpy() for w in model.weights]
+        model, x, y = build(batch * args.identity_steps)
+        cb = dymem_tf.DymemCallback(verbose=0)
+        loss = fit(model, x, y, args.identity_steps, [cb]).history["loss"]
+        return {"identical": loss == base and all(np.array_equal(a, b) for a, b in zip(base_w, model.weights)),
+                "swaps": len(cb.plan.swaps) if cb.plan is not None else 0,
+                "skipped": [s.kind for s in cb.skipped]}
+
+    def no_swap_peak():
+        model, x, y = build(batch * 2)
+        peaks = Peaks()
+        fit(model, x, y, 2, [peaks])
+        return {"p0": max(peaks.peaks), "persistent": step_pass.persistent_bytes(model)}
+
+    if args.phase == "identity":
+        return same_results()
+    if args.phase == "p0":
+        return no_swap_peak()
+    memory_budget = "auto" if args.mode == "auto" else None
+    return _budget_run(build, fit, Peaks, args.budget_bytes, memory_budget, args)
 
 
 def _budget_run(build, fit, Peaks, budget: int, memory_budget, args) -> dict:
@@ -113,7 +112,6 @@ def _budget_run(build, fit, Peaks, budget: int, memory_budget, args) -> dict:
     import dymem_tf
     from dymem_tf import allocator
 
-    allocator.set_memory_limit(1 << 34)  # building the model and its data must not count against the cap
     model, x, y = build(args.samples)
     state = {v.path: v.numpy() for v in list(model.variables) + list(getattr(model.optimizer, "variables", []))}
     allocator.set_memory_limit(budget)
@@ -147,6 +145,7 @@ def _budget_run(build, fit, Peaks, budget: int, memory_budget, args) -> dict:
         result["calibrated_measured"] = max(peaks.peaks[1:])
         result["calibrated_swaps"] = len(calibrated[-1].plan.swaps)
     result["fallback"] = any("goes on with the first step's" in str(w.message) for w in caught)
+    del model, cb
     return result
 
 
@@ -158,18 +157,44 @@ def _value(model, path):
 
 
 # ----------------------------------------------------------------------------------------------- parent process
-def run_model(name: str, args) -> dict:
-    """Run one model's measurements in a fresh interpreter; its result, or the failure."""
+def _run_child(name: str, args, *extra) -> dict:
+    """One phase of one model in a fresh interpreter (Keras keeps every model it built alive until exit, so each
+    measurement starts from an empty device); its RESULT, or ``{"error": ...}``."""
     env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="0", TF_CPP_MIN_LOG_LEVEL="2", DYMEM_DEVICE_MEMORY_LIMIT="16GiB",
                PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--steps", str(args.steps),
-           "--samples", str(args.samples), "--fractions", ",".join(map(str, args.fractions)),
-           "--identity-steps", str(args.identity_steps)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+           "--samples", str(args.samples), "--identity-steps", str(args.identity_steps), *extra]
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {args.timeout} s"}
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
     if proc.returncode != 0 or not lines:
-        return {"model": name, "error": f"rc={proc.returncode}: {proc.stderr[-600:]}"}
+        return {"error": f"rc={proc.returncode}: {proc.stderr[-600:]}"}
     return json.loads(lines[-1][len("RESULT"):])
+
+
+def run_model(name: str, args) -> dict:
+    """All phases of one model: same results, the no-swap peak, and each budget with "auto" and with None."""
+    out = {"model": name, "batch": BATCH[name]}
+    for phase in ("identity", "p0"):
+        result = _run_child(name, args, "--phase", phase)
+        if "error" in result:
+            return {**out, "error": f"{phase}: {result['error']}"}
+        out.update(result)
+    runs = []
+    for f in args.fractions:
+        budget = int(out["persistent"] + f * (out["p0"] - out["persistent"]))
+        budget = -(-budget // MiB) * MiB
+        run = {"fraction": f, "budget": budget}
+        for mode in ("auto", "none"):
+            run[mode] = _run_child(name, args, "--phase", "budget", "--mode", mode, "--budget-bytes", str(budget))
+            if "error" in run[mode]:
+                run[mode] = {"outcome": "error", "error": run[mode]["error"], "peaks": [], "steps_run": 0,
+                             "over_budget_steps": 0}
+        runs.append(run)
+    out["runs"] = runs
+    return out
 
 
 def _mib(n) -> str:
@@ -231,7 +256,9 @@ def _outcome(run: dict) -> str:
         return f"trained {run['steps_run']} steps{over}{fallback}"
     if run["outcome"] == "refused":
         return f"refused (variables changed: {run.get('changed_variables', '?')})"
-    return f"**out of memory** after {run['steps_run']} steps"
+    if run["outcome"] == "error":
+        return f"error: {run['error'][-80:]!r}"
+    return f"**out of memory** in step {run['steps_run'] + 1}"
 
 
 def write_section(path: str, section: str) -> None:
@@ -256,6 +283,9 @@ def main(argv=None) -> int:
     parser.add_argument("--write", action="store_true", help="with --quick: write docs/benchmarks.md anyway")
     parser.add_argument("--timeout", type=int, default=3600)
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--phase", choices=("identity", "p0", "budget"), help=argparse.SUPPRESS)
+    parser.add_argument("--mode", choices=("auto", "none"), help=argparse.SUPPRESS)
+    parser.add_argument("--budget-bytes", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])
     args.fractions = [float(f) for f in str(args.fractions).split(",")]
