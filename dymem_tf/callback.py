@@ -25,8 +25,9 @@ class DymemCallback(keras.callbacks.Callback):
             ``"h200"``, ...) or a :class:`~dymem_tf.device_profiles.DeviceProfile`; default: this machine's.
         swapin_ahead: for ``policy="tflms"``, how many topological levels ahead of its consumer a swap-in starts.
         min_swap_bytes: tensors smaller than this are never swapped.
-        log_dir: where to write ``tf.summary`` scalars and the plan for TensorBoard's "Dymem" dashboard. Defaults
-            to the log dir of a Keras ``TensorBoard`` callback in the same ``fit`` call, if any.
+        log_dir: where to write ``tf.summary`` scalars and the plan for TensorBoard's "Dymem" dashboard (the run
+            ``<log_dir>/dymem``); None writes nothing. Pass a Keras ``TensorBoard`` callback's log dir to have the
+            Dymem run next to its ``train`` and ``validation`` runs.
         trace_allocations: with a log dir, record the GTBM allocator's allocations during ``fit`` and save them in
             the run (the dashboard's pool map and tensors at the peak need them).
         defer_updates: run optimizer arithmetic that needs no gradient next to its gradient (saves about one
@@ -90,7 +91,7 @@ class DymemCallback(keras.callbacks.Callback):
         step_pass.attach(model, self.pass_)
         model.make_train_function(force=True)
         model.train_function = self._wrap_train_function(model.train_function)
-        log_dir = self.log_dir or _tensorboard_log_dir(self)
+        log_dir = self.log_dir
         if log_dir:
             from dymem_tf import summaries
 
@@ -322,22 +323,6 @@ def default_device_profile() -> str:
         if key in name:
             return key
     return "a100"
-
-
-def _tensorboard_log_dir(callback) -> str | None:
-    """The log dir of a Keras ``TensorBoard`` callback passed to the same ``fit`` call, if any.
-
-    Keras gives a callback no handle on its siblings; the ``CallbackList`` that holds this callback keeps them in a
-    plain list, which the garbage collector's referrer graph finds.
-    """
-    import gc
-
-    for holder in gc.get_referrers(callback):
-        if isinstance(holder, list) and any(item is callback for item in holder):
-            for cb in holder:
-                if isinstance(cb, keras.callbacks.TensorBoard):
-                    return cb.log_dir
-    return None
 
 
 def _step_stats(pass_) -> dict:
