@@ -82,14 +82,12 @@ class DymemCallback(keras.callbacks.Callback):
             raise planner.BudgetTooSmallError(
                 f"memory_budget {_fmt(self.budget_bytes)} is smaller than the model's weights alone "
                 f"({_fmt(weights)}); raise the budget or use a smaller model.")
-        if getattr(model, "jit_compile", False):
-            model.jit_compile = False
-            self._say("dymem_tf: XLA (jit_compile) turned off for the train step: an XLA cluster would swallow "
-                      "the swap ops.")
         _warn_onednn_out_of_memory_crash()
         self.pass_.default_batch_size = _fit_batch_size(model)
         step_pass.attach(model, self.pass_)
-        model.make_train_function(force=True)
+        if _make_train_function_without_xla(model):
+            self._say("dymem_tf: XLA (jit_compile) turned off for the train step: an XLA cluster would swallow "
+                      "the swap ops.")
         model.train_function = self._wrap_train_function(model.train_function)
         log_dir = self.log_dir
         if log_dir:
@@ -323,6 +321,29 @@ def default_device_profile() -> str:
         if key in name:
             return key
     return "a100"
+
+
+def _make_train_function_without_xla(model) -> bool:
+    """Build ``model.train_function`` afresh without XLA; return whether the model asked for XLA.
+
+    Keras reads ``model.jit_compile`` when it builds a function (``tf.function(..., jit_compile=...)``), so the flag
+    is off only while the train function is built: the model keeps the user's value, and its evaluate and predict
+    functions (traced during ``fit`` for validation, or after it) keep XLA.
+    """
+    if not getattr(model, "jit_compile", False):
+        model.make_train_function(force=True)
+        return False
+    has_private = "_jit_compile" in vars(model)
+    saved = model._jit_compile if has_private else model.jit_compile  # pylint: disable=protected-access
+    model.jit_compile = False
+    try:
+        model.make_train_function(force=True)
+    finally:
+        if has_private:
+            model._jit_compile = saved  # pylint: disable=protected-access  (the setter would re-check support)
+        else:
+            model.jit_compile = saved
+    return True
 
 
 def _step_stats(pass_) -> dict:
