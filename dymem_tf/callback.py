@@ -8,7 +8,7 @@ import sys
 import keras
 import tensorflow as tf
 
-from dymem_tf import allocator, device_profiles, grappler_config, planner, step_pass, units
+from dymem_tf import allocator, device_profiles, fit_guard, grappler_config, planner, step_pass, units
 
 POLICIES = planner.POLICIES
 
@@ -73,9 +73,19 @@ class DymemCallback(keras.callbacks.Callback):
             policy=policy, budget_bytes=self.budget_bytes, device=self.profile, swapin_ahead=swapin_ahead,
             min_swap_bytes=min_swap_bytes, defer_updates=defer_updates, verbose=verbose))
         self._writer = None
+        self._exit_guard = None
 
     # -- Keras hooks ---------------------------------------------------------------------------------------------
     def on_train_begin(self, logs=None):
+        # fit calls on_train_end only when training finishes: every other way out of fit undoes the set-up here
+        try:
+            self._begin_fit()
+            self._exit_guard = fit_guard.FitGuard(self, self._end_fit).arm()
+        except BaseException:
+            self._end_fit()
+            raise
+
+    def _begin_fit(self):
         model = self.model
         weights = step_pass.persistent_bytes(model)
         if self.budget_bytes is not None and weights > self.budget_bytes:
@@ -104,12 +114,19 @@ class DymemCallback(keras.callbacks.Callback):
             self._writer.write_step(self._global_step(batch), _step_stats(self.pass_))
 
     def on_train_end(self, logs=None):
+        self._end_fit()
+
+    def _end_fit(self):
+        """Undo what ``on_train_begin`` did; run when training ends and when ``fit`` raises (can run twice)."""
+        if self._exit_guard is not None:
+            self._exit_guard.release()
+            self._exit_guard = None
         step_pass.detach(self.model)
         # Later fit() calls without this callback must trace the plain step again.
         self.model.train_function = None
         if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+            writer, self._writer = self._writer, None
+            writer.close()  # also stops and saves an allocator trace
 
     def _wrap_train_function(self, train_function):
         """``train_function`` run without Grappler's memory optimizer (see :mod:`dymem_tf.grappler_config`; a
