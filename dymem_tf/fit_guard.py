@@ -6,10 +6,11 @@ finishes, so a step that raises (an out-of-memory error, bad data, Ctrl-C), a ca
 :class:`FitGuard`, armed in ``on_train_begin``, runs a clean-up function when an exception passes through one of the
 calls ``fit`` makes after ``on_train_begin``:
 
-* the train function (``model.train_function``),
+* the train function (``model.train_function``; checked again before every step, so a train function that the
+  callback or another one installs during ``fit`` is guarded too),
 * each hook of the ``CallbackList`` that runs the callback (``on_epoch_begin``/``_end``, ``on_train_batch_*``,
   ``on_test_*``, and ``on_train_end``: a callback that raises there before ours is reached),
-* the test function of the validation run (``model.test_function``, between ``on_test_begin`` and ``on_test_end``).
+* the test function of the validation run (``model.test_function``, from its first batch to ``on_test_end``).
 
 ``StopIteration`` and ``tf.errors.OutOfRangeError`` from a step or a batch hook end the epoch (Keras catches them)
 and do not count. Not covered: an exception raised by ``fit``'s own lines between these calls (e.g. Ctrl-C while
@@ -51,29 +52,27 @@ class FitGuard:
         self._fired = False
 
     def arm(self) -> "FitGuard":
-        model = self.model
-        model.train_function = self._guard(model.train_function, END_OF_DATA)
-        self._replaced.append((model, "train_function"))
+        self._guard_train_function()
         self.callback_list = running_callback_list(self.callback)
         if self.callback_list is not None:
-            for name in _BATCH_HOOKS:
-                self._replace(self.callback_list, name, END_OF_DATA)
-            for name in _EPOCH_HOOKS:
-                self._replace(self.callback_list, name, ())
-            self._replace(self.callback_list, "on_test_begin", (), after=self._guard_test_function)
+            hooks = {name: END_OF_DATA for name in _BATCH_HOOKS}
+            hooks.update({name: () for name in _EPOCH_HOOKS + ("on_test_begin",)})
+            after = {"on_train_batch_begin": self._guard_train_function,
+                     "on_test_batch_begin": self._guard_test_function}
+            for name, expected in hooks.items():
+                self._replace(self.callback_list, name, expected, after=after.get(name))
             self._replace(self.callback_list, "on_test_end", (), before=self._unguard_test_function)
         return self
 
     def release(self) -> None:
         """Take back every replaced attribute (the model's functions keep what the callback set)."""
         self._unguard_test_function()
+        train_function = getattr(self.model, "train_function", None)
+        if getattr(train_function, "_dymem_guard", None) is self:
+            self.model.train_function = train_function.__wrapped__
         for obj, name in self._replaced:
-            current = obj.__dict__.get(name) if name != "train_function" else getattr(obj, name, None)
-            if getattr(current, "_dymem_guard", None) is self:
-                if name == "train_function":
-                    obj.train_function = current.__wrapped__
-                else:
-                    del obj.__dict__[name]
+            if getattr(obj.__dict__.get(name), "_dymem_guard", None) is self:
+                del obj.__dict__[name]
         self._replaced.clear()
 
     @property
@@ -120,6 +119,11 @@ class FitGuard:
             return  # not a hook of this object, or already replaced by someone else: leave it alone
         setattr(obj, name, self._guard(original, expected, before, after))
         self._replaced.append((obj, name))
+
+    def _guard_train_function(self) -> None:
+        train_function = getattr(self.model, "train_function", None)
+        if train_function is not None and getattr(train_function, "_dymem_guard", None) is not self:
+            self.model.train_function = self._guard(train_function, END_OF_DATA)
 
     def _guard_test_function(self) -> None:
         test_function = getattr(self.model, "test_function", None)

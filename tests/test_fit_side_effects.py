@@ -156,6 +156,23 @@ def test_a_callback_raising_in_on_epoch_end_leaves_nothing_behind(position):
     assert_plain_fit_runs_the_unmodified_step(model, x, y, cb)
 
 
+def test_a_train_function_replaced_during_fit_is_guarded_too():
+    """A train function installed during ``fit`` (after a first step, say) is guarded from the next step on."""
+    model, x, y = model_and_data(n=32, poisoned_batch=3)
+
+    class Replace(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 0:
+                model.make_train_function(force=True)  # a new function, traced from the (rewritten) train_step
+
+    cb = dymem_tf.DymemCallback(min_swap_bytes=0, verbose=0)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="a poisoned batch"):
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False, callbacks=[cb, Replace()])
+    assert_left_nothing_behind(model, cb)
+    good = np.where(x > 100.0, 0.0, x).astype("float32")
+    assert_plain_fit_runs_the_unmodified_step(model, good, y, cb)
+
+
 def test_a_validation_run_that_raises_leaves_nothing_behind():
     model, x, y = model_and_data()
     _, vx, vy = model_and_data(poisoned_batch=0)
