@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.dymem-installed
 CXX    ?= g++
 NATIVE_SRC := $(wildcard dymem_tf/cc/*.cc dymem_tf/cc/*.h)
 
-.PHONY: all install demo test test-fast native-test asan ubsan bench bench-quick browser-deps clean
+.PHONY: all install demo test test-fast native-test asan ubsan bench bench-quick browser-deps keras-conformance clean
 
 all: install
 
@@ -61,6 +61,13 @@ ubsan: build
 	$(CXX) -std=c++17 -O1 -g -fsanitize=undefined -fno-sanitize-recover=all -pthread \
 	  dymem_tf/cc/gtbm_core.cc dymem_tf/cc/tests/gtbm_core_test.cc -o build/gtbm_core_test_ubsan
 	./build/gtbm_core_test_ubsan
+
+# Keras's own tests (trainers, every offline callback, models) run twice, without and with DymemCallback appended to
+# every fit; fails on a test that passes only without it, and prints how many fits swapped (docs/reliability.md).
+# keras.src.trainers.trainer_test imports jax, which only this target installs.
+keras-conformance: install
+	$(PIP) install -q "jax>=0.4.30,<0.11"
+	$(PY) -m tools.keras_conformance
 
 bench: install
 	$(PY) bench/run_all.py

@@ -7,7 +7,7 @@ import sys
 import keras
 import tensorflow as tf
 
-from dymem_tf import allocator, device_profiles, first_step, graph_pass, planner, step_pass, units
+from dymem_tf import allocator, device_profiles, first_step, fit_guard, graph_pass, planner, step_pass, units
 
 POLICIES = planner.POLICIES
 
@@ -27,8 +27,9 @@ class DymemCallback(keras.callbacks.Callback):
             ``"h200"``, ...) or a :class:`~dymem_tf.device_profiles.DeviceProfile`; default: this machine's.
         swapin_ahead: for ``policy="tflms"``, how many topological levels ahead of its consumer a swap-in starts.
         min_swap_bytes: tensors smaller than this are never swapped.
-        log_dir: where to write ``tf.summary`` scalars and the plan for TensorBoard's "Dymem" dashboard. Defaults
-            to the log dir of a Keras ``TensorBoard`` callback in the same ``fit`` call, if any.
+        log_dir: where to write ``tf.summary`` scalars and the plan for TensorBoard's "Dymem" dashboard (the run
+            ``<log_dir>/dymem``); None writes nothing. Pass a Keras ``TensorBoard`` callback's log dir to have the
+            Dymem run next to its ``train`` and ``validation`` runs.
         trace_allocations: with a log dir, record the GTBM allocator's allocations during ``fit`` and save them in
             the run (the dashboard's pool map and tensors at the peak need them).
         defer_updates: run optimizer arithmetic that needs no gradient next to its gradient (saves about one
@@ -82,19 +83,25 @@ class DymemCallback(keras.callbacks.Callback):
             min_swap_bytes=min_swap_bytes, defer_updates=defer_updates, verbose=verbose))
         self._writer = None
         self._headroom = self.pass_.config.headroom
+        self._exit_guard = None
 
     # -- Keras hooks ---------------------------------------------------------------------------------------------
     def on_train_begin(self, logs=None):
+        # fit calls on_train_end only when training finishes: every other way out of fit undoes the set-up here
+        try:
+            self._begin_fit()
+            self._exit_guard = fit_guard.FitGuard(self, self._end_fit).arm()
+        except BaseException:
+            self._end_fit()
+            raise
+
+    def _begin_fit(self):
         model = self.model
         weights = step_pass.persistent_bytes(model)
         if self.budget_bytes is not None and weights > self.budget_bytes:
             raise planner.BudgetTooSmallError(
                 f"memory_budget {_fmt(self.budget_bytes)} is smaller than the model's weights alone "
                 f"({_fmt(weights)}); raise the budget or use a smaller model.")
-        if getattr(model, "jit_compile", False):
-            model.jit_compile = False
-            self._say("dymem_tf: XLA (jit_compile) turned off for the train step: an XLA cluster would swallow "
-                      "the swap ops.")
         _warn_onednn_out_of_memory_crash()
         self.pass_.default_batch_size = _fit_batch_size(model)
         self.pass_.persistent_bytes = weights
@@ -105,9 +112,11 @@ class DymemCallback(keras.callbacks.Callback):
         if guard:
             self._cap_device_at_budget()
         self.pass_.config.headroom = self._headroom
-        model.make_train_function(force=True)
+        if _make_train_function_without_xla(model):
+            self._say("dymem_tf: XLA (jit_compile) turned off for the train step: an XLA cluster would swallow "
+                      "the swap ops.")
         model.train_function = self._wrap_train_function(model.train_function, guard=guard)
-        log_dir = self.log_dir or _tensorboard_log_dir(self)
+        log_dir = self.log_dir
         if log_dir:
             from dymem_tf import summaries
 
@@ -122,12 +131,19 @@ class DymemCallback(keras.callbacks.Callback):
             self._writer.write_step(self._global_step(batch), _step_stats(self.pass_))
 
     def on_train_end(self, logs=None):
+        self._end_fit()
+
+    def _end_fit(self):
+        """Undo what ``on_train_begin`` did; run when training ends and when ``fit`` raises (can run twice)."""
+        if self._exit_guard is not None:
+            self._exit_guard.release()
+            self._exit_guard = None
         self._restore_device_limit()
         # Later fit() calls without this callback must trace the plain step again.
         self.model.train_function = None
         if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+            writer, self._writer = self._writer, None
+            writer.close()  # also stops and saves an allocator trace
 
     def _wrap_train_function(self, train_function, guard: bool = False, fallback=None):
         """``train_function`` run with the graph pass armed (its instantiation is planned and rewritten after
@@ -215,7 +231,7 @@ class DymemCallback(keras.callbacks.Callback):
             self.pass_.calibration = first_step.Calibration(self.budget_bytes, int(predicted), int(measured),
                                                             persistent, headroom)
             self.pass_.config.headroom = headroom
-        self.model.make_train_function(force=True)
+        _make_train_function_without_xla(self.model)
         self.model.train_function = self._wrap_train_function(self.model.train_function, guard=True,
                                                                fallback=fallback)
 
@@ -454,20 +470,27 @@ def default_device_profile() -> str:
     return "a100"
 
 
-def _tensorboard_log_dir(callback) -> str | None:
-    """The log dir of a Keras ``TensorBoard`` callback passed to the same ``fit`` call, if any.
+def _make_train_function_without_xla(model) -> bool:
+    """Build ``model.train_function`` afresh without XLA; return whether the model asked for XLA.
 
-    Keras gives a callback no handle on its siblings; the ``CallbackList`` that holds this callback keeps them in a
-    plain list, which the garbage collector's referrer graph finds.
+    Keras reads ``model.jit_compile`` when it builds a function (``tf.function(..., jit_compile=...)``), so the flag
+    is off only while the train function is built: the model keeps the user's value, and its evaluate and predict
+    functions (traced during ``fit`` for validation, or after it) keep XLA.
     """
-    import gc
-
-    for holder in gc.get_referrers(callback):
-        if isinstance(holder, list) and any(item is callback for item in holder):
-            for cb in holder:
-                if isinstance(cb, keras.callbacks.TensorBoard):
-                    return cb.log_dir
-    return None
+    if not getattr(model, "jit_compile", False):
+        model.make_train_function(force=True)
+        return False
+    has_private = "_jit_compile" in vars(model)
+    saved = model._jit_compile if has_private else model.jit_compile  # pylint: disable=protected-access
+    model.jit_compile = False
+    try:
+        model.make_train_function(force=True)
+    finally:
+        if has_private:
+            model._jit_compile = saved  # pylint: disable=protected-access  (the setter would re-check support)
+        else:
+            model.jit_compile = saved
+    return True
 
 
 def _step_stats(pass_) -> dict:

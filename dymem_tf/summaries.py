@@ -4,7 +4,7 @@
 by hand. For a log dir ``D`` it writes the run ``D/dymem``: a ``tf.summary`` event file with the scalars (they show
 in the Scalars dashboard too) and ``D/dymem/plugins/dymem/`` with the plan, the modelled timeline and swap schedule,
 per-step statistics and, when recorded, the allocator trace (layout: :mod:`dymem_tf.tensorboard_plugin.logdata`).
-With a Keras ``TensorBoard`` callback's log dir, ``dymem`` sits next to its ``train`` and ``validation`` runs.
+Given a Keras ``TensorBoard`` callback's log dir, ``dymem`` sits next to its ``train`` and ``validation`` runs.
 
 A new writer on a directory starts the run's dashboard data afresh (one training session per run); the scalars
 append to the event files like any ``tf.summary`` writer's.

@@ -166,7 +166,8 @@ def test_model_checkpoint_and_tensorboard_together(tmp_path):
     base, base_w, _ = fit(net, [], x, y, validation_data=(vx, vy), epochs=2)
     ckpt = tmp_path / "best.keras"
     logs = tmp_path / "logs"
-    cb = dymem_tf.DymemCallback(min_swap_bytes=0, verbose=0)
+    # the user gives both the same log dir (the callback never picks up the TensorBoard callback's on its own)
+    cb = dymem_tf.DymemCallback(min_swap_bytes=0, verbose=0, log_dir=str(logs))
     callbacks = [keras.callbacks.ModelCheckpoint(str(ckpt), monitor="val_loss"),
                  keras.callbacks.TensorBoard(log_dir=str(logs)), cb]
     hist, weights, model = fit(net, callbacks, x, y, validation_data=(vx, vy), epochs=2)

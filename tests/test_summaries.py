@@ -250,6 +250,7 @@ def test_a_new_writer_starts_the_run_afresh(written):
 
 
 def test_keras_tensorboard_log_dir_gets_a_separate_run(tmp_path):
+    """A log dir shared with Keras' TensorBoard callback (the user passes it to both) gets its own run ``dymem``."""
     for run in ("train", "validation"):
         with tf.summary.create_file_writer(str(tmp_path / run)).as_default():
             tf.summary.scalar("loss", 1.0, step=0)

@@ -147,7 +147,9 @@ def test_remote_logdirs_are_refused_clearly():
 
 
 def test_next_to_a_keras_tensorboard_callback(tmp_path):
-    """Without a log dir of its own, the callback writes the run ``dymem`` into the Keras TensorBoard log dir."""
+    """Given the Keras TensorBoard callback's log dir, the callback writes the run ``dymem`` next to Keras' runs.
+
+    (Without a log dir it writes nothing: tests/test_fit_side_effects.py.)"""
     import keras
 
     import dymem_tf
@@ -158,7 +160,8 @@ def test_next_to_a_keras_tensorboard_callback(tmp_path):
     x = np.random.default_rng(1).normal(size=(16, 16, 16, 3)).astype("float32")
     y = np.arange(16) % 10
     model.fit(x, y, batch_size=8, epochs=1, verbose=0,
-              callbacks=[keras.callbacks.TensorBoard(str(tmp_path)), dymem_tf.DymemCallback(verbose=0)])
+              callbacks=[keras.callbacks.TensorBoard(str(tmp_path)),
+                         dymem_tf.DymemCallback(verbose=0, log_dir=str(tmp_path))])
     assert {"train", "dymem"} <= set(os.listdir(tmp_path))
     assert logdata.list_runs(str(tmp_path)) == ["dymem"]
     data = logdata.load_run(str(tmp_path), "dymem")

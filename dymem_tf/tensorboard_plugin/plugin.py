@@ -100,8 +100,7 @@ class DymemPlugin(base_plugin.TBPlugin):
             return _error(request, f"cannot list the log directory: {err.strerror or err}", 500)
         if not problem and not runs:
             problem = (f"No Dymem data under {self._logdir!r}. Train with "
-                       f"dymem_tf.DymemCallback(log_dir=...) (or next to a keras.callbacks.TensorBoard "
-                       f"callback) and point --logdir at that directory.")
+                       f"dymem_tf.DymemCallback(log_dir=...) and point --logdir at that directory.")
         return http_util.Respond(request, {"logdir": self._logdir, "runs": runs, "message": problem},
                                  "application/json")
 

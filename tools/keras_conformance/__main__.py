@@ -1,0 +1,5 @@
+import sys
+
+from tools.keras_conformance.run import main
+
+sys.exit(main())
