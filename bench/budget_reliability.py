@@ -188,6 +188,9 @@ def run_model(name: str, args) -> dict:
         budget = -(-budget // MiB) * MiB
         run = {"fraction": f, "budget": budget}
         for mode in ("auto", "none"):
+            if mode == "none" and run["auto"]["outcome"] == "trained":
+                run[mode] = {"outcome": "not run", "peaks": [], "steps_run": 0, "over_budget_steps": 0}
+                continue  # None matters only where "auto" refused: was that a batch None could train?
             run[mode] = _run_child(name, args, "--phase", "budget", "--mode", mode, "--budget-bytes", str(budget))
             if "error" in run[mode]:
                 run[mode] = {"outcome": "error", "error": run[mode]["error"], "peaks": [], "steps_run": 0,
@@ -208,7 +211,8 @@ def report(results: list[dict], args, seconds: float) -> str:
              f"CPU machine ({seconds / 60:.1f} min). Each model in a fresh process; the CPU device capped by GTBM is "
              f"the emulated device (oneDNN off). Budgets B = W + f x (P0 - W), W = weights + optimizer state, "
              f"P0 = the measured no-swap peak; each budgeted run trains {args.steps} steps on {args.samples} "
-             "samples. *auto* is `memory_budget=\"auto\"`, *none* is `memory_budget=None` under the same cap.", "",
+             "samples. *auto* is `memory_budget=\"auto\"`; *none* is `memory_budget=None` under the same cap, run where "
+             "*auto* refused.", "",
              "| model | batch | bit-identical (3 steps) | swaps | W MiB | P0 MiB | f | B MiB | auto | auto max peak MiB "
              "| none | probe pred./meas. MiB | calibrated pred./meas. MiB |",
              "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | --- | --- | --- |"]
@@ -256,6 +260,8 @@ def _outcome(run: dict) -> str:
         return f"trained {run['steps_run']} steps{over}{fallback}"
     if run["outcome"] == "refused":
         return f"refused (variables changed: {run.get('changed_variables', '?')})"
+    if run["outcome"] == "not run":
+        return "–"
     if run["outcome"] == "error":
         return f"error: {run['error'][-80:]!r}"
     return f"**out of memory** in step {run['steps_run'] + 1}"

@@ -53,6 +53,18 @@ def _strip_gradient(name: str) -> str:
     return _REPLICA.sub(r"\1", name[i + len(_GRAD_PREFIX):], count=1) if i >= 0 else name
 
 
+_DEVICE_KIND = re.compile(r"(?:^|/)(?:device:)?([A-Za-z_]+):\d+$")
+#: dtypes TensorFlow keeps in host memory on accelerator devices (its GPU kernels register int32 as HostMemory).
+HOST_MEMORY_DTYPES_ON_ACCELERATORS = frozenset({"int32"})
+
+
+def in_host_memory(device: str, dtype: str) -> bool:
+    """Whether a tensor of ``dtype`` produced on ``device`` lives in host memory: int32 on a GPU (TensorFlow keeps
+    it there, so a swap kernel must never see it and it takes no device memory)."""
+    match = _DEVICE_KIND.search(device or "")
+    return bool(match) and match.group(1).upper() != "CPU" and dtype in HOST_MEMORY_DTYPES_ON_ACCELERATORS
+
+
 def infer_call_prefix(names: Iterable[str]) -> str:
     """The name prefix function inlining gave the step's ops (``StatefulPartitionedCall/`` after Grappler inlined
     Keras' ``one_step_on_data``): the most common text before ``gradient_tape/`` in gradient op names, or ""."""
@@ -221,9 +233,12 @@ def capture_step_graph(ops: Sequence[tf.Operation], batch_size: int | None = Non
             if op.type in ALIAS_OP_TYPES and k < len(op.inputs) and op.inputs[k].name in tensors:
                 alias_of = op.inputs[k].name
                 persistent = persistent or tensors[alias_of].persistent
+            host = in_host_memory(op.device, t.dtype.name)
+            persistent = persistent or host  # never swapped: it does not occupy the device
             if not known and not persistent and alias_of is None:
                 unknown += 1
-            tensors[t.name] = TensorInfo(t.name, op.name, k, t.dtype.name, dims, _nbytes(t.dtype, dims, known),
+            nbytes = 0 if host else _nbytes(t.dtype, dims, known)
+            tensors[t.name] = TensorInfo(t.name, op.name, k, t.dtype.name, dims, nbytes,
                                          persistent=persistent, shape_known=known, alias_of=alias_of)
             outs.append(t.name)
         # A lowered loop's back edge (NextIteration -> Merge) is left out: the step graph stays a DAG, and the

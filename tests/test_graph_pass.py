@@ -157,3 +157,34 @@ def test_encode_plan_names_the_swap_ops():
     text = graph_pass.encode_plan([decision], [("x", "y")])
     assert text.splitlines() == ["out\ta/Relu\t1\ta/Relu/dymem_swap_out_1",
                                  "in\ta/Relu/dymem_swap_out_1\ta/Relu/dymem_swap_in_1_0\tt\tg", "ctrl\tx\ty"]
+
+
+def test_tensors_a_gpu_keeps_in_host_memory_are_never_swapped():
+    """int32 tensors live in host memory on a GPU: planned on a GPU placement of the step, none takes device memory
+    and none is swapped, while on the CPU they are device tensors like any other."""
+    import keras
+
+    from dymem_tf import graph_capture, planner
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8, 8, 3)), keras.layers.Conv2D(4, 3, activation="relu"),
+                              keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(5)])
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    seen = []
+    with graph_pass.armed(lambda call: seen.append(call.graph_def_bytes)):
+        model.fit(np.zeros((8, 8, 8, 3), np.float32), np.zeros((8,), np.int32), batch_size=8, verbose=0)
+    on_gpu = seen[0].replace(b"device:CPU:0", b"device:GPU:0")
+
+    def capture(data):
+        view = graph_def_view.GraphView(data)
+        sg = graph_capture.capture_step_graph(view.get_operations(), batch_size=8)
+        return sg, planner.make_plan(sg, min_swap_bytes=0)
+
+    def int32(sg):
+        return [t for t in sg.tensors.values() if t.dtype == "int32" and t.alias_of is None]
+
+    cpu, _ = capture(seen[0])
+    gpu, gpu_plan = capture(on_gpu)
+    assert any(t.bytes > 0 and not t.persistent for t in int32(cpu))  # device memory on the CPU
+    assert int32(gpu) and all(t.bytes == 0 and t.persistent for t in int32(gpu))  # host memory on a GPU
+    assert gpu_plan.swaps and not [s for s in gpu_plan.swaps if gpu.tensors[s.tensor].dtype == "int32"]

@@ -182,7 +182,8 @@ def test_placement_of_single_allocations(procs):
     assert out["map_prefetch"]["host"] >= four and abs(out["map_prefetch"]["device"]) < MiB, out["map_prefetch"]
     # switched off: counted on the device; the explicit scope: host
     assert out["enabled_after_off"] is False
-    assert _about(out["switched_off"], 2 * four, 0), out["switched_off"]
+    # (TF converts the array again, or reuses the buffer it made from it before: never host memory when off)
+    assert _about(out["switched_off"], 2 * four, 0) or _about(out["switched_off"], 0, 0), out["switched_off"]
     assert _about(out["host_memory_scope"], 0, 2 * four), out["host_memory_scope"]
     stats = out["stats"]
     assert stats["host_inputs_enabled"] == 1 and stats["host_inputs_num_allocs"] >= 3
