@@ -207,8 +207,11 @@ def _mib(n) -> str:
 def report(results: list[dict], args, seconds: float) -> str:
     """The markdown section."""
     lines = [BEGIN, "## Budget reliability", "",
+             "Written by `bench/budget_reliability.py` after the pass moved after Grappler and budgets became "
+             "calibrated (first-step probe); the sections above come from `bench/run_all.py` and were measured "
+             "before that change (the commit named at the top).", "",
              f"`python bench/budget_reliability.py{' ' + ' '.join(args.argv) if args.argv else ''}` on this 2-core "
-             f"CPU machine ({seconds / 60:.1f} min). Each model in a fresh process; the CPU device capped by GTBM is "
+             f"CPU machine{f' ({seconds / 60:.1f} min)' if seconds else ''}. Each model in a fresh process; the CPU device capped by GTBM is "
              f"the emulated device (oneDNN off). Budgets B = W + f x (P0 - W), W = weights + optimizer state, "
              f"P0 = the measured no-swap peak; each budgeted run trains {args.steps} steps on {args.samples} "
              "samples. *auto* is `memory_budget=\"auto\"`; *none* is `memory_budget=None` under the same cap, run where "
@@ -288,6 +291,7 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="4 steps on 256 samples, two models")
     parser.add_argument("--write", action="store_true", help="with --quick: write docs/benchmarks.md anyway")
     parser.add_argument("--timeout", type=int, default=3600)
+    parser.add_argument("--report-from", help="re-render docs/benchmarks.md's section from a saved JSON run")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--phase", choices=("identity", "p0", "budget"), help=argparse.SUPPRESS)
     parser.add_argument("--mode", choices=("auto", "none"), help=argparse.SUPPRESS)
@@ -301,6 +305,16 @@ def main(argv=None) -> int:
             args.models = "resnet50_sgd,transformer_encoder"
     if args.child:
         print("RESULT" + json.dumps(_child(args.child, args)), flush=True)
+        return 0
+    if args.report_from:  # re-render the section from a saved run (its command line and duration are kept)
+        with open(args.report_from) as fh:
+            saved = json.load(fh)
+        if isinstance(saved, list):  # the first format: the results alone, default settings
+            saved = {"argv": [], "steps": args.steps, "samples": args.samples, "seconds": None, "results": saved}
+        args.argv, args.steps, args.samples = saved["argv"], saved["steps"], saved["samples"]
+        section = report(saved["results"], args, saved["seconds"])
+        print(section)
+        write_section(os.path.join(REPO, "docs", "benchmarks.md"), section)
         return 0
     unknown = [m for m in args.models.split(",") if m not in BATCH]
     if unknown:
@@ -316,7 +330,8 @@ def main(argv=None) -> int:
     if not args.quick or args.write:
         write_section(os.path.join(REPO, "docs", "benchmarks.md"), section)
         with open(os.path.join(REPO, "docs", "budget_reliability.json"), "w") as fh:
-            json.dump(results, fh, indent=1)
+            json.dump({"argv": args.argv, "steps": args.steps, "samples": args.samples,
+                       "seconds": time.perf_counter() - t0, "results": results}, fh, indent=1)
     return 0
 
 

@@ -383,9 +383,20 @@ def write_outputs(results: dict, out_md: str, out_json: str, img_dir: str) -> di
     with open(out_json, "w") as fh:
         json.dump(results, fh, indent=1, default=str)
     report.make_plots(results, img_dir, derived)
+    kept = _kept_sections(out_md)
     with open(out_md, "w") as fh:
-        fh.write(report.render_markdown(results, derived))
+        fh.write(report.render_markdown(results, derived) + kept)
     return results
+
+
+def _kept_sections(path: str) -> str:
+    """Sections other scripts write into the same file between their markers (``bench/budget_reliability.py``),
+    carried over when this suite rewrites it."""
+    begin, end = "<!-- budget-reliability:begin -->", "<!-- budget-reliability:end -->"
+    text = open(path).read() if os.path.exists(path) else ""
+    if begin in text and end in text:
+        return "\n" + text[text.index(begin):text.index(end) + len(end)] + "\n"
+    return ""
 
 
 def _estimate_jobs(cfg: dict, sections: set[str]) -> int:
