@@ -97,6 +97,7 @@ class DymemCallback(keras.callbacks.Callback):
 
     def _begin_fit(self):
         model = self.model
+        _build_optimizer(model)
         weights = step_pass.persistent_bytes(model)
         if self.budget_bytes is not None and weights > self.budget_bytes:
             raise planner.BudgetTooSmallError(
@@ -216,6 +217,11 @@ class DymemCallback(keras.callbacks.Callback):
             self.model.train_function = fallback
             return fallback(iterator)
         if probe:
+            measured = allocator.memory_stats()["peak_bytes_reserved"] if allocator.is_active() else None
+            if measured is not None and measured > (1 - first_step.PROBE_SLACK) * self.budget_bytes:
+                snapshot.restore()
+                self._restore_device_limit()
+                raise self._too_close(measured)
             self.pass_.probe = False
             self._install_calibrated(fallback=self.model.train_function)
         return outputs
@@ -247,6 +253,21 @@ class DymemCallback(keras.callbacks.Callback):
         saved, self._saved_limit = getattr(self, "_saved_limit", None), None
         if saved is not None:
             allocator.set_memory_limit(saved)
+
+    def _too_close(self, measured: int) -> planner.BudgetTooSmallError:
+        """The refusal after the least-memory plan fitted with less than PROBE_SLACK of the budget to spare."""
+        batch = self.plan.batch_size if self.plan is not None else None
+        persistent = self.pass_.persistent_bytes
+        share = (self.budget_bytes * (1 - 2 * first_step.PROBE_SLACK) - persistent) / max(measured - persistent, 1)
+        suggested = max(int(batch * share), 0) if batch and share < 1 else None
+        hint = f"reduce the batch size from {batch} to about {suggested}" if suggested is not None else \
+            "reduce the batch size"
+        return planner.BudgetTooSmallError(
+            f"memory_budget {_fmt(self.budget_bytes)} is too small to train reliably: the first step, planned for "
+            f"the least device memory, measured a peak of {_fmt(measured)}, within "
+            f"{first_step.PROBE_SLACK:.0%} of the budget, and later steps of a plan vary by a few %. The variables "
+            f"were restored. Raise the budget or {hint}.",
+            min_peak_bytes=measured, budget_bytes=self.budget_bytes, suggested_batch=suggested)
 
     def _measured_too_small(self, err) -> planner.BudgetTooSmallError:
         """The refusal after the least-memory plan ran out of memory in its first step (variables restored)."""
@@ -468,6 +489,20 @@ def default_device_profile() -> str:
         if key in name:
             return key
     return "a100"
+
+
+def _build_optimizer(model) -> None:
+    """Create the optimizer's slot variables now, as its first ``apply`` would (zeros, under the model's strategy),
+    so that the persistent bytes the planner works with include them: Keras builds Adam's ``m`` and ``v`` lazily,
+    and without them a ResNet-50 step was planned with a third of its persistent memory."""
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None or getattr(optimizer, "built", True) or not model.trainable_variables:
+        return
+    try:
+        with model.distribute_strategy.scope():
+            optimizer.build(model.trainable_variables)
+    except Exception:  # pylint: disable=broad-except  (an optimizer that cannot build early builds at its step)
+        pass
 
 
 def _make_train_function_without_xla(model) -> bool:

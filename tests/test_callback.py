@@ -182,3 +182,15 @@ def test_persistent_bytes_counts_weights_and_slots():
     assert step_pass.persistent_bytes(model) == weights + slots
     model.optimizer.build(model.trainable_variables)
     assert step_pass.persistent_bytes(model) > 2 * sum(int(np.prod(w.shape)) * 4 for w in model.trainable_weights)
+
+
+def test_adam_slots_count_as_persistent_before_the_first_step():
+    # Keras builds Adam's m and v at its first apply; the callback builds them first so the plan counts them
+    keras.backend.clear_session()
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(256), keras.layers.Dense(10)])
+    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    cb = dymem_tf.DymemCallback(min_swap_bytes=0, verbose=0)
+    model.fit(np.zeros((16, 64), "float32"), np.zeros(16), batch_size=8, verbose=0, callbacks=[cb])
+    weights = sum(w.numpy().nbytes for w in model.trainable_weights)
+    assert cb.pass_.persistent_bytes >= 3 * weights
+    assert cb.plan.persistent_bytes == cb.pass_.persistent_bytes
