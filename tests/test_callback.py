@@ -187,6 +187,7 @@ def test_persistent_bytes_counts_weights_and_slots():
 def test_adam_slots_count_as_persistent_before_the_first_step():
     # Keras builds Adam's m and v at its first apply; the callback builds them first so the plan counts them
     keras.backend.clear_session()
+    keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(256), keras.layers.Dense(10)])
     model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     cb = dymem_tf.DymemCallback(min_swap_bytes=0, verbose=0)
