@@ -83,10 +83,14 @@ def _child(name: str, args) -> dict:
         model, x, y = build(batch * args.identity_steps)
         base = fit(model, x, y, args.identity_steps, []).history["loss"]
         base_w = [w.numpy() for w in model.weights]
+        model, x, y = build(batch * args.identity_steps)  # control: does the plain run repeat itself?
+        again = fit(model, x, y, args.identity_steps, []).history["loss"]
+        repeatable = again == base and all(np.array_equal(a, b) for a, b in zip(base_w, model.weights))
         model, x, y = build(batch * args.identity_steps)
         cb = dymem_tf.DymemCallback(verbose=0)
         loss = fit(model, x, y, args.identity_steps, [cb]).history["loss"]
         return {"identical": loss == base and all(np.array_equal(a, b) for a, b in zip(base_w, model.weights)),
+                "repeatable": repeatable,
                 "swaps": len(cb.plan.swaps) if cb.plan is not None else 0,
                 "skipped": [s.kind for s in cb.skipped]}
 
@@ -225,6 +229,8 @@ def report(results: list[dict], args, seconds: float) -> str:
             lines.append(f"| {r['model']} | – | error: {r['error'][:120]!r} |" + " |" * 10)
             continue
         ident = "yes" if r["identical"] else "**no**"
+        if r.get("repeatable") is False:
+            ident = f"{'yes' if r['identical'] else 'no'}, but two plain runs differ too"
         if r["skipped"]:
             ident += f" (unmodified: {', '.join(sorted(set(r['skipped'])))})"
         for run in r["runs"]:
