@@ -2,6 +2,7 @@
 replay table on the MiniMalloc example instance. Fast: nothing here trains a model."""
 import json
 import os
+import types
 import subprocess
 import sys
 
@@ -305,3 +306,26 @@ def test_max_batch_search_records_trials(monkeypatch, search):
             assert not p["exact"] and p["max_batch"] <= limit and len(p["trials"]) <= 4
     md = report.render_markdown({"meta": {}, "max_batch": out})
     assert "## 3. Largest batch" in md
+
+
+def test_budget_reliability_cli_checks_its_arguments_and_renders_a_saved_run(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    script = os.path.join(REPO, "bench", "budget_reliability.py")
+    bad = subprocess.run([sys.executable, script, "--models", "no_such_model"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown models ['no_such_model']" in bad.stderr
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    import budget_reliability
+
+    run = {"fraction": 0.5, "budget": 64 << 20,
+           "auto": {"outcome": "trained", "steps_run": 20, "peaks": [60 << 20] * 20, "over_budget_steps": 0,
+                    "probe_predicted": 50 << 20, "probe_measured": 60 << 20},
+           "none": {"outcome": "not run", "peaks": [], "steps_run": 0, "over_budget_steps": 0}}
+    result = {"model": "gan", "batch": 64, "identical": True, "repeatable": True, "swaps": 3, "skipped": [],
+              "p0": 96 << 20, "persistent": 2 << 20, "runs": [run]}
+    args = types.SimpleNamespace(argv=[], steps=20, samples=2000)
+    text = budget_reliability.report([result], args, 60.0)
+    assert "| gan | 64 | yes | 3 |" in text and "trained 20 steps" in text and "Budget violations" in text
+    assert "median 16.7%" in text  # |50 - 60| / 60 on the probe
