@@ -179,8 +179,10 @@ def test_placement_of_single_allocations(procs):
     assert _about(out["keras_variable"], 2 * MiB, 0), out["keras_variable"]
     assert _about(out["eager_op"], four, 0), out["eager_op"]
     # tf.data: the NumPy array, and everything its threads make
-    assert _about(out["from_tensor_slices"], 0, 2 * four), out["from_tensor_slices"]
-    assert _about(out["dataset_deleted"], 0, -2 * four), out["dataset_deleted"]
+    # (TF may share the array's memory instead of copying it: then nothing is allocated, but never on the device)
+    assert _about(out["from_tensor_slices"], 0, 2 * four) or _about(out["from_tensor_slices"], 0, 0), \
+        out["from_tensor_slices"]
+    assert _about(out["dataset_deleted"], 0, -out["from_tensor_slices"]["host"]), out["dataset_deleted"]
     assert out["map_prefetch"]["host"] >= four and abs(out["map_prefetch"]["device"]) < MiB, out["map_prefetch"]
     # switched off: counted on the device; the explicit scope: host
     assert out["enabled_after_off"] is False
