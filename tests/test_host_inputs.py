@@ -188,7 +188,8 @@ def test_placement_of_single_allocations(procs):
     assert out["enabled_after_off"] is False
     # (TF converts the array again, or reuses the buffer it made from it before: never host memory when off)
     assert _about(out["switched_off"], 2 * four, 0) or _about(out["switched_off"], 0, 0), out["switched_off"]
-    assert _about(out["host_memory_scope"], 0, 2 * four), out["host_memory_scope"]
+    assert _about(out["host_memory_scope"], 0, 2 * four) or _about(out["host_memory_scope"], 0, 0), \
+        out["host_memory_scope"]  # (or shared without a copy, as above: never on the device)
     stats = out["stats"]
     assert stats["host_inputs_enabled"] == 1 and stats["host_inputs_num_allocs"] >= 3
     assert stats["host_inputs_peak_bytes_in_use"] >= 2 * four
