@@ -223,13 +223,13 @@ class DymemCallback(keras.callbacks.Callback):
                 self._restore_device_limit()
                 raise self._too_close(measured)
             self.pass_.probe = False
-            self._install_calibrated(fallback=self.model.train_function)
+            self._install_calibrated(measured, fallback=self.model.train_function)
         return outputs
 
-    def _install_calibrated(self, fallback) -> None:
-        """Calibrate the planner from the probe step just run and make the train function planned for the budget."""
+    def _install_calibrated(self, measured: int | None, fallback) -> None:
+        """Calibrate the planner from the probe step just run (its ``measured`` peak; None without GTBM) and make the
+        train function planned for the budget."""
         record = self.pass_.records[-1] if self.pass_.records else None
-        measured = allocator.memory_stats().get("peak_bytes_reserved") if allocator.is_active() else None
         predicted = record.plan.predicted.get("peak_bytes") if record is not None else None
         if measured and predicted:
             persistent = self.pass_.persistent_bytes
