@@ -6,7 +6,7 @@ Three shared libraries are built from ``dymem_tf/cc``:
   it must be loaded before TF's first CPU allocation; it is kept apart from the ops for that reason.
 * ``_dymem_ops``: the swap kernels, the host pool and the graph pass after Grappler (every other ``*.cc``).
 * ``_dymem_replay``: the GTBM core and its trace replay engine only (plain C++17, not linked to TF, no allocator
-  registration), loaded with ctypes by ``python -m dymem_tf.replay`` at any time.
+  registration), loaded with ctypes by ``python -m dymem_tf.memory.replay`` at any time.
 
 Flags come from ``tf.sysconfig``; TF's headers are included with ``-isystem`` so that ``-Wall -Wextra -Werror``
 applies to our own sources only.

@@ -49,7 +49,8 @@ def _child(name: str, args) -> dict:
     import keras
 
     import dymem_tf
-    from dymem_tf import allocator, step_pass
+    from dymem_tf.memory import allocator
+    from dymem_tf.passes import step_pass
 
     sys.path.insert(0, HERE)
     from model_zoo import ZOO
@@ -114,7 +115,7 @@ def _budget_run(build, fit, Peaks, budget: int, memory_budget, args) -> dict:
     import tensorflow as tf
 
     import dymem_tf
-    from dymem_tf import allocator
+    from dymem_tf.memory import allocator
 
     model, x, y = build(args.samples)
     state = {v.path: v.numpy() for v in list(model.variables) + list(getattr(model.optimizer, "variables", []))}

@@ -5,7 +5,7 @@ Run in a fresh process by ``bench/run_all.py``::
     python bench/modelled.py --models resnet50,densenet121 --batch 64 --profile h200 --json-out out.json
 
 For every model it builds the ``keras.applications`` network (random weights), traces its train step symbolically
-(:func:`dymem_tf.dry_run.trace_train_step`) and plans it under every policy (:func:`dymem_tf.dry_run.plan_all`) for
+(:func:`dymem_tf.keras.dry_run.trace_train_step`) and plans it under every policy (:func:`dymem_tf.keras.dry_run.plan_all`) for
 the device profile, in two scenarios: ``unbounded`` (no budget: each policy swaps its whole candidate set) and
 ``equal_budget`` (the largest of the swapping policies' unbounded peaks plus ``EQUAL_BUDGET_HEADROOM``: a budget every
 swapping policy reached without one, so each swaps what it needs to fit it and the step times compare at equal
@@ -48,7 +48,7 @@ def _plan_row(plan) -> dict:
 
 def sweep(traced, unbounded: dict, profile: str) -> list[dict]:
     """Equal-budget plans of the swapping policies at the budgets of ``SWEEP_FRACTIONS`` (see the module doc)."""
-    from dymem_tf import dry_run
+    from dymem_tf.keras import dry_run
 
     vdnn, none = unbounded.get("vdnn"), unbounded.get("none")
     if isinstance(vdnn, Exception) or isinstance(none, Exception) or vdnn is None or none is None:
@@ -63,7 +63,8 @@ def sweep(traced, unbounded: dict, profile: str) -> list[dict]:
 
 
 def model_one(name: str, image_size: int, batch: int, profile: str) -> dict:
-    from dymem_tf import dry_run, planner
+    from dymem_tf.keras import dry_run
+    from dymem_tf.planning import planner
 
     t0 = time.perf_counter()
     model = dry_run.build_model(name, image_size)

@@ -3,9 +3,9 @@
     python bench/record_traces.py --models resnet50,densenet121,inception_v3 --out-dir build/traces
 
 Each model trains ``--warmup`` step(s) (tracing, the Dymem pass, optimizer slots) and then ``--steps`` more steps
-inside :func:`dymem_tf.allocator.record_trace`, which writes every allocation and free of the CPU device's GTBM pool
+inside :func:`dymem_tf.memory.allocator.record_trace`, which writes every allocation and free of the CPU device's GTBM pool
 as CSV (``id,lower,upper,size,group,offset,op,step,...``: MiniMalloc's columns plus the mobility group GTBM used).
-``python -m dymem_tf.replay`` (and ``bench/run_all.py``) replays them through GTBM, best fit and first fit.
+``python -m dymem_tf.memory.replay`` (and ``bench/run_all.py``) replays them through GTBM, best fit and first fit.
 
 Only allocations made while recording are in the trace: the weights and optimizer slots, allocated before, are not,
 so a trace is the step's own working set (activations, gradients, temporaries, swap-ins).
@@ -36,7 +36,8 @@ def _child(args) -> int:
     import tensorflow as tf
 
     import dymem_tf  # right after TF: registers the GTBM allocator
-    from dymem_tf import allocator, dry_run
+    from dymem_tf.keras import dry_run
+    from dymem_tf.memory import allocator
 
     import keras
     import numpy as np

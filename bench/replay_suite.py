@@ -1,6 +1,6 @@
 """GTBM replay table: footprint / lower bound per policy on recorded traces and public DSA instances.
 
-Uses :func:`dymem_tf.replay.replay` (the C++ allocator core through ``_dymem_replay``, no TensorFlow needed at run
+Uses :func:`dymem_tf.memory.replay.replay` (the C++ allocator core through ``_dymem_replay``, no TensorFlow needed at run
 time). Each instance is replayed online, in time order, with each policy; the table reports the footprint (the
 memory the allocator holds at its peak: GTBM's owned pageblocks, best fit's regions, first fit's heap top), the
 peak extent (the highest byte used: the arena a flat allocator without page release would need) and both divided
@@ -19,7 +19,7 @@ DSA_SUITES = ("minimalloc/examples", "minimalloc/challenging", "idealloc/somas_t
 
 def replay_file(path: str, kind: str, suite: str, policies=POLICIES, alignment: int = 0) -> dict:
     """Replay one file with every policy; a row with per-policy results (or the error)."""
-    from dymem_tf import replay
+    from dymem_tf.memory import replay
 
     row = {"name": os.path.splitext(os.path.basename(path))[0], "path": path, "kind": kind, "suite": suite,
            "policies": {}}

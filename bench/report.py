@@ -547,7 +547,7 @@ def _max_batch_section(results: dict, d: dict) -> str:
 def _modelled_section(results: dict, d: dict) -> str:
     mo = results.get("modelled", {})
     lines = ["## 4. Modelled step time and stall on an H200 (simulator, no training)", "",
-             f"`dymem_tf.dry_run.trace_train_step` + `plan_all` with the `{mo.get('profile', 'h200')}` device "
+             f"`dymem_tf.keras.dry_run.trace_train_step` + `plan_all` with the `{mo.get('profile', 'h200')}` device "
              f"profile, batch {mo.get('batch', '?')}, ImageNet-size inputs (224x224; inception_v3 299x299). "
              "Scenarios: *no budget* (every policy swaps its whole candidate set; dymem drops candidates whose "
              "copies it cannot hide); *at vDNN's memory* (vdnn as published -- every feature map swapped, "
@@ -626,7 +626,7 @@ def _replay_rows(rows: list[dict]) -> list[list[str]]:
 def _replay_section(results: dict, d: dict) -> str:
     rp = results.get("replay", {})
     lines = ["## 5. GTBM placement replayed on allocation traces (measured: the C++ allocator core, offline)", "",
-             "`dymem_tf.replay.replay` runs each instance online (arrival order, frees before allocations at equal "
+             "`dymem_tf.memory.replay.replay` runs each instance online (arrival order, frees before allocations at equal "
              "times) through the allocator core of `dymem_tf/cc/gtbm_core.cc` with each policy: `gtbm` (pageblocks "
              "owned by mobility groups), `gtbm_nogroups` (the same with one group: the ablation of grouping), "
              "`best_fit` (a mirror of TF's BFC: 256-byte rounding, 21 bins, regions doubling from 2 MiB), "
@@ -645,7 +645,7 @@ def _replay_section(results: dict, d: dict) -> str:
                          f"{tm.get(r.get('model'), {}).get('warmup', '?')} warm-up, groups from the trace "
                          f"(persistent/transient/mobile {r['groups']['persistent']}/{r['groups']['transient']}/"
                          f"{r['groups']['mobile']})" for r in traces if r.get("groups"))
-        lines.append(f"Recorded by `bench/record_traces.py` with `dymem_tf.allocator.record_trace` in a fresh process "
+        lines.append(f"Recorded by `bench/record_traces.py` with `dymem_tf.memory.allocator.record_trace` in a fresh process "
                      f"per model ({desc}). 64-byte alignment, GTBM block = lower bound / 256 rounded down to a "
                      "power of two. Weights and optimizer slots were allocated before recording and are not in the "
                      "trace.")

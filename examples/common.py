@@ -14,6 +14,8 @@ import subprocess
 import sys
 import time
 
+from tabulate import tabulate
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -63,7 +65,8 @@ def train(model_name: str, args: argparse.Namespace) -> dict:
     import tensorflow as tf
 
     import dymem_tf  # right after TF: registers the GTBM allocator before the first allocation
-    from dymem_tf import allocator, dry_run
+    from dymem_tf.keras import dry_run
+    from dymem_tf.memory import allocator
 
     import keras
     import numpy as np
@@ -99,7 +102,7 @@ def train(model_name: str, args: argparse.Namespace) -> dict:
     except dymem_tf.BudgetTooSmallError as err:  # the planner found no swap set that fits: nothing was trained
         status, error = "too-small", str(err)[:300]
     stats = allocator.memory_stats() if gtbm else _tf_memory_info(tf)
-    from dymem_tf.ops import host_pool
+    from dymem_tf.memory import host_pool
 
     host = host_pool.host_pool_stats()
     plan = dymem_cb.plan if dymem_cb is not None else None
@@ -225,12 +228,8 @@ def print_summary(summaries: list[dict]) -> None:
                      _mib(s.get("host_peak_bytes")), str(s.get("swapped_tensors", "-")),
                      "-" if s.get("step_time_s") is None else f"{s['step_time_s']:.3f}",
                      "-" if s.get("final_loss") is None else f"{s['final_loss']:.6f}"])
-    widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
     print()
-    print("  ".join(h.ljust(w) for h, w in zip(header, widths)))
-    print("  ".join("-" * w for w in widths))
-    for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+    print(tabulate(rows, headers=header, tablefmt="simple", disable_numparse=True))
     if len(summaries) == 2 and all(s.get("peak_bytes_in_use") for s in summaries):
         base, ours = summaries
         print(f"\ndevice peak with {ours['policy']}: {ours['peak_bytes_in_use'] / base['peak_bytes_in_use']:.2f}x "

@@ -1,4 +1,4 @@
-"""Dependency layers, graph helpers and serialisation of dymem_tf.analysis (pure Python, no TF step)."""
+"""Dependency layers, graph helpers and serialisation of dymem_tf.planning.analysis (pure Python, no TF step)."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,7 @@ import random
 import networkx as nx
 import pytest
 
-from dymem_tf.analysis import CycleError, StepGraph, analyse
+from dymem_tf.planning.analysis import CycleError, StepGraph, analyse
 
 
 def layer_names(sg: StepGraph) -> list[list[str]]:

@@ -5,7 +5,7 @@ import tensorflow as tf
 import keras
 
 import dymem_tf
-from dymem_tf import step_pass
+from dymem_tf.passes import step_pass
 
 tf.config.experimental.enable_op_determinism()
 

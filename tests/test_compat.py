@@ -6,6 +6,7 @@ outer quote are 3.12+): each supported interpreter found on the machine byte-com
 import glob
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SOURCE_DIRS = ("dymem_tf", "bench", "examples", "tests", "tools")
+SOURCE_DIRS = ("dymem_tf", "tensorboard_plugin_dymem", "bench", "examples", "tests", "tools")
 SUPPORTED_PYTHONS = ("3.10", "3.11", "3.12")  # pyproject.toml: requires-python = ">=3.10,<3.13"
 
 # Run by each interpreter: compile every file named on stdin (nothing is written), print the failures.
@@ -68,7 +69,7 @@ def find_python(version: str) -> str | None:
 
 def test_sources_are_found():
     files = python_sources()
-    for expected in ("dymem_tf/__main__.py", "bench/run_all.py", "examples/common.py", "tests/test_compat.py",
+    for expected in ("dymem_tf/cli.py", "bench/run_all.py", "examples/common.py", "tests/test_compat.py",
                      "tools/build_backend/dymem_backend.py", "setup.py"):
         assert os.path.join(REPO, expected) in files
 
@@ -98,7 +99,7 @@ def test_cli_help():
 
 
 def test_cli_dry_run(tmp_path):
-    from dymem_tf import planner
+    from dymem_tf.planning import planner
 
     saved = tmp_path / "plan.json"
     proc = run_cli("plan", "--model", "mobilenet", "--batch", "1", "--image-size", "32", "--save", str(saved))
@@ -106,7 +107,7 @@ def test_cli_dry_run(tmp_path):
     out = proc.stdout
     assert "mobilenet: batch 1, 32x32" in out and "ops in the train step" in out
     assert "dymem_tf plan: policy=dymem" in out and f"plan saved to {saved}" in out
-    table = out[out.index("policy  swaps"):].splitlines()[1:]
+    table = out[re.search(r"^policy +swaps", out, re.M).start():].splitlines()[1:]
     rows = {line.split()[0]: line.split() for line in table if line.strip()}
     assert set(rows) == set(planner.POLICIES)
     plan = json.loads(saved.read_text())

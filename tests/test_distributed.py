@@ -70,7 +70,7 @@ loss, weights = run([cb])
 out.update(base=base, dymem=loss, same_weights=all(np.array_equal(a, b) for a, b in zip(base_w, weights)),
            records=describe(cb), skipped=[s.reason for s in cb.skipped])
 # the GTBM mobility map serves both replicas: the union of their plans' entries
-from dymem_tf import allocator
+from dymem_tf.memory import allocator
 out["map_size"] = allocator._loaded_library().dymem_gtbm_mobility_map_size()
 out["plan_map_sizes"] = [len(r.plan.mobility) for r in cb.records]
 out["union_size"] = len({k for r in cb.records for k in r.plan.mobility})

@@ -1,4 +1,4 @@
-"""The first step under a budget (dymem_tf/first_step.py): least-memory probe, guarded variables, calibrated re-plan.
+"""The first step under a budget (dymem_tf/planning/first_step.py): least-memory probe, guarded variables, calibrated re-plan.
 
 Budgets need a fresh interpreter (DYMEM_DEVICE_MEMORY_LIMIT is read when GTBM loads): those tests run a script in
 a subprocess, with oneDNN off (TF 2.21's oneDNN kernels crash instead of raising when an allocation fails).
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import keras
 
-from dymem_tf import first_step
+from dymem_tf.planning import first_step
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MiB = 1 << 20
@@ -55,7 +55,7 @@ import gc, json, os, warnings
 import tensorflow as tf
 import dymem_tf
 import numpy as np, keras
-from dymem_tf import allocator
+from dymem_tf.memory import allocator
 warnings.simplefilter("always")
 tf.config.experimental.enable_op_determinism()
 

@@ -20,8 +20,8 @@ import tensorflow as tf
 import keras
 
 import dymem_tf
-from dymem_tf import allocator, fit_guard
-from dymem_tf.ops import host_pool
+from dymem_tf.keras import fit_guard
+from dymem_tf.memory import allocator, host_pool
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 

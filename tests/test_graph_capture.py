@@ -8,9 +8,9 @@ import keras
 import pytest
 import tensorflow as tf
 
-from dymem_tf.analysis import GRAPPLER_REMOVED_OP_TYPES, StepGraph
-from dymem_tf.graph_capture import UnsupportedGraphError, capture_step_graph, infer_model_scope, keras_layer_of
-from dymem_tf.planner import POLICIES, make_plan, validate_plan
+from dymem_tf.passes.graph_capture import UnsupportedGraphError, capture_step_graph, infer_model_scope, keras_layer_of
+from dymem_tf.planning.analysis import GRAPPLER_REMOVED_OP_TYPES, StepGraph
+from dymem_tf.planning.planner import POLICIES, make_plan, validate_plan
 
 BATCH, H, W, C, F, CLASSES = 4, 16, 16, 3, 8, 3
 
@@ -194,3 +194,15 @@ def test_capture_and_plan_from_inside_an_autograph_trace():
 def test_empty_op_list_is_unsupported():
     with pytest.raises(UnsupportedGraphError):
         capture_step_graph([])
+
+
+def test_reach_follows_edges_down_or_up_from_every_seed():
+    import networkx as nx
+
+    from dymem_tf.passes.graph_capture import reach
+
+    g = nx.DiGraph([("a", "b"), ("b", "c"), ("x", "c"), ("c", "d"), ("y", "z")])
+    assert reach(g, ["b", "y"], "down") == {"b", "c", "d", "y", "z"}
+    assert reach(g, ["c"], "up") == {"a", "b", "c", "x"}
+    assert reach(g, ["d", "z"], "up") == {"a", "b", "c", "d", "x", "y", "z"}
+    assert reach(g, [], "down") == set()

@@ -5,7 +5,7 @@ import pytest
 import tensorflow as tf
 
 import dymem_tf  # noqa: F401  (loads the libraries)
-from dymem_tf import graph_def_view, graph_pass
+from dymem_tf.passes import graph_def_view, graph_pass
 
 
 def _step_function():
@@ -151,7 +151,7 @@ def test_fail_cancels_the_instantiation_before_the_step_runs():
 
 
 def test_encode_plan_names_the_swap_ops():
-    from dymem_tf.plan import SwapDecision, SwapIn
+    from dymem_tf.planning.plan import SwapDecision, SwapIn
 
     decision = SwapDecision("a/Relu:1", "a/Relu", 64, 1, [], ["g"], [SwapIn("t", 3, ["g"], 4)])
     text = graph_pass.encode_plan([decision], [("x", "y")])
@@ -164,7 +164,8 @@ def test_tensors_a_gpu_keeps_in_host_memory_are_never_swapped():
     and none is swapped, while on the CPU they are device tensors like any other."""
     import keras
 
-    from dymem_tf import graph_capture, planner
+    from dymem_tf.passes import graph_capture
+    from dymem_tf.planning import planner
 
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((8, 8, 3)), keras.layers.Conv2D(4, 3, activation="relu"),

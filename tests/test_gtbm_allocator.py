@@ -1,4 +1,4 @@
-"""The GTBM allocator serving TensorFlow's CPU device (dymem_tf.allocator and the _dymem_gtbm library).
+"""The GTBM allocator serving TensorFlow's CPU device (dymem_tf.memory.allocator and the _dymem_gtbm library).
 
 Set-ups that must happen before TensorFlow starts (budget, disabling, late import) run in fresh interpreters; they are
 started together on first use so that their TensorFlow imports overlap.
@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-from dymem_tf import allocator
+from dymem_tf.memory import allocator
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -26,7 +26,7 @@ import dymem_tf
 import csv, json, os, sys
 import numpy as np
 import keras
-from dymem_tf import allocator, replay
+from dymem_tf.memory import allocator, replay
 
 out = {"active": allocator.is_active(), "limit": allocator.get_memory_limit()}
 model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(10)])
@@ -98,7 +98,7 @@ x = tf.ones((4, 4))                     # TF's CPU allocator exists now
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     import dymem_tf
-from dymem_tf import allocator
+from dymem_tf.memory import allocator
 out = {"warned": any("GTBM" in str(w.message) for w in caught), "active": allocator.is_active()}
 try:
     allocator.memory_stats()
@@ -112,7 +112,7 @@ DISABLED_SCRIPT = """
 import tensorflow as tf
 import dymem_tf
 import json
-from dymem_tf import allocator
+from dymem_tf.memory import allocator
 out = {"active": allocator.is_active(), "works": float(tf.reduce_sum(tf.ones((3, 3))))}
 try:
     allocator.memory_stats()

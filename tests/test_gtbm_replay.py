@@ -1,4 +1,4 @@
-"""Offline replay of DSA instances and recorded traces through the GTBM core (dymem_tf.replay)."""
+"""Offline replay of DSA instances and recorded traces through the GTBM core (dymem_tf.memory.replay)."""
 from __future__ import annotations
 
 import json
@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from dymem_tf import replay as rp
+from dymem_tf.memory import replay as rp
 
 # shared/ sits beside the checkout (here and in CI)
 DSA = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "shared",

@@ -11,7 +11,7 @@ import pytest
 from test_gtbm_allocator import _env as _gtbm_env
 from test_gtbm_allocator import _result, run_together
 
-from dymem_tf import allocator
+from dymem_tf.memory import allocator
 
 MiB = 1 << 20
 
@@ -21,7 +21,7 @@ import json, sys
 import tensorflow as tf
 import dymem_tf
 import numpy as np, keras
-from dymem_tf import allocator
+from dymem_tf.memory import allocator
 rows = int(sys.argv[1])
 keras.utils.set_random_seed(0)
 x = np.random.default_rng(0).random((rows, 3072), dtype=np.float32)
@@ -51,7 +51,7 @@ import gc, json, time
 import tensorflow as tf
 import dymem_tf
 import numpy as np, keras
-from dymem_tf import allocator
+from dymem_tf.memory import allocator
 def snap():
     gc.collect()
     s = allocator.memory_stats()

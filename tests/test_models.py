@@ -8,7 +8,7 @@ import tensorflow as tf
 import keras
 
 import dymem_tf
-from dymem_tf import dry_run
+from dymem_tf.keras import dry_run
 
 tf.config.experimental.enable_op_determinism()
 

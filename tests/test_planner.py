@@ -6,11 +6,11 @@ import random
 
 import pytest
 
-from dymem_tf.analysis import StepGraph
-from dymem_tf.device_profiles import DeviceProfile, get_profile
-from dymem_tf.plan import Plan
-from dymem_tf.planner import POLICIES, BudgetTooSmallError, make_plan, validate_plan
-from dymem_tf.simulator import simulate
+from dymem_tf.planning.analysis import StepGraph
+from dymem_tf.planning.device_profiles import DeviceProfile, get_profile
+from dymem_tf.planning.plan import Plan
+from dymem_tf.planning.planner import BudgetTooSmallError, POLICIES, make_plan, validate_plan
+from dymem_tf.planning.simulator import simulate
 
 MB, KB = 1_000_000, 1_000
 MS = 1e6  # flops of a 1 ms op on TOY
@@ -396,8 +396,8 @@ def test_random_graphs_give_valid_plans(seed):
 
 # ---------------------------------------------------------------------------------------------- pruning
 def test_prune_keeps_the_budget_and_the_speed_and_drops_late_tensors():
-    from dymem_tf import planner as planner_mod
-    from dymem_tf.cost_model import as_cost_model
+    from dymem_tf.planning import planner as planner_mod
+    from dymem_tf.planning.cost_model import as_cost_model
 
     sg = train_chain(8)
     pl = planner_mod._Planner(sg, as_cost_model(TOY), 1, None, 3)
@@ -422,7 +422,7 @@ def test_tight_budget_on_resnet50_h200_keeps_the_schedule_fast():
     """Regression: just above vDNN's all-swap peak the greedy addition stalls (the D2H channel is the bottleneck at
     the end of the forward pass) and used to fall back to swapping all 212 eligible tensors one layer ahead
     (242 ms vs 76 ms without swaps); pruning a fitting full set finds a plan that keeps nearly all the speed."""
-    from dymem_tf import dry_run
+    from dymem_tf.keras import dry_run
 
     traced = dry_run.trace_train_step(dry_run.build_model("resnet50", 224), 64)
     unbounded = dry_run.plan_all(traced, ["vdnn"], None, "h200")["vdnn"]
@@ -435,8 +435,8 @@ def test_tight_budget_on_resnet50_h200_keeps_the_schedule_fast():
 
 
 def test_exchange_only_accepts_faster_plans_that_fit():
-    from dymem_tf import planner as planner_mod
-    from dymem_tf.cost_model import as_cost_model
+    from dymem_tf.planning import planner as planner_mod
+    from dymem_tf.planning.cost_model import as_cost_model
 
     sg = train_chain(8)
     pl = planner_mod._Planner(sg, as_cost_model(get_profile(TOY, h2d_bytes_per_s=0.5e9)), 1, None, 3)
@@ -455,3 +455,17 @@ def test_exchange_only_accepts_faster_plans_that_fit():
     # nothing to gain without stalls
     calm, calm_res = pl.exchange("dymem", "isolated", [], pool, budget, 0, pl.run([], 0))
     assert calm == []
+
+
+@pytest.mark.parametrize("batch, budget, peak, persistent, margin, expected", [
+    (64, 500, 900, 100, 0.0, 32),    # 400 of step memory room for 800 at batch 64
+    (64, 500, 900, 100, 0.2, 24),    # the margin comes off the budget: room 300
+    (64, 1000, 900, 100, 0.0, None),  # already fits
+    (None, 500, 900, 100, 0.0, None),  # batch unknown
+    (64, 500, 100, 100, 0.0, None),  # no step memory to scale
+    (8, 100, 10_000, 120, 0.0, 0),   # the budget is below the persistent bytes
+])
+def test_suggested_batch_scales_the_step_memory_to_the_budget(batch, budget, peak, persistent, margin, expected):
+    from dymem_tf.planning.planner import suggested_batch
+
+    assert suggested_batch(batch, budget, peak, persistent, margin) == expected

@@ -19,8 +19,8 @@ import tensorflow as tf
 import keras
 
 import dymem_tf
-from dymem_tf import graph_pass, step_pass
-from dymem_tf.ops import host_pool
+from dymem_tf.memory import host_pool
+from dymem_tf.passes import graph_pass, step_pass
 
 tf.config.experimental.enable_op_determinism()
 
@@ -159,7 +159,7 @@ def test_validation_data_and_evaluate_predict_are_unaffected():
 
 
 def test_model_checkpoint_and_tensorboard_together(tmp_path):
-    from dymem_tf.tensorboard_plugin import logdata
+    from tensorboard_plugin_dymem import logdata
 
     x, y = data(24)
     vx, vy = data(8, seed=2)
@@ -430,7 +430,7 @@ import json, os, sys, warnings
 import tensorflow as tf
 import dymem_tf
 import numpy as np, keras
-from dymem_tf import allocator
+from dymem_tf.memory import allocator
 warnings.simplefilter("always")
 keras.utils.set_random_seed(0)
 model = keras.Sequential([keras.Input((16, 16, 3)), keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
@@ -468,8 +468,8 @@ import gc, json
 import tensorflow as tf
 import dymem_tf
 import numpy as np, keras
-from dymem_tf import allocator, step_pass
-from dymem_tf.ops import host_pool
+from dymem_tf.memory import allocator, host_pool
+from dymem_tf.passes import step_pass
 keras.utils.set_random_seed(0)
 inp = keras.Input((16, 16, 3))
 a = keras.layers.Conv2D(16, 3, padding="same", activation="relu")(inp)
@@ -646,7 +646,7 @@ def test_allocator_core_stress_under_sanitizers():
 
 
 def test_dry_run_reports_a_step_the_callback_would_leave_unmodified():
-    from dymem_tf import dry_run
+    from dymem_tf.keras import dry_run
 
     model = _lstm()
     model.compile(optimizer="adam", loss=LOSS)

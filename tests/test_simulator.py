@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import pytest
 
-from dymem_tf.analysis import StepGraph
-from dymem_tf.cost_model import CostModel, calibrate
-from dymem_tf.device_profiles import DeviceProfile, calibrate_cpu, get_profile, known_profiles
-from dymem_tf.plan import SwapDecision, SwapIn
-from dymem_tf.simulator import simulate
+from dymem_tf.planning.analysis import StepGraph
+from dymem_tf.planning.cost_model import CostModel, calibrate
+from dymem_tf.planning.device_profiles import DeviceProfile, calibrate_cpu, get_profile, known_profiles
+from dymem_tf.planning.plan import SwapDecision, SwapIn
+from dymem_tf.planning.simulator import simulate
 
 MS = 1e6  # flops of a 1 ms op on TOY
 TOY = DeviceProfile("toy", flops_per_s=1e9, mem_bandwidth_bytes_per_s=1e18, h2d_bytes_per_s=1e9,

@@ -7,12 +7,12 @@ import types
 import pytest
 import tensorflow as tf
 
-from dymem_tf import analysis, planner, summaries
-from dymem_tf.device_profiles import get_profile
-from dymem_tf.plan import Plan
-from dymem_tf.step_pass import RewriteReport
-from dymem_tf.step_pass import TraceRecord
-from dymem_tf.tensorboard_plugin import logdata
+from dymem_tf.observe import summaries
+from dymem_tf.passes.step_pass import RewriteReport, TraceRecord
+from dymem_tf.planning import analysis, planner
+from dymem_tf.planning.device_profiles import get_profile
+from dymem_tf.planning.plan import Plan
+from tensorboard_plugin_dymem import logdata
 
 MiB = 1 << 20
 TRACE_HEADER = "id,lower,upper,size,group,offset,op,step,alloc_ns,free_ns"

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from dymem_tf.ops import host_pool
-from dymem_tf.ops.loader import load_ops_library
+from dymem_tf.memory import host_pool
+from dymem_tf.memory.native import load_ops_library
 from dymem_tf.ops.swap_ops import SUPPORTED_DTYPES, swap_in, swap_out
 
 SHAPES = [(), (0,), (3, 0, 2), (7,), (2, 3, 4, 5), (1, 1000, 33)]
@@ -301,7 +301,7 @@ def test_concurrent_swaps_from_threads():
 def test_with_gtbm_host_copy_is_off_budget_and_swap_in_is_mobile():
     # Integration with the GTBM allocator when it serves the CPU device in this process (conftest imports dymem_tf
     # first): the host copy must not be allocated from the device pool, and the swap-in must land in MOBILE.
-    allocator = pytest.importorskip("dymem_tf.allocator")
+    allocator = pytest.importorskip("dymem_tf.memory.allocator")
     if not allocator.is_active():
         pytest.skip("GTBM does not serve the CPU device in this process")
     nbytes = 4 << 20

@@ -22,9 +22,10 @@ import numpy as np
 import pytest
 from werkzeug.test import Client
 
-from dymem_tf import planner, summaries
-from dymem_tf.tensorboard_plugin import logdata
-from dymem_tf.tensorboard_plugin.plugin import DymemPlugin
+from dymem_tf.observe import summaries
+from dymem_tf.planning import planner
+from tensorboard_plugin_dymem import logdata
+from tensorboard_plugin_dymem.plugin import DymemPlugin
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARTIFACTS = os.path.join(REPO, "artifacts")
@@ -64,7 +65,7 @@ def logdir(tmp_path):
 
 def test_entry_point_and_metadata():
     names = {ep.name: ep.value for ep in entry_points(group="tensorboard_plugins")}
-    assert names.get("dymem") == "dymem_tf.tensorboard_plugin.plugin:DymemPlugin", \
+    assert names.get("dymem") == "tensorboard_plugin_dymem.plugin:DymemPlugin", \
         "run `pip install -e .` so that TensorBoard finds the plugin"
     plugin = make_plugin(None)
     meta = plugin.frontend_metadata()
@@ -292,9 +293,9 @@ def train_run(log_dir, policy, device=None, budget=None, size=32, batch=16, step
 def trained_logdir(tmp_path_factory):
     """Runs ``with/dymem`` (Dymem plan), ``without/dymem`` (policy none), ``slow-link/dymem`` (a budget that needs
     more swaps than a 1 GB/s host link can hide, so some swap-ins stall) and ``corrupt/dymem`` (a damaged copy)."""
-    from dymem_tf import allocator
-    from dymem_tf.device_profiles import get_profile
-    from dymem_tf.planner import BudgetTooSmallError
+    from dymem_tf.memory import allocator
+    from dymem_tf.planning.device_profiles import get_profile
+    from dymem_tf.planning.planner import BudgetTooSmallError
 
     if not allocator.is_active():
         pytest.fail("the GTBM allocator is not active in the test process: the trace needs it")

@@ -4,7 +4,8 @@ import os
 
 import pytest
 
-from dymem_tf import allocator, units
+from dymem_tf import units
+from dymem_tf.memory import allocator
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
@@ -47,7 +48,7 @@ def test_env_bytes(monkeypatch):
         units.env_bytes("DYMEM_TEST_BYTES", "cache size")
 
 
-HOST_POOL_CACHE = "from dymem_tf.ops import host_pool; print(host_pool.host_pool_stats()['cache_limit'])"
+HOST_POOL_CACHE = "from dymem_tf.memory import host_pool; print(host_pool.host_pool_stats()['cache_limit'])"
 
 
 def test_host_pool_cache_env_accepts_units(python_subprocess):

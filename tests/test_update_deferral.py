@@ -1,7 +1,7 @@
-"""Deferral of gradient-independent optimizer arithmetic (dymem_tf.update_deferral)."""
-from dymem_tf import simulator
-from dymem_tf.analysis import StepGraph
-from dymem_tf.update_deferral import defer, find_deferrals
+"""Deferral of gradient-independent optimizer arithmetic (dymem_tf.planning.update_deferral)."""
+from dymem_tf.planning import simulator
+from dymem_tf.planning.analysis import StepGraph
+from dymem_tf.planning.update_deferral import defer, find_deferrals
 
 MB = 1 << 20
 

@@ -51,7 +51,7 @@
 // intends, and DYMEM_HOST_INPUTS=0 models the other case.)
 //
 // Registered with priority 300 (must exceed oneDNN's 200) from a static initializer: the library must be loaded
-// before TensorFlow creates its CPU allocator (dymem_tf/ops/loader.py makes sure of that).
+// before TensorFlow creates its CPU allocator (dymem_tf/memory/native.py makes sure of that).
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -606,7 +606,7 @@ REGISTER_MEM_ALLOCATOR("DymemGTBM", 300, ::dymem::GtbmAllocatorFactory);
 }  // namespace tensorflow
 
 // ---------------------------------------------------------------------------------------------------------------
-// C API (ctypes from dymem_tf/allocator.py; dlsym from the swap kernels). Functions returning int use 0 for
+// C API (ctypes from dymem_tf/memory/allocator.py; dlsym from the swap kernels). Functions returning int use 0 for
 // success and -1 for failure with dymem_gtbm_last_error() set; nothing throws across this boundary.
 extern "C" {
 

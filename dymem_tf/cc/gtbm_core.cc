@@ -215,7 +215,7 @@ namespace {
 // Why not grow the groups from opposite ends of the pool: with strict segregation each side needs its own peak,
 // and the pool needs the sum of the groups' peaks. On TF training traces (ResNet-50, DenseNet-121, InceptionV3)
 // the long-lived and short-lived peaks do not coincide and the sum exceeds the live peak by 5-20%, while the shared
-// address-ordered block list stays within a few percent of it (bench: python -m dymem_tf.replay).
+// address-ordered block list stays within a few percent of it (bench: python -m dymem_tf.memory.replay).
 class GtbmPlacer final : public Placer {
  public:
   GtbmPlacer(uint64_t capacity, uint64_t block, uint64_t alignment, bool grouped,

@@ -145,7 +145,7 @@ absl::Status HostPool::Allocate(size_t bytes, void** ptr, size_t* block_bytes) {
         return absl::ResourceExhaustedError(absl::StrCat(
             "dymem host pool: cannot allocate ", rounded, " bytes for a swapped-out tensor: ", stats_[kBytesInUse],
             " of the pool's ", limit,
-            " byte limit are in use (raise it with dymem_tf.ops.host_pool.set_host_pool_limit)"));
+            " byte limit are in use (raise it with dymem_tf.memory.host_pool.set_host_pool_limit)"));
       }
       // Cached blocks count against the limit too: drop as many as needed to make room.
       EvictLocked(limit - stats_[kBytesInUse] - pending_bytes_ - need, &victims);

@@ -47,7 +47,7 @@ class HostPool {
  public:
   // All blocks are aligned to Eigen's maximum alignment, which TF requires of tensor buffers.
   static constexpr size_t kAlignment = 64;
-  static constexpr int64_t kDefaultCacheLimit = int64_t{1} << 30;  // 1 GiB; see dymem_tf/ops/loader.py
+  static constexpr int64_t kDefaultCacheLimit = int64_t{1} << 30;  // 1 GiB; see dymem_tf/memory/native.py
 
   // The process-wide pool. Intentionally leaked: tensors may be released after static destructors have run.
   static HostPool* Global();
@@ -100,7 +100,7 @@ absl::Status AllocateHostPoolTensor(tensorflow::DataType dtype, const tensorflow
 
 }  // namespace dymem
 
-// C interface for Python (ctypes); see dymem_tf/ops/host_pool.py.
+// C interface for Python (ctypes); see dymem_tf/memory/host_pool.py.
 extern "C" {
 int dymem_host_pool_num_stats(void);
 const char* dymem_host_pool_stat_name(int index);  // nullptr when out of range

@@ -1,1 +1,1 @@
-"""Python wrappers of dymem_tf's custom TensorFlow ops and the native library loader."""
+"""TensorFlow wrappers of dymem_tf's custom ops (``DymemSwapOut`` / ``DymemSwapIn``), loaded by :mod:`dymem_tf.memory.native`."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from dymem_tf.ops.loader import load_ops_library
+from dymem_tf.memory.native import load_ops_library
 
 # Every dtype whose tensors are plain bytes; must match DYMEM_SWAP_TYPES in dymem_tf/cc/swap_ops.cc.
 SUPPORTED_DTYPES: tuple[tf.DType, ...] = (

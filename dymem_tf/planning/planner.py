@@ -27,9 +27,9 @@ first, while the plan still fits and gets no slower), then lets another candidat
 stalls most while that makes the plan faster (:meth:`_Planner.exchange`), and keeps the faster of the greedy and
 pruned plans: adding tensors at the peak only queues them when the D2H channel is the bottleneck at the end of the
 forward pass. :class:`BudgetTooSmallError` reports the peak of the last stage with every eligible tensor swapped.
-Predictions come from :mod:`dymem_tf.simulator`.
+Predictions come from :mod:`dymem_tf.planning.simulator`.
 
-The planner works on the stall-free modelled schedule (dependency layers in order, :mod:`dymem_tf.cost_model`
+The planner works on the stall-free modelled schedule (dependency layers in order, :mod:`dymem_tf.planning.cost_model`
 times). A ResNet-50 step graph (~8.5k ops at batch 64) plans without a budget in well under a second; a budget
 that needs pruning takes about a second (ResNet-50 at 224x224 on this 2-core machine).
 """
@@ -39,17 +39,21 @@ import bisect
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
-from dymem_tf.analysis import FREE_OP_TYPES, StepGraph, analyse, no_autograph
-from dymem_tf.cost_model import CostModel, as_cost_model
-from dymem_tf.device_profiles import DeviceProfile
-from dymem_tf.plan import Plan, SwapDecision, SwapIn
-from dymem_tf.simulator import FORWARDING_OP_TYPES, SimResult, Simulator
+from dymem_tf.planning.analysis import FREE_OP_TYPES, StepGraph, analyse, no_autograph
+from dymem_tf.planning.cost_model import CostModel, as_cost_model
+from dymem_tf.planning.device_profiles import DeviceProfile
+from dymem_tf.planning.plan import Plan, SwapDecision, SwapIn
+from dymem_tf.planning.simulator import FORWARDING_OP_TYPES, SimResult, Simulator
 from dymem_tf.units import mib
 
 POLICIES = ("none", "dymem", "vdnn", "tflms")
+#: How dymem places swap-in triggers: "queue" hides every copy given the serial host-to-device channel, "isolated"
+#: hides each copy as if the channel were idle, "jit" starts each one layer ahead (the least memory).
+TriggerMode = Literal["queue", "isolated", "jit"]
 
 #: Forward ops whose outputs vDNN treats as layer feature maps.
 CONV_LIKE_OP_TYPES = frozenset({
@@ -88,6 +92,16 @@ class _Candidate:
     keepers: list[str]  # ops that keep the original buffer alive without reading the tensor (alias consumers)
     groups: list[list[str]]  # consumer groups, each served by one swap-in (execution order)
     min_trigger_layer: int  # no swap-in may start before this layer (after producer and original consumers)
+
+
+@dataclass(frozen=True)
+class _Choice:
+    """A swap set that fits the budget, its modelled step time, its trigger mode and how it was found."""
+
+    step_time_s: float
+    swaps: list[_Candidate]
+    mode: TriggerMode
+    how: str
 
 
 class _Planner:
@@ -250,7 +264,7 @@ class _Planner:
             self._bwd_start = sorted((p, k) for k, p in first.items())
         return self._bwd_start
 
-    def decisions(self, policy: str, cands: list[_Candidate], mode: str = "queue") -> list[SwapDecision]:
+    def decisions(self, policy: str, cands: list[_Candidate], mode: TriggerMode = "queue") -> list[SwapDecision]:
         """Swap decisions (with triggers) for the chosen candidates under ``policy``.
 
         ``mode`` selects dymem's triggers: ``"queue"`` hides every copy given the serial H2D channel (latest
@@ -355,7 +369,7 @@ class _Planner:
         _, late = self._alap(cands, skip_unhideable=True)
         return [c for i, c in enumerate(cands) if i not in late]
 
-    def absent_windows(self, policy: str, mode: str, cand: _Candidate, res: SimResult) -> list[tuple[float, float]]:
+    def absent_windows(self, policy: str, mode: TriggerMode, cand: _Candidate, res: SimResult) -> list[tuple[float, float]]:
         """Times the tensor would be off the device if it alone were added to the plan simulated in ``res``.
 
         It leaves when its swap-out and its original consumers are done and returns when a swap-in starts, i.e.
@@ -376,7 +390,7 @@ class _Planner:
     def run(self, swaps: list[SwapDecision], persistent: int, timeline: bool = False) -> SimResult:
         return self.sim.run(swaps, persistent, timeline=timeline, validate=False)
 
-    def fit_budget(self, policy: str, mode: str, pool: list[_Candidate], chosen: list[_Candidate], budget: int,
+    def fit_budget(self, policy: str, mode: TriggerMode, pool: list[_Candidate], chosen: list[_Candidate], budget: int,
                    persistent: int, max_rounds: int = 200) -> tuple[list[_Candidate], SimResult]:
         """Greedily add candidates of ``pool`` to ``chosen`` until the simulated peak fits ``budget``.
 
@@ -407,7 +421,7 @@ class _Planner:
             res = self.run(self.decisions(policy, chosen, mode), persistent)
         return chosen, res
 
-    def prune(self, policy: str, mode: str, pool: list[_Candidate], budget: int, persistent: int,
+    def prune(self, policy: str, mode: TriggerMode, pool: list[_Candidate], budget: int, persistent: int,
               res: SimResult) -> tuple[list[_Candidate], SimResult]:
         """Drop candidates from ``pool`` (whose plan ``res`` fits ``budget``) as long as the plan still fits and does
         not get slower: latest-produced first (they are the least likely to leave the device before the forward pass
@@ -430,7 +444,7 @@ class _Planner:
                 i += 1
         return kept, res
 
-    def exchange(self, policy: str, mode: str, kept: list[_Candidate], pool: list[_Candidate], budget: int,
+    def exchange(self, policy: str, mode: TriggerMode, kept: list[_Candidate], pool: list[_Candidate], budget: int,
                  persistent: int, res: SimResult, rounds: int = 2, tries: int = 48
                  ) -> tuple[list[_Candidate], SimResult]:
         """Replace the swap whose swap-in stalls most by another candidate of ``pool`` while that makes the plan
@@ -505,7 +519,7 @@ def make_plan(step_graph: StepGraph, policy: str = "dymem", budget_bytes: int | 
         notes.append(f"{unknown} tensors have unknown static shapes and count as 0 bytes")
     base = pl.run([], persistent_bytes)
     chosen: list[_Candidate] = []
-    mode = "queue"
+    mode: TriggerMode = "queue"
     if policy != "none":
         try:
             chosen, mode = _choose(pl, policy, target, persistent_bytes, base, batch_size, notes)
@@ -536,7 +550,7 @@ def make_plan(step_graph: StepGraph, policy: str = "dymem", budget_bytes: int | 
 
 
 def _choose(pl: _Planner, policy: str, budget: int | None, persistent: int, base: SimResult,
-            batch_size: int | None, notes: list[str]) -> tuple[list[_Candidate], str]:
+            batch_size: int | None, notes: list[str]) -> tuple[list[_Candidate], TriggerMode]:
     """The swap set and dymem trigger mode: every candidate without a budget, else a greedy fit in stages that
     trade speed for memory (hidden copies first; then any eligible tensor; for dymem then later triggers) and, unless
     that plan is as fast as no swapping, a pruned whole pool of the first stage that fits -- the faster plan wins."""
@@ -558,15 +572,15 @@ def _choose(pl: _Planner, policy: str, budget: int | None, persistent: int, base
     if policy == "dymem":
         stages += [(relaxed, "isolated"), (relaxed, "jit")]
     chosen: list[_Candidate] = []
-    best: tuple[float, list[_Candidate], str, str] | None = None
+    best: _Choice | None = None
     for pool, mode in stages:
         chosen, res = pl.fit_budget(policy, mode, pool, chosen, budget, persistent)
         if res.peak_bytes <= budget:
-            best = (res.step_time_s, chosen, mode, "greedy")
+            best = _Choice(res.step_time_s, chosen, mode, "greedy")
             break
     no_swap_time = base.step_time_s * (1 + 1e-9)  # a plan this fast stalls nowhere
-    if best is not None and best[0] <= no_swap_time:
-        return best[1], best[2]  # nothing to gain
+    if best is not None and best.step_time_s <= no_swap_time:
+        return best.swaps, best.mode  # nothing to gain
     # Adding tensors greedily can fall short or overshoot when the D2H channel is the bottleneck (a tensor added at
     # the peak only queues behind the others). Also start from the first whole pool that fits and drop what the
     # budget does not need; keep whichever plan is faster.
@@ -576,24 +590,35 @@ def _choose(pl: _Planner, policy: str, budget: int | None, persistent: int, base
         if res.peak_bytes <= budget:
             kept, pruned = pl.prune(policy, mode, pool, budget, persistent, res)
             kept, pruned = pl.exchange(policy, mode, kept, pool, budget, persistent, pruned)
-            if best is None or pruned.step_time_s < best[0]:
-                best = (pruned.step_time_s, kept, mode, f"pruned from {len(pool)} candidates, then exchanged")
+            if best is None or pruned.step_time_s < best.step_time_s:
+                best = _Choice(pruned.step_time_s, kept, mode, f"pruned from {len(pool)} candidates, then exchanged")
             break
     if best is None:
         raise _too_small(res.peak_bytes, budget, persistent, batch_size, len(relaxed), policy)
-    if best[0] > no_swap_time:
+    if best.step_time_s > no_swap_time:
         notes.append(f"the budget needs swaps whose copies cannot all be hidden (stalls expected; swap set "
-                     f"{best[3]})")
-    return best[1], best[2]
+                     f"{best.how})")
+    return best.swaps, best.mode
+
+
+def suggested_batch(batch: int | None, budget_bytes: int, peak_bytes: int, persistent_bytes: int,
+                    margin: float = 0.0) -> int | None:
+    """The batch whose step memory fits ``(1 - margin)`` of the budget, if ``batch`` peaks at ``peak_bytes``.
+
+    The step's memory above the persistent bytes is taken as proportional to the batch. None when ``batch`` is
+    unknown, the peak holds no step memory, or ``batch`` already fits.
+    """
+    room, step = budget_bytes * (1.0 - margin) - persistent_bytes, peak_bytes - persistent_bytes
+    if not batch or step <= 0 or room >= step:
+        return None
+    return max(int(batch * room / step), 0)
 
 
 def _too_small(min_peak: int, budget: int, persistent: int, batch: int | None, n: int, policy: str,
                headroom: float = 0.0) -> BudgetTooSmallError:
-    usable = int(budget * (1.0 - headroom))
-    act_min, act_budget = min_peak - persistent, usable - persistent
-    suggested = None
-    if batch and act_min > 0:
-        suggested = max(int(batch * act_budget / act_min), 0)
+    act_min, act_budget = min_peak - persistent, int(budget * (1.0 - headroom)) - persistent
+    suggested = suggested_batch(batch, budget, min_peak, persistent, headroom)
+    if suggested is not None:
         hint = f"or reduce the batch size from {batch} to about {suggested}"
     else:
         hint = f"or reduce the batch size by about {100 * (1 - act_budget / max(act_min, 1)):.0f}%"

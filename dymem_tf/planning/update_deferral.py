@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import networkx as nx
 
-from dymem_tf.analysis import StepGraph, analyse, no_autograph
+from dymem_tf.planning.analysis import StepGraph, analyse, no_autograph
 
 #: Ops producing fewer bytes than this are not worth an edge.
 MIN_DEFER_BYTES = 4096

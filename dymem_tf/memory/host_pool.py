@@ -17,7 +17,7 @@ from __future__ import annotations
 import ctypes
 import threading
 
-from dymem_tf.ops.loader import ops_cdll
+from dymem_tf.memory.native import ops_cdll
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None

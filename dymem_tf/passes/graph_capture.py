@@ -19,9 +19,11 @@ import re
 from collections import Counter
 from typing import Iterable, Sequence
 
+import networkx as nx
 import tensorflow as tf
 
-from dymem_tf.analysis import ALIAS_OP_TYPES, METADATA_OP_TYPES, CycleError, OpInfo, StepGraph, TensorInfo, analyse
+from dymem_tf.planning.analysis import (ALIAS_OP_TYPES, METADATA_OP_TYPES, CycleError, OpInfo, StepGraph, TensorInfo,
+                                       analyse)
 
 _GRAD_PREFIX = "gradient_tape/"
 #: Ops whose outputs alias variable storage (persistent memory): never swapped, counted in persistent bytes.
@@ -242,7 +244,7 @@ def capture_step_graph(ops: Sequence[tf.Operation], batch_size: int | None = Non
                                          persistent=persistent, shape_known=known, alias_of=alias_of)
             outs.append(t.name)
         # A lowered loop's back edge (NextIteration -> Merge) is left out: the step graph stays a DAG, and the
-        # pass reports the loop itself (dymem_tf.step_pass.unsupported_construct).
+        # pass reports the loop itself (dymem_tf.passes.step_pass.unsupported_construct).
         inputs = [t.name for t in op.inputs if t.op.name in names
                   and not (op.type == "Merge" and t.op.type == "NextIteration")]
         infos.append(OpInfo(
@@ -358,9 +360,9 @@ def _mark_backward(sg: StepGraph) -> None:
     # and CSE keep one of the merged nodes' names): only ops that compute on data seed the backward pass.
     grads = [n for n, op in sg.ops.items() if is_gradient_name(n) and op.inputs
              and op.type not in _SOURCE_OP_TYPES and op.type not in METADATA_OP_TYPES]
-    below = reach(g, grads, g.successors) - set(grads)
-    feeds_grads = reach(g, grads, g.predecessors)
-    update = below | (reach(g, list(below), g.predecessors) - feeds_grads - set(grads))
+    below = reach(g, grads, "down") - set(grads)
+    feeds_grads = reach(g, grads, "up")
+    update = below | (reach(g, list(below), "up") - feeds_grads - set(grads))
     grad_set = set(grads)
     for name, op in sg.ops.items():
         if name in grad_set:
@@ -371,13 +373,8 @@ def _mark_backward(sg: StepGraph) -> None:
             op.is_backward, op.phase = False, "forward"
 
 
-def reach(g, seeds: list[str], step) -> set[str]:
-    """Seeds and every node reachable from them through ``step`` (successors or predecessors)."""
-    seen = set(seeds)
-    frontier = list(seeds)
-    while frontier:
-        for m in step(frontier.pop()):
-            if m not in seen:
-                seen.add(m)
-                frontier.append(m)
-    return seen
+def reach(g, seeds: list[str], direction: str) -> set[str]:
+    """The seeds and every node reachable from them: ``"down"`` along edges, ``"up"`` against them."""
+    if direction == "down":
+        return set(seeds) | {v for _, v in nx.edge_dfs(g, seeds)}
+    return set(seeds) | {u for u, _, _ in nx.edge_dfs(g, seeds, orientation="reverse")}

@@ -2,7 +2,7 @@
 
 Registered through the ``tensorboard_plugins`` entry point in pyproject.toml. Routes (under
 ``/data/plugin/dymem``): ``/index.js`` and ``/style.css`` (the page), ``/runs`` (runs with Dymem data) and
-``/data?run=NAME`` (everything the views draw, see :func:`dymem_tf.tensorboard_plugin.logdata.load_run`).
+``/data?run=NAME`` (everything the views draw, see :func:`tensorboard_plugin_dymem.logdata.load_run`).
 Errors are JSON objects ``{"error": message}`` with a 4xx/5xx status, never a stack trace.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from tensorboard.backend import http_util
 from tensorboard.plugins import base_plugin
 from werkzeug import wrappers
 
-from dymem_tf.tensorboard_plugin import logdata
+from tensorboard_plugin_dymem import logdata
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Dataflow analysis of one training step: a networkx DAG of its ops, tensor sizes, lifetimes and dependency layers.
 
 Pure Python + networkx (no TensorFlow import): a :class:`StepGraph` can be built from a traced train step
-(:mod:`dymem_tf.graph_capture`), by hand for tests (:meth:`StepGraph.from_spec`) or from JSON
+(:mod:`dymem_tf.passes.graph_capture`), by hand for tests (:meth:`StepGraph.from_spec`) or from JSON
 (:meth:`StepGraph.from_dict`).
 
 Dependency layers (Dymem, HPDC'20, Sec. 3): the layer of an op is the length of the longest path from any source
@@ -11,7 +11,7 @@ It is the "as soon as possible" level of the op, the same notion as TFLMS' topol
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Literal, Mapping
 
 import networkx as nx
 
@@ -41,6 +41,10 @@ def no_autograph(fn):
 
 class CycleError(ValueError):
     """The step graph has a cycle, so it has no dependency layers."""
+
+
+#: The phase of an op in the step: the forward pass, the gradient computation, or the optimizer's update.
+Phase = Literal["forward", "backward", "update"]
 
 
 @dataclass
@@ -73,7 +77,7 @@ class OpInfo:
     flops: float
     bytes_accessed: int
     layer: int = -1
-    phase: str = ""  # "forward" | "backward" | "update" (informational; is_backward covers the last two)
+    phase: Phase | Literal[""] = ""  # informational; is_backward covers "backward" and "update"
     conditional: bool = False  # inside a lowered conditional branch: may not run (dead), so never a trigger
     frame: str = ""  # lowered loop frame ("" outside loops; "outer/inner" when nested)
 
@@ -166,7 +170,7 @@ class StepGraph:
 
     def _require_layers(self) -> None:
         if not self.layers and self.ops:
-            raise RuntimeError("dependency layers are not computed yet: call dymem_tf.analysis.analyse(step_graph)")
+            raise RuntimeError("dependency layers are not computed yet: call dymem_tf.planning.analysis.analyse(step_graph)")
 
     def execution_order(self) -> list[str]:
         """Ops layer by layer; inside a layer in program (insertion) order. The simulator's compute order."""

@@ -2,7 +2,7 @@
 
 The GPU presets use vendor datasheet numbers for dense FP32 (non-tensor-core) throughput and HBM bandwidth, and
 *effective* host-link bandwidths for pinned-memory copies (what ``cudaMemcpyAsync`` reaches, roughly 75-85 % of the
-link's theoretical rate). They are starting points: :func:`dymem_tf.cost_model.calibrate` rescales compute so that
+link's theoretical rate). They are starting points: :func:`dymem_tf.planning.cost_model.calibrate` rescales compute so that
 the modelled step matches a measured one, and any field can be overridden through :func:`get_profile`.
 """
 from __future__ import annotations
@@ -92,7 +92,7 @@ def calibrate_cpu(budget_s: float = 0.5) -> DeviceProfile:
 
     Returns the "cpu" preset with ``flops_per_s``, ``mem_bandwidth_bytes_per_s`` and both copy rates measured.
     The numbers are best-of-several timings (peak rates: a TF step reaches a fraction of the matmul rate, which
-    :func:`dymem_tf.cost_model.calibrate` can correct against a measured step; dymem_tf itself does not call it).
+    :func:`dymem_tf.planning.cost_model.calibrate` can correct against a measured step; dymem_tf itself does not call it).
     """
     import numpy as np
 

@@ -2,12 +2,12 @@
 
 Usage::
 
-    python -m dymem_tf.replay TRACE.csv [MORE.csv ...] [--policy gtbm|gtbm_nogroups|best_fit|first_fit|all]
+    python -m dymem_tf.memory.replay TRACE.csv [MORE.csv ...] [--policy gtbm|gtbm_nogroups|best_fit|first_fit|all]
                               [--block-size N] [--alignment N] [--groups auto|trace|lifetime|none] [--json]
 
 Input: a dynamic storage allocation instance as CSV with the columns ``id,lower,upper,size`` (MiniMalloc's format;
 extra columns are allowed), each buffer alive over the half-open interval ``[lower, upper)``: the MiniMalloc and
-idealloc benchmarks, or a trace recorded by :func:`dymem_tf.allocator.record_trace` (which adds ``group``,
+idealloc benchmarks, or a trace recorded by :func:`dymem_tf.memory.allocator.record_trace` (which adds ``group``,
 ``offset``, ``op``, ``step`` and timestamps). Buffers are allocated at ``lower`` and freed at ``upper``, online and in
 time order; at equal times frees come first, then allocations in file order.
 
@@ -47,6 +47,8 @@ import sys
 import threading
 from typing import Iterable, Sequence
 
+from tabulate import tabulate
+
 from dymem_tf.units import parse_bytes
 
 POLICIES = ("gtbm", "gtbm_nogroups", "best_fit", "first_fit")
@@ -61,7 +63,7 @@ def replay_library() -> ctypes.CDLL:
     global _lib
     with _lock:
         if _lib is None:
-            from dymem_tf.ops.loader import library_path
+            from dymem_tf.memory.native import library_path
 
             lib = ctypes.CDLL(library_path("replay"))
             lib.dymem_replay_stat_names.restype = ctypes.c_char_p
@@ -165,21 +167,19 @@ def format_table(results: Sequence[ReplayResult]) -> str:
             f"groups from {source} (persistent {first.buffers_persistent}, transient {first.buffers_transient}, "
             f"mobile {first.buffers_mobile})"
         )
-        lines.append(f"  {'policy':<14} {'footprint':>16} {'ratio':>8} {'peak_extent':>16} {'ratio':>8} "
-                     f"{'block':>10} {'time_ms':>9} {'failed':>6}")
-        for r in rows:
-            block = f"{r.block_size:,}" if r.block_size else "-"
-            lines.append(
-                f"  {r.policy:<14} {r.footprint:>16,} {r.ratio:>8.3f} {r.peak_extent:>16,} {r.extent_ratio:>8.3f} "
-                f"{block:>10} {r.time_ns / 1e6:>9.2f} {r.num_failed:>6}"
-            )
+        table = tabulate(
+            [(r.policy, f"{r.footprint:,}", f"{r.ratio:.3f}", f"{r.peak_extent:,}", f"{r.extent_ratio:.3f}",
+              f"{r.block_size:,}" if r.block_size else "-", f"{r.time_ns / 1e6:.2f}", r.num_failed) for r in rows],
+            headers=("policy", "footprint", "ratio", "peak_extent", "ratio", "block", "time_ms", "failed"),
+            tablefmt="plain", colalign=("left",) + ("right",) * 7, disable_numparse=True)
+        lines += ["  " + row for row in table.splitlines()]
         lines.append("")
     return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m dymem_tf.replay",
+        prog="python -m dymem_tf.memory.replay",
         description="Replay allocation traces (CSV id,lower,upper,size[,group,...]) through GTBM and baselines.",
     )
     parser.add_argument("paths", nargs="+", help="CSV files (MiniMalloc format or recorded GTBM traces)")

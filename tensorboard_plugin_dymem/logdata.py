@@ -1,14 +1,14 @@
 """On-disk layout of the Dymem dashboard's data, and its reader (pure Python: no TensorFlow, no TensorBoard).
 
 A *run* is a directory that holds ``plugins/dymem/`` (TensorBoard's plugin-assets convention). The writer,
-:class:`dymem_tf.summaries.DymemSummaryWriter`, puts it at ``<log_dir>/dymem`` next to the run's
+:class:`dymem_tf.observe.summaries.DymemSummaryWriter`, puts it at ``<log_dir>/dymem`` next to the run's
 ``events.out.tfevents.*`` file that holds the ``dymem/...`` scalars::
 
     <log_dir>/dymem/
         events.out.tfevents.*          tf.summary scalars (dymem/device/..., dymem/host/..., dymem/plan/...)
         plugins/dymem/
             meta.json                  format version, run facts (policy, budget, batch size, graph)
-            plan.json                  the plan, exactly ``Plan.to_json()`` (``dymem_tf.plan.Plan.load`` reads it)
+            plan.json                  the plan, exactly ``Plan.to_json()`` (``dymem_tf.planning.plan.Plan.load`` reads it)
             timeline.json              modelled device bytes per dependency layer, by mobility group
             schedule.json              swap-out, host residency, swap-in trigger and consumer of every swap
             steps.jsonl                one JSON object per training step: allocator and host-pool statistics
@@ -158,7 +158,7 @@ def _require_swaps(doc: dict, name: str) -> list:
 
 
 def read_plan(path: str) -> dict:
-    """The plan as a dict (the fields of :class:`dymem_tf.plan.Plan`), checked for what the page uses."""
+    """The plan as a dict (the fields of :class:`dymem_tf.planning.plan.Plan`), checked for what the page uses."""
     plan = read_json(path)
     _require_swaps(plan, PLAN_FILE)
     if not isinstance(plan.get("predicted", {}), dict):

@@ -23,9 +23,10 @@ validation, ``test_function``) and takes them all back with :meth:`FitGuard.rele
 from __future__ import annotations
 
 import functools
-import sys
 
 import tensorflow as tf
+
+from dymem_tf import compat
 
 #: exceptions that end an epoch of steps normally: ``fit`` and ``evaluate`` catch them around their loop of steps
 END_OF_DATA = (StopIteration, tf.errors.OutOfRangeError)
@@ -53,7 +54,7 @@ class FitGuard:
 
     def arm(self) -> "FitGuard":
         self._guard_train_function()
-        self.callback_list = running_callback_list(self.callback)
+        self.callback_list = compat.running_callback_list(self.callback)
         if self.callback_list is not None:
             hooks = {name: END_OF_DATA for name in _BATCH_HOOKS}
             hooks.update({name: () for name in _EPOCH_HOOKS + ("on_test_begin",)})
@@ -136,25 +137,3 @@ class FitGuard:
             if getattr(getattr(self.model, "test_function", None), "_dymem_guard", None) is self:
                 self.model.test_function = self._test_function
             self._test_function = None
-
-
-def running_callback_list(callback, max_depth: int = 8):
-    """The Keras ``CallbackList`` whose hook is calling ``callback`` right now, or None.
-
-    Keras hands a callback no handle on the list that runs it; the list's method that called the callback is on the
-    stack, with the list as its ``self``.
-    """
-    from keras.src.callbacks.callback_list import CallbackList
-
-    frame = sys._getframe(1)  # pylint: disable=protected-access
-    try:
-        for _ in range(max_depth):
-            if frame is None:
-                return None
-            holder = frame.f_locals.get("self")
-            if isinstance(holder, CallbackList) and any(cb is callback for cb in holder.callbacks):
-                return holder
-            frame = frame.f_back
-    finally:
-        del frame
-    return None

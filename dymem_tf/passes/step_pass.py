@@ -1,10 +1,10 @@
 """The Dymem pass over an instantiated train step: analyse ▶ defer ▶ plan ▶ rewrite, after Grappler.
 
 TensorFlow offers every instantiated function graph that holds gradient ops to a :class:`StepPass` while the
-callback's train function runs (:mod:`dymem_tf.graph_pass`, ``cc/graph_pass.cc``). The graph is the one TF will
-execute: Grappler has fused, folded and rewritten it already. The pass reads it (with the shapes TF's own shape inference gives, :mod:`dymem_tf.graph_def_view`), builds the step
-graph of each training device (:mod:`dymem_tf.graph_capture`), defers gradient-independent optimizer arithmetic
-(:mod:`dymem_tf.update_deferral`), plans the swaps (:mod:`dymem_tf.planner`) and hands the plan back to the C++
+callback's train function runs (:mod:`dymem_tf.passes.graph_pass`, ``cc/graph_pass.cc``). The graph is the one TF will
+execute: Grappler has fused, folded and rewritten it already. The pass reads it (with the shapes TF's own shape inference gives, :mod:`dymem_tf.passes.graph_def_view`), builds the step
+graph of each training device (:mod:`dymem_tf.passes.graph_capture`), defers gradient-independent optimizer arithmetic
+(:mod:`dymem_tf.planning.update_deferral`), plans the swaps (:mod:`dymem_tf.planning.planner`) and hands the plan back to the C++
 pass, which inserts the swap ops by node name (all or nothing). Because Grappler has finished, the inserted ops
 cannot change any of its numeric rewrites: training is bit-identical by construction.
 
@@ -18,6 +18,7 @@ is unknown, a step without gradient ops.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import logging
 import re
@@ -27,8 +28,9 @@ from collections import Counter
 import numpy as np
 import tensorflow as tf
 
-from dymem_tf import graph_capture, graph_def_view, graph_pass, planner, update_deferral
-from dymem_tf.device_profiles import DeviceProfile
+from dymem_tf.passes import graph_capture, graph_def_view, graph_pass
+from dymem_tf.planning import pipeline, planner
+from dymem_tf.planning.device_profiles import DeviceProfile
 
 logger = logging.getLogger("dymem_tf")
 
@@ -42,7 +44,7 @@ class PassConfig:
     device: DeviceProfile | str = "cpu"  # cost-model profile (or its name)
     swapin_ahead: int = 1
     min_swap_bytes: int = 1 << 16
-    defer_updates: bool = True  # see dymem_tf.update_deferral and DymemCallback(defer_updates=...)
+    defer_updates: bool = True  # see dymem_tf.planning.update_deferral and DymemCallback(defer_updates=...)
     headroom: float = planner.DEFAULT_HEADROOM  # share of the budget the planner leaves free
     verbose: int = 1
 
@@ -81,6 +83,27 @@ class TraceRecord:
         return _graph_view(self.rewritten_graph_def)
 
 
+class SkipKind(str, enum.Enum):
+    """Why the pass left a graph unmodified."""
+
+    UNSUPPORTED_GRAPH = "unsupported-graph"  # no ops, a cycle, a plan that did not fit the graph
+    CONTROL_FLOW = "control-flow"  # a loop inside the step
+    UNKNOWN_SHAPE = "unknown-shape"  # a tensor kept for the backward pass has no static size
+    NO_GRADIENTS = "no-gradients"  # nothing is kept for a backward pass
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclasses.dataclass(frozen=True)
+class Unsupported:
+    """The first construct of a step that the pass cannot plan: its kind, the op or tensor, and the explanation."""
+
+    kind: SkipKind
+    subject: str
+    detail: str
+
+
 @dataclasses.dataclass
 class SkippedTrace:
     """A graph the pass left unmodified: ``kind`` is ``"unsupported-graph"`` (no ops, a cycle, a plan that did
@@ -88,7 +111,7 @@ class SkippedTrace:
     or tensor; ``reason`` is the warning's text."""
 
     function_name: str
-    kind: str
+    kind: SkipKind
     subject: str
     reason: str
     replica: int | None = None
@@ -129,7 +152,7 @@ class StepPass:
         #: the error that made the pass cancel the last instantiation (the callback raises it)
         self.refusal: BaseException | None = None
         #: plan the next instantiation for the least device memory (the callback's probe step, see
-        #: :mod:`dymem_tf.first_step`) instead of for the budget
+        #: :mod:`dymem_tf.planning.first_step`) instead of for the budget
         self.probe: bool = False
         #: the calibration the next budgeted plan was made with (noted in the plan)
         self.calibration = None
@@ -142,7 +165,7 @@ class StepPass:
         return self.records[-1].plan if self.records else None
 
     def __call__(self, call: graph_pass.PassCall) -> None:
-        """Plan and rewrite one instantiated graph (the :func:`dymem_tf.graph_pass.armed` listener)."""
+        """Plan and rewrite one instantiated graph (the :func:`dymem_tf.passes.graph_pass.armed` listener)."""
         graph = graph_def_view.GraphView(call.graph_def_bytes)
         planned = []
         groups = replica_ops(graph)
@@ -154,29 +177,25 @@ class StepPass:
                 call.fail(str(err))
                 return
             if result is not None:
-                planned.append((replica, *result))
+                planned.append((replica, result))
         if planned:
             self._apply(call, planned)
 
     def plan_ops(self, function_name: str, ops: list, replica: int | None, replicas: int = 1):
-        """``(step_graph, plan, deferrals)`` for one device's ops, or None when they are left unmodified."""
+        """The planned step for one device's ops, or None when they are left unmodified."""
         batch = graph_batch_size(ops) or (-(-self.default_batch_size // replicas) if self.default_batch_size
                                           else None)
         step_graph, problem = capture(ops, batch)
         if problem is not None:
-            self.skip(function_name, *problem, replica)
+            self.skip(function_name, problem, replica)
             return None
-        deferrals = []
-        if self.config.defer_updates and self.config.policy != "none":
-            deferrals = [(a, b) for a, b in update_deferral.find_deferrals(step_graph)
-                         if not (step_graph.ops[a].conditional or step_graph.ops[b].conditional)]
-            update_deferral.defer(step_graph, deferrals)
-        budget = None if self.probe else self.config.budget_bytes
-        plan = planner.make_plan(
-            step_graph, policy=self.config.policy, budget_bytes=budget,
-            persistent_bytes=self.persistent_bytes, profile=self.config.device, batch_size=batch,
-            min_swap_bytes=self.config.min_swap_bytes, swapin_ahead=self.config.swapin_ahead,
-            headroom=0.0 if self.probe else self.config.headroom)
+        cfg = self.config
+        planned = pipeline.plan_step(step_graph, pipeline.PlanSettings(
+            policy=cfg.policy, budget_bytes=None if self.probe else cfg.budget_bytes,
+            persistent_bytes=self.persistent_bytes, profile=cfg.device, batch_size=batch,
+            min_swap_bytes=cfg.min_swap_bytes, swapin_ahead=cfg.swapin_ahead,
+            headroom=0.0 if self.probe else cfg.headroom, defer_updates=cfg.defer_updates))
+        plan = planned.plan
         if self.probe:
             plan.params["stage"] = "probe"
             plan.notes.append("first step under the budget: the least-memory plan, measured to calibrate the next")
@@ -184,24 +203,20 @@ class StepPass:
             plan.params["stage"] = "calibrated"
             plan.predicted["calibration"] = dataclasses.asdict(self.calibration)
             plan.notes.append(self.calibration.summary())
-        if deferrals:
-            plan.notes.append(f"{len(deferrals)} gradient-independent optimizer ops deferred to their gradients")
-        untriggered = drop_conditional_triggers(plan, step_graph)
-        if untriggered:
-            plan.notes.append(f"{untriggered} swap-ins start without a trigger: their layers run only inside "
-                              "conditional branches")
-        return step_graph, plan, deferrals
+        return planned
 
     def _apply(self, call: graph_pass.PassCall, planned: list) -> None:
         """Hand every replica's plan to the C++ pass at once and record what it inserted."""
-        swaps = [d for _, _, plan, _ in planned for d in plan.swaps]
-        edges = [e for _, _, _, deferrals in planned for e in deferrals]
+        swaps = [d for _, step in planned for d in step.plan.swaps]
+        edges = [e for _, step in planned for e in step.deferrals]
         try:
             rewritten = call.apply(graph_pass.encode_plan(swaps, edges))
         except graph_pass.PlanApplyError as err:
-            self.skip(call.function_name, "unsupported-graph", "", f"the plan did not fit the graph ({err})", None)
+            self.skip(call.function_name, Unsupported(SkipKind.UNSUPPORTED_GRAPH, "", f"the plan did not fit the "
+                                                                                   f"graph ({err})"), None)
             return
-        for replica, step_graph, plan, deferrals in planned:
+        for replica, step in planned:
+            step_graph, plan, deferrals = step.step_graph, step.plan, step.deferrals
             report = rewrite_report(plan, deferrals)
             for name in report.swap_in_ops:
                 plan.mobility[name] = "mobile"
@@ -214,31 +229,17 @@ class StepPass:
                 self._print(f"dymem_tf: rewrite{where}: {report.summary()}")
         _install_mobility(self._mobility)
 
-    def skip(self, function_name: str, kind: str, subject: str, detail: str, replica: int | None) -> None:
+    def skip(self, function_name: str, problem: Unsupported, replica: int | None) -> None:
         """Record that the graph is left unmodified, and warn once per construct."""
-        reason = f"dymem_tf left this train step unmodified (no swapping): {detail}"
-        self.skipped.append(SkippedTrace(function_name, kind, subject, reason, replica))
+        reason = f"dymem_tf left this train step unmodified (no swapping): {problem.detail}"
+        self.skipped.append(SkippedTrace(function_name, problem.kind, problem.subject, reason, replica))
         # one warning per construct: the same op in another replica or a retrace is the same construct
-        self._warn_once(f"{kind}:{_REPLICA_SCOPE.sub(_keep_slash, subject)}", reason)
+        self._warn_once(f"{problem.kind}:{_REPLICA_SCOPE.sub(_keep_slash, problem.subject)}", reason)
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
             warnings.warn(message, RuntimeWarning, stacklevel=2)
-
-
-def drop_conditional_triggers(plan, step_graph) -> int:
-    """Clear triggers that sit in conditional branches (a dead trigger would starve its swap-in) or in another loop
-    frame than the swapped tensor (TF forbids edges across frames); returns how many swap-ins now start as soon as
-    their swap-out is done."""
-    dropped = 0
-    for decision in plan.swaps:
-        frame = step_graph.ops[decision.producer].frame
-        for swap_in in decision.swap_ins:
-            op = step_graph.ops.get(swap_in.trigger_op)
-            if op is not None and (op.conditional or op.frame != frame):
-                swap_in.trigger_op, dropped = "", dropped + 1
-    return dropped
 
 
 @functools.lru_cache(maxsize=4)
@@ -247,7 +248,7 @@ def _graph_view(data: bytes) -> graph_def_view.GraphView:
 
 
 def rewrite_report(plan, deferrals) -> RewriteReport:
-    """What the pass inserts for ``plan``: the names :func:`dymem_tf.graph_pass.encode_plan` gives the ops."""
+    """What the pass inserts for ``plan``: the names :func:`dymem_tf.passes.graph_pass.encode_plan` gives the ops."""
     report = RewriteReport(swapped_tensors=len(plan.swaps), deferral_edges=len(deferrals))
     for decision in plan.swaps:
         report.swap_out_ops.append(graph_pass.swap_out_name(decision.tensor))
@@ -284,17 +285,17 @@ def graph_batch_size(ops) -> int | None:
 
 
 def capture(ops: list, batch_size: int | None):
-    """``(step_graph, None)`` for the step's ops, or ``(step_graph or None, (kind, subject, explanation))`` when
-    the pass would leave the step unmodified (see :func:`unsupported_construct`)."""
+    """``(step_graph, None)`` for the step's ops, or ``(step_graph or None, Unsupported)`` when the pass would
+    leave the step unmodified (see :func:`unsupported_construct`)."""
     try:
         step_graph = graph_capture.capture_step_graph(ops, batch_size=batch_size)
     except graph_capture.UnsupportedGraphError as err:
-        return None, ("unsupported-graph", "", f"{err}")
+        return None, Unsupported(SkipKind.UNSUPPORTED_GRAPH, "", f"{err}")
     return step_graph, unsupported_construct(step_graph, batch_size)
 
 
-def unsupported_construct(sg, batch_size: int | None = None) -> tuple[str, str, str] | None:
-    """``(kind, subject, explanation)`` of the first construct in the step that the pass cannot plan, or None.
+def unsupported_construct(sg, batch_size: int | None = None) -> Unsupported | None:
+    """The first construct in the step that the pass cannot plan, or None.
 
     * a loop (``While``: ``tf.while_loop``, a Keras RNN on the TensorFlow backend) in the backward pass, or in the
       forward pass upstream of it: its body lives in another FuncGraph and keeps the feature maps of every iteration
@@ -307,12 +308,12 @@ def unsupported_construct(sg, batch_size: int | None = None) -> tuple[str, str, 
     """
     ops = sg.ops
     if not any(op.phase == "backward" for op in ops.values()):
-        return ("no-gradients", "", NO_GRADIENTS)
+        return Unsupported(SkipKind.NO_GRADIENTS, "", NO_GRADIENTS)
     loops = _loops_inside_the_step(sg)
     if loops:
         first = loops[0]
         more = f" and {len(loops) - 1} more" if len(loops) > 1 else ""
-        return ("control-flow", first.name,
+        return Unsupported(SkipKind.CONTROL_FLOW, first.name,
                 f"its {first.phase} pass contains a loop ({first.type} op {first.name!r}{more}); a loop body keeps "
                 "each iteration's feature maps in TensorList accumulators, which the pass can neither size nor "
                 "swap, so the step's memory cannot be planned.")
@@ -333,7 +334,7 @@ def unsupported_construct(sg, batch_size: int | None = None) -> tuple[str, str, 
         more = f" and {len(unknown) - 1} more" if len(unknown) > 1 else ""
         batch_note = ("" if batch_size is not None else
                       "; the batch size is unknown too (batch the dataset with drop_remainder=True)")
-        return ("unknown-shape", first.name,
+        return Unsupported(SkipKind.UNKNOWN_SHAPE, first.name,
                 f"tensor {first.name!r}{more}, kept for the backward pass, has an unknown static shape ({shape}), "
                 f"so its size cannot be planned{batch_note}.")
     return None
@@ -353,7 +354,7 @@ def _loops_inside_the_step(sg) -> list:
 
 
 def _install_mobility(mobility: dict) -> None:
-    from dymem_tf import allocator
+    from dymem_tf.memory import allocator
 
     if allocator.is_active():
         allocator.set_mobility_map(mobility)

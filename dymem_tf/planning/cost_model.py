@@ -5,7 +5,7 @@
 
 Free ops (constants, graph inputs, no-ops) take no time; metadata ops (``Shape`` ...) cost only the overhead.
 ``scale`` is 1.0 (the profile's rates as they are) everywhere in dymem_tf: the callback and the dry run hand
-:func:`dymem_tf.planner.make_plan` a profile, which :func:`as_cost_model` wraps unscaled; no step is measured.
+:func:`dymem_tf.planning.planner.make_plan` a profile, which :func:`as_cost_model` wraps unscaled; no step is measured.
 :func:`calibrate` returns a model whose ``scale`` makes the modelled step match a measured one; only a caller of
 ``make_plan`` that passes such a model gets a scale other than 1 (the tests do).
 """
@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from dymem_tf.analysis import FREE_OP_TYPES, METADATA_OP_TYPES, OpInfo, StepGraph
-from dymem_tf.device_profiles import DeviceProfile, get_profile
+from dymem_tf.planning.analysis import FREE_OP_TYPES, METADATA_OP_TYPES, OpInfo, StepGraph
+from dymem_tf.planning.device_profiles import DeviceProfile, get_profile
 
 Direction = Literal["h2d", "d2h"]
 

@@ -8,6 +8,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from tabulate import tabulate
+
 from dymem_tf.units import mib
 
 MOBILITY_GROUPS = ("persistent", "transient", "mobile")
@@ -124,12 +126,13 @@ class Plan:
                          f"stall {_ms(p.get('stall_s', 0))}; no swap {_ms(p.get('no_swap_step_time_s', 0))})")
         if self.swaps:
             lines.append(f"  top swaps ({min(top, len(self.swaps))} of {len(self.swaps)} by size):")
-            lines.append(f"    {'MiB':>8}  {'prod':>5} {'trig':>5} {'cons':>5} {'stall ms':>8}  tensor")
-            for s in sorted(self.swaps, key=lambda s: (-s.bytes, s.tensor))[:top]:
-                for k, si in enumerate(s.swap_ins):
-                    name = s.tensor if k == 0 else "  \""
-                    lines.append(f"    {s.bytes / 2**20:8.2f}  {s.producer_layer:5d} {si.trigger_layer:5d} "
-                                 f"{si.start_layer_of_consumers:5d} {si.predicted_stall_s * 1e3:8.3f}  {name}")
+            rows = [(f"{s.bytes / 2**20:.2f}", s.producer_layer, si.trigger_layer, si.start_layer_of_consumers,
+                     f"{si.predicted_stall_s * 1e3:.3f}", s.tensor if k == 0 else '  "')
+                    for s in sorted(self.swaps, key=lambda s: (-s.bytes, s.tensor))[:top]
+                    for k, si in enumerate(s.swap_ins)]
+            table = tabulate(rows, headers=("MiB", "prod", "trig", "cons", "stall ms", "tensor"), tablefmt="plain",
+                             colalign=("right",) * 5 + ("left",), disable_numparse=True)
+            lines += ["    " + row for row in table.splitlines()]
         for note in self.notes:
             lines.append(f"  note: {note}")
         return "\n".join(lines)

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import functools
 
+import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
-from tensorflow.python.framework import dtypes, tensor_shape
 
 OUTPUT_TYPES_ATTR = "_dymem_output_types"
 OUTPUT_SHAPES_ATTR = "_dymem_output_shapes"
@@ -64,10 +64,10 @@ class OpView:
         value = self.node_def.attr[name]
         kind = value.WhichOneof("value")
         if kind == "type":
-            return dtypes.as_dtype(value.type)
+            return tf.dtypes.as_dtype(value.type)
         if kind == "list":
             return list(value.list.i or value.list.f or value.list.s or value.list.b
-                        or [dtypes.as_dtype(t) for t in value.list.type])
+                        or [tf.dtypes.as_dtype(t) for t in value.list.type])
         return getattr(value, kind) if kind else None
 
     def __repr__(self) -> str:
@@ -120,11 +120,11 @@ def _tensor_name(graph_def_input: str) -> str:
 
 def _outputs_of(node) -> list[tuple]:
     """``(dtype, TensorShape)`` of every output of ``node``, from the pass's annotations."""
-    types = [dtypes.as_dtype(t) for t in node.attr[OUTPUT_TYPES_ATTR].list.type] \
+    types = [tf.dtypes.as_dtype(t) for t in node.attr[OUTPUT_TYPES_ATTR].list.type] \
         if OUTPUT_TYPES_ATTR in node.attr else []
     shapes = list(node.attr[OUTPUT_SHAPES_ATTR].list.shape) if OUTPUT_SHAPES_ATTR in node.attr else []
     out = []
     for k, dtype in enumerate(types):
-        shape = tensor_shape.TensorShape(shapes[k]) if k < len(shapes) else tensor_shape.TensorShape(None)
+        shape = tf.TensorShape(shapes[k]) if k < len(shapes) else tf.TensorShape(None)
         out.append((dtype, shape))
     return out

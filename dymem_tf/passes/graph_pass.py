@@ -4,7 +4,7 @@ TensorFlow runs the pass once per function instantiation, on the graph it will e
 :func:`armed` block is active, the pass hands every instantiated graph that holds gradient ops to the *listener*
 of that block, as a :class:`PassCall`. The listener may
 
-* :meth:`PassCall.apply` a plan (:class:`~dymem_tf.plan.Plan` records encoded by :func:`encode_plan`): the swap ops
+* :meth:`PassCall.apply` a plan (:class:`~dymem_tf.planning.plan.Plan` records encoded by :func:`encode_plan`): the swap ops
   are inserted by node name, all or nothing;
 * :meth:`PassCall.fail` the instantiation (the dry run captures a graph this way without running the step);
 * do nothing: the graph runs as Grappler left it.
@@ -68,9 +68,9 @@ class PlanApplyError(RuntimeError):
 def _library():
     """The ops library as a ctypes handle with the pass's C functions typed."""
     if "lib" not in _state:
-        from dymem_tf.ops import loader
+        from dymem_tf.memory import native
 
-        lib = loader.ops_cdll()
+        lib = native.ops_cdll()
         lib.dymem_pass_set_handler.argtypes = [_HANDLER_TYPE]
         lib.dymem_pass_arm.argtypes = [ctypes.c_int]
         lib.dymem_pass_arm.restype = ctypes.c_int
@@ -133,7 +133,7 @@ def graphs_offered() -> int:
 
 
 def encode_plan(swaps, control_edges=()) -> str:
-    """The pass's text form of a plan: ``swaps`` are :class:`~dymem_tf.plan.SwapDecision`-like records
+    """The pass's text form of a plan: ``swaps`` are :class:`~dymem_tf.planning.plan.SwapDecision`-like records
     (``tensor``, ``swap_ins`` with ``consumers`` and ``trigger_op``), ``control_edges`` ``(from, to)`` op pairs.
 
     Swap-out ``x:k`` is named ``x/dymem_swap_out_k``, its i-th swap-in ``x/dymem_swap_in_k_i``.

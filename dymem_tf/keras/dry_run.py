@@ -8,7 +8,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from dymem_tf import graph_def_view, graph_pass, planner, step_pass, update_deferral
+from dymem_tf.passes import graph_def_view, graph_pass, step_pass
+from dymem_tf.planning import pipeline, planner
 
 
 @dataclasses.dataclass
@@ -19,7 +20,7 @@ class TracedStep:
     persistent_bytes: int
     batch_size: int
     num_ops: int
-    #: why the callback would leave this step unmodified (:func:`dymem_tf.step_pass.unsupported_construct`), or None
+    #: why the callback would leave this step unmodified (:func:`dymem_tf.passes.step_pass.unsupported_construct`), or None
     unsupported: str | None = None
 
 
@@ -83,9 +84,9 @@ def trace_train_step(model: keras.Model, batch_size: int) -> TracedStep:
         model.train_function = None  # the next fit instantiates the step afresh
     if "graph" not in captured:
         captured["graph"], captured["num_ops"] = None, 0
-        captured["problem"] = ("no-gradients", "", "the step has no gradient ops, so there is nothing to swap.")
+        captured["problem"] = step_pass.Unsupported(step_pass.SkipKind.NO_GRADIENTS, "", step_pass.NO_GRADIENTS)
     problem = captured["problem"]
-    unsupported = f"{problem[0]}: {problem[2]}" if problem else None
+    unsupported = f"{problem.kind}: {problem.detail}" if problem else None
     return TracedStep(captured["graph"], step_pass.persistent_bytes(model), batch_size, captured["num_ops"],
                       unsupported)
 
@@ -98,21 +99,16 @@ def plan_all(traced: TracedStep, policies, budget_bytes, device, headroom: float
     ``headroom`` is the share of the budget kept free, as the callback does; 0 compares policies at exactly the
     same modelled budget."""
     results = {}
-    deferred = None
-    if traced.step_graph is not None:
-        deferrals = update_deferral.find_deferrals(traced.step_graph)
-        deferred = update_deferral.defer(traced.step_graph, deferrals, copy=True)
     for policy in policies:
-        graph = traced.step_graph if policy == "none" else deferred  # "none" leaves the step as Keras built it
-        if traced.unsupported and (policy != "none" or graph is None):
+        if traced.unsupported and (policy != "none" or traced.step_graph is None):
             results[policy] = StepLeftUnmodifiedError(f"the callback would leave this step unmodified "
                                                       f"({traced.unsupported})")
             continue
-        try:
-            results[policy] = planner.make_plan(graph, policy=policy, budget_bytes=budget_bytes,
-                                                headroom=headroom,
-                                                persistent_bytes=traced.persistent_bytes, profile=device,
-                                                batch_size=traced.batch_size, **kwargs)
+        settings = pipeline.PlanSettings(policy=policy, budget_bytes=budget_bytes, headroom=headroom,
+                                         persistent_bytes=traced.persistent_bytes, profile=device,
+                                         batch_size=traced.batch_size, **kwargs)
+        try:  # the same pipeline as the callback's pass; "none" leaves the step as Keras built it (no deferral)
+            results[policy] = pipeline.plan_step(traced.step_graph, settings, copy=True).plan
         except ValueError as err:
             results[policy] = err
     return results

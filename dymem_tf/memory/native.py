@@ -8,7 +8,7 @@ Three libraries live next to the package (built by ``pip install .``):
   TensorFlow turns into a process-killing CHECK failure once its CPU allocator exists. It is therefore loaded only
   while TF's eager context is not yet initialised (see :func:`gtbm_load_is_safe`).
 * ``_dymem_replay``: the GTBM core and its trace replay engine, not linked to TF; loaded with ctypes by
-  :mod:`dymem_tf.replay` at any time (this module only finds its path).
+  :mod:`dymem_tf.memory.replay` at any time (this module only finds its path).
 """
 from __future__ import annotations
 
@@ -18,9 +18,10 @@ import json
 import os
 import threading
 
+from dymem_tf import compat
 from dymem_tf.units import env_bytes
 
-PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # dymem_tf/, where setup.py puts them
 #: bytes of freed host-pool blocks kept for reuse (default 1 GiB), e.g. ``512MiB``; applied when _dymem_ops loads
 HOST_POOL_CACHE_ENV = "DYMEM_HOST_POOL_CACHE_BYTES"
 _lock = threading.Lock()
@@ -89,17 +90,9 @@ def ops_cdll() -> ctypes.CDLL:
     return _cdll("ops")
 
 
-def tensorflow_context_initialized() -> bool:
-    """True once TF's eager context exists, i.e. once TF may have created its CPU allocator."""
-    from tensorflow.python.eager import context
-
-    ctx = context.context_safe()
-    return ctx is not None and ctx._context_handle is not None  # pylint: disable=protected-access
-
-
 def gtbm_load_is_safe() -> bool:
     """Whether registering the GTBM allocator factory now cannot trip TF's registration CHECK."""
-    return "gtbm" in _loaded or not tensorflow_context_initialized()
+    return "gtbm" in _loaded or not compat.eager_context_initialized()
 
 
 def load_gtbm_library():

@@ -3,7 +3,7 @@
 Model (the planner's view of the runtime):
 
 * One compute stream runs the ops in dependency-layer order (:meth:`StepGraph.execution_order`), each for its
-  :class:`~dymem_tf.cost_model.CostModel` time.
+  :class:`~dymem_tf.planning.cost_model.CostModel` time.
 * Two serial copy channels run concurrently with compute: D2H (swap-outs, in producer order) and H2D (swap-ins, in
   trigger order). A swap-out starts when its producer has finished and the D2H channel is free. A swap-in starts
   when its trigger op has finished, the tensor's swap-out is done and the H2D channel is free.
@@ -23,10 +23,10 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from dymem_tf.analysis import GRAPPLER_REMOVED_OP_TYPES, METADATA_OP_TYPES, StepGraph, no_autograph
-from dymem_tf.cost_model import CostModel, as_cost_model
-from dymem_tf.device_profiles import DeviceProfile
-from dymem_tf.plan import Plan, SwapDecision
+from dymem_tf.planning.analysis import GRAPPLER_REMOVED_OP_TYPES, METADATA_OP_TYPES, StepGraph, no_autograph
+from dymem_tf.planning.cost_model import CostModel, as_cost_model
+from dymem_tf.planning.device_profiles import DeviceProfile
+from dymem_tf.planning.plan import Plan, SwapDecision
 
 GROUPS = ("persistent", "transient", "mobile")
 

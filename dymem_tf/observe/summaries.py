@@ -3,7 +3,7 @@
 :class:`DymemSummaryWriter` is what :class:`dymem_tf.DymemCallback` uses when it has a log dir; it can also be used
 by hand. For a log dir ``D`` it writes the run ``D/dymem``: a ``tf.summary`` event file with the scalars (they show
 in the Scalars dashboard too) and ``D/dymem/plugins/dymem/`` with the plan, the modelled timeline and swap schedule,
-per-step statistics and, when recorded, the allocator trace (layout: :mod:`dymem_tf.tensorboard_plugin.logdata`).
+per-step statistics and, when recorded, the allocator trace (layout: :mod:`tensorboard_plugin_dymem.logdata`).
 Given a Keras ``TensorBoard`` callback's log dir, ``dymem`` sits next to its ``train`` and ``validation`` runs.
 
 A new writer on a directory starts the run's dashboard data afresh (one training session per run); the scalars
@@ -24,7 +24,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from dymem_tf.tensorboard_plugin import logdata
+from tensorboard_plugin_dymem import logdata
 
 #: Scalars written per step (when the stats have them), by the key in the stats dict. Host-pool keys carry the
 #: ``host_`` prefix the callback gives them; ``*_per_step`` keys are differences of the cumulative counters.
@@ -93,7 +93,7 @@ class DymemSummaryWriter:
     Args:
         log_dir: the log directory (TensorBoard's ``--logdir`` or a directory under it).
         run_name: the run's subdirectory; ``"dymem"`` by default.
-        profile: the cost-model profile (name or :class:`~dymem_tf.device_profiles.DeviceProfile`) that planned the
+        profile: the cost-model profile (name or :class:`~dymem_tf.planning.device_profiles.DeviceProfile`) that planned the
             step; defaults to the one the plan records (``params["profile"]``, else its ``device``). Used to
             simulate the plan for the timeline and schedule.
     """
@@ -122,7 +122,7 @@ class DymemSummaryWriter:
 
     # ------------------------------------------------------------------------------------------------ public API
     def write_plan(self, record) -> None:
-        """Write the plan of one traced step (a :class:`dymem_tf.step_pass.TraceRecord`: ``function_name``,
+        """Write the plan of one traced step (a :class:`dymem_tf.passes.step_pass.TraceRecord`: ``function_name``,
         ``plan``, ``step_graph``, ``report``), its simulated timeline and its swap schedule."""
         self._check_open()
         plan, step_graph = record.plan, record.step_graph
@@ -204,7 +204,7 @@ class DymemSummaryWriter:
         recording and saves the trace in the run. Returns False, with a warning, when GTBM does not serve the device
         in this process."""
         self._check_open()
-        from dymem_tf import allocator
+        from dymem_tf.memory import allocator
 
         if not allocator.is_active():
             self._warn("trace", "dymem_tf: no allocator trace for TensorBoard: the GTBM allocator does not serve "
@@ -215,7 +215,7 @@ class DymemSummaryWriter:
         return True
 
     def _finish_allocator_trace(self) -> None:
-        from dymem_tf import allocator
+        from dymem_tf.memory import allocator
 
         self._tracing = False
         allocator.stop_trace()
@@ -362,12 +362,12 @@ def _per_layer_max(rows, clock: _LayerClock) -> list[tuple[int, int, int]]:
 def plan_views(plan, step_graph, profile=None) -> tuple[dict, dict]:
     """The dashboard's ``timeline.json`` and ``schedule.json`` for ``plan``, by simulating it on ``step_graph``
     (and simulating the step without swapping, for comparison)."""
-    from dymem_tf.cost_model import CostModel
-    from dymem_tf.device_profiles import DeviceProfile, get_profile
-    from dymem_tf.simulator import Simulator
+    from dymem_tf.planning.cost_model import CostModel
+    from dymem_tf.planning.device_profiles import DeviceProfile, get_profile
+    from dymem_tf.planning.simulator import Simulator
 
     if not step_graph.layers and step_graph.ops:
-        from dymem_tf.analysis import analyse
+        from dymem_tf.planning.analysis import analyse
 
         analyse(step_graph)
     if profile is None and isinstance(plan.params.get("profile"), dict):

@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import os
-import sys
 
 import keras
 import tensorflow as tf
 
-from dymem_tf import allocator, device_profiles, first_step, fit_guard, graph_pass, planner, step_pass, units
+from dymem_tf import compat, units
+from dymem_tf.keras import fit_guard
+from dymem_tf.memory import allocator
+from dymem_tf.passes import graph_pass, step_pass
+from dymem_tf.planning import device_profiles, first_step, planner
 
 POLICIES = planner.POLICIES
 
@@ -16,7 +19,7 @@ class DymemCallback(keras.callbacks.Callback):
     """Plans and inserts feature-map swapping into the model's train step, on the graph TensorFlow runs.
 
     At the start of ``fit`` the callback makes a new train function; when TensorFlow instantiates it, Dymem's graph
-    pass (after Grappler) plans the swaps on the optimized graph and inserts them (see :mod:`dymem_tf.step_pass`).
+    pass (after Grappler) plans the swaps on the optimized graph and inserts them (see :mod:`dymem_tf.passes.step_pass`).
 
     Args:
         memory_budget: device bytes the step may use: an int, a string such as ``"6GiB"`` or ``"512MiB"``,
@@ -24,7 +27,7 @@ class DymemCallback(keras.callbacks.Callback):
             tensor worth swapping).
         policy: ``"dymem"`` (dependency-layer schedule), or a baseline: ``"vdnn"``, ``"tflms"``, ``"none"``.
         device: cost-model profile used by the planner (``"cpu"``, ``"v100"``, ``"a100"``, ``"h100"``,
-            ``"h200"``, ...) or a :class:`~dymem_tf.device_profiles.DeviceProfile`; default: this machine's.
+            ``"h200"``, ...) or a :class:`~dymem_tf.planning.device_profiles.DeviceProfile`; default: this machine's.
         swapin_ahead: for ``policy="tflms"``, how many topological levels ahead of its consumer a swap-in starts.
         min_swap_bytes: tensors smaller than this are never swapped.
         log_dir: where to write ``tf.summary`` scalars and the plan for TensorBoard's "Dymem" dashboard (the run
@@ -33,9 +36,9 @@ class DymemCallback(keras.callbacks.Callback):
         trace_allocations: with a log dir, record the GTBM allocator's allocations during ``fit`` and save them in
             the run (the dashboard's pool map and tensors at the peak need them).
         defer_updates: run optimizer arithmetic that needs no gradient next to its gradient (saves about one
-            weight-sized temporary per optimizer slot, see :mod:`dymem_tf.update_deferral`).
+            weight-sized temporary per optimizer slot, see :mod:`dymem_tf.planning.update_deferral`).
         calibrate: with a ``memory_budget``, run the first step as a measured probe (least memory, variables
-            guarded) and plan again from what it measured (see :mod:`dymem_tf.first_step`); on the CPU the GTBM
+            guarded) and plan again from what it measured (see :mod:`dymem_tf.planning.first_step`); on the CPU the GTBM
             device is capped at the budget for the ``fit``. ``False`` plans for the budget from the model alone,
             with the fixed default headroom.
         verbose: 0 silent, 1 prints the plan summary when the step is traced.
@@ -45,6 +48,7 @@ class DymemCallback(keras.callbacks.Callback):
                  min_swap_bytes: int = 1 << 16, log_dir: str | None = None, trace_allocations: bool = False,
                  defer_updates: bool = True, calibrate: bool = True, verbose: int = 1):
         super().__init__()
+        compat.check_versions()  # a clear error now, not a missing attribute inside fit
         if not isinstance(policy, str) or policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}: choose one of {', '.join(POLICIES)}")
         if isinstance(swapin_ahead, bool) or not isinstance(swapin_ahead, int) or swapin_ahead < 1:
@@ -107,7 +111,7 @@ class DymemCallback(keras.callbacks.Callback):
         self.pass_.default_batch_size = _fit_batch_size(model)
         self.pass_.persistent_bytes = weights
         # A new train function: its first call instantiates it, and the graph pass plans that instantiation. Under
-        # a budget that first step is the probe (dymem_tf.first_step): least memory, measured, variables guarded.
+        # a budget that first step is the probe (dymem_tf.planning.first_step): least memory, measured, variables guarded.
         guard = self.budget_bytes is not None and self.policy != "none" and self.calibrate
         self.pass_.probe, self.pass_.calibration = guard, None
         if guard:
@@ -119,7 +123,7 @@ class DymemCallback(keras.callbacks.Callback):
         model.train_function = self._wrap_train_function(model.train_function, guard=guard)
         log_dir = self.log_dir
         if log_dir:
-            from dymem_tf import summaries
+            from dymem_tf.observe import summaries
 
             self._writer = summaries.DymemSummaryWriter(log_dir, profile=self.profile)
             if self.trace_allocations:
@@ -152,7 +156,7 @@ class DymemCallback(keras.callbacks.Callback):
         hit and what to change.
 
         ``guard``: its first call (the one that instantiates it) runs with the variables copied to host and put
-        back if it runs out of memory (see :mod:`dymem_tf.first_step`); ``fallback`` is the probe's train function
+        back if it runs out of memory (see :mod:`dymem_tf.planning.first_step`); ``fallback`` is the probe's train function
         that a failed or refused budgeted plan falls back to."""
         if train_function is None or getattr(train_function, "_dymem_wrapped", False):
             return train_function
@@ -166,8 +170,9 @@ class DymemCallback(keras.callbacks.Callback):
                 outputs = train_function(iterator)
             if first and len(callback.pass_.records) + len(callback.pass_.skipped) == seen:
                 # the first call instantiated the step, and the pass saw no gradient ops in it
-                callback.pass_.skip(getattr(train_function, "__name__", "train_function"), "no-gradients", "",
-                                    step_pass.NO_GRADIENTS, None)
+                callback.pass_.skip(getattr(train_function, "__name__", "train_function"),
+                                    step_pass.Unsupported(step_pass.SkipKind.NO_GRADIENTS, "", step_pass.NO_GRADIENTS),
+                                    None)
             return outputs
 
         def dymem_train_function(iterator):
@@ -202,8 +207,7 @@ class DymemCallback(keras.callbacks.Callback):
         except tf.errors.ResourceExhaustedError as err:
             snapshot.restore()
             if fallback is None:
-                self._restore_device_limit()
-                raise self._measured_too_small(err) from err
+                raise self._measured_too_small(err) from err  # fit's exit (the FitGuard) restores the device limit
             self._warn(f"dymem_tf: the plan made for memory_budget {_fmt(self.budget_bytes)} ran out of memory in "
                        "its first step; the variables were restored and training goes on with the first step's "
                        "least-memory plan (one batch was skipped).")
@@ -220,7 +224,6 @@ class DymemCallback(keras.callbacks.Callback):
             measured = allocator.memory_stats()["peak_bytes_reserved"] if allocator.is_active() else None
             if measured is not None and measured > (1 - first_step.PROBE_SLACK) * self.budget_bytes:
                 snapshot.restore()
-                self._restore_device_limit()
                 raise self._too_close(measured)
             self.pass_.probe = False
             self._install_calibrated(measured, fallback=self.model.train_function)
@@ -257,11 +260,9 @@ class DymemCallback(keras.callbacks.Callback):
     def _too_close(self, measured: int) -> planner.BudgetTooSmallError:
         """The refusal after the least-memory plan fitted with less than PROBE_SLACK of the budget to spare."""
         batch = self.plan.batch_size if self.plan is not None else None
-        persistent = self.pass_.persistent_bytes
-        share = (self.budget_bytes * (1 - 2 * first_step.PROBE_SLACK) - persistent) / max(measured - persistent, 1)
-        suggested = max(int(batch * share), 0) if batch and share < 1 else None
-        hint = f"reduce the batch size from {batch} to about {suggested}" if suggested is not None else \
-            "reduce the batch size"
+        suggested = planner.suggested_batch(batch, self.budget_bytes, measured, self.pass_.persistent_bytes,
+                                            margin=2 * first_step.PROBE_SLACK)
+        hint = _batch_hint(batch, suggested)
         return planner.BudgetTooSmallError(
             f"memory_budget {_fmt(self.budget_bytes)} is too small to train reliably: the first step, planned for "
             f"the least device memory, measured a peak of {_fmt(measured)}, within "
@@ -275,13 +276,13 @@ class DymemCallback(keras.callbacks.Callback):
         predicted = int(plan.predicted.get("peak_bytes", 0)) if plan is not None else 0
         persistent = self.pass_.persistent_bytes
         batch = plan.batch_size if plan is not None else None
-        suggested = None
-        if batch and predicted > persistent and self.budget_bytes > persistent:
-            # the simulator underestimated this plan by an unknown amount: scale from the prediction, then margin
-            share = (self.budget_bytes - persistent) / (predicted - persistent) * (1 - first_step.CALIBRATION_MARGIN)
-            suggested = max(int(batch * min(share, 1.0)) - 1, 0) if share < 1.0 else max(batch - 1, 0)
-        hint = f"reduce the batch size from {batch} to about {suggested}" if suggested is not None else \
-            "reduce the batch size"
+        # the simulator underestimated this plan by an unknown amount: scale from the prediction with a margin,
+        # and by at least one sample
+        suggested = planner.suggested_batch(batch, self.budget_bytes, max(predicted, self.budget_bytes + 1),
+                                            persistent, margin=first_step.CALIBRATION_MARGIN)
+        if suggested is not None:
+            suggested = max(min(suggested, batch - 1), 0)
+        hint = _batch_hint(batch, suggested)
         if plan is None:  # the pass left the step unmodified: nothing could be swapped
             reasons = "; ".join(sorted({s.kind for s in self.pass_.skipped})) or "no plan"
             return planner.BudgetTooSmallError(
@@ -372,13 +373,7 @@ def _warn_onednn_out_of_memory_crash() -> None:
     """
     if _ONEDNN_WARNED or not allocator.is_active() or not os.environ.get(allocator.LIMIT_ENV, "").strip():
         return
-    try:
-        from tensorflow.python.util import _pywrap_util_port
-
-        onednn = bool(_pywrap_util_port.IsMklEnabled())
-    except (ImportError, AttributeError):
-        return
-    if onednn:
+    if compat.onednn_enabled():
         _ONEDNN_WARNED.append(True)
         import warnings
 
@@ -430,20 +425,14 @@ def _fit_batch_size(model) -> int | None:
     needs the largest batch the step will see. Keras hands callbacks no batch size, so this reads the ``fit`` frame
     that called ``on_train_begin``: its data adapter's batch size, or the ``batch`` call of a ``tf.data`` pipeline.
     """
-    frame = sys._getframe(1)  # pylint: disable=protected-access
-    try:
-        while frame is not None:
-            if frame.f_code.co_name == "fit" and frame.f_locals.get("self") is model:
-                loc = frame.f_locals
-                adapter = getattr(loc.get("epoch_iterator"), "data_adapter", None)
-                for candidate in (_safe_attr(adapter, "batch_size"), loc.get("batch_size"),
-                                  _dataset_batch_size(getattr(adapter, "_dataset", None))):
-                    if isinstance(candidate, int) and not isinstance(candidate, bool) and candidate > 0:
-                        return candidate
-                return None
-            frame = frame.f_back
-    finally:
-        del frame
+    loc = compat.fit_frame_locals(model)
+    if loc is None:
+        return None
+    adapter = getattr(loc.get("epoch_iterator"), "data_adapter", None)
+    for candidate in (_safe_attr(adapter, "batch_size"), loc.get("batch_size"),
+                      compat.dataset_batch_size(getattr(adapter, "_dataset", None))):
+        if isinstance(candidate, int) and not isinstance(candidate, bool) and candidate > 0:
+            return candidate
     return None
 
 
@@ -454,27 +443,16 @@ def _safe_attr(obj, name):
         return None
 
 
-def _dataset_batch_size(dataset, depth: int = 0) -> int | None:
-    """Static ``batch_size`` of the last ``batch``/``padded_batch`` applied in a ``tf.data`` pipeline, if any."""
-    if dataset is None or depth > 64:
-        return None
-    size = getattr(dataset, "_batch_size", None)
-    if size is not None:
-        value = tf.get_static_value(size) if tf.is_tensor(size) else size
-        try:
-            return int(value) if value is not None and int(value) > 0 else None
-        except (TypeError, ValueError):
-            return None
-    return _dataset_batch_size(getattr(dataset, "_input_dataset", None), depth + 1)
+def _batch_hint(batch: int | None, suggested: int | None) -> str:
+    return f"reduce the batch size from {batch} to about {suggested}" if suggested is not None else \
+        "reduce the batch size"
 
 
 def device_memory_capacity() -> int | None:
     """Bytes of the training device: the GPU's memory, or on the CPU the GTBM budget (None when unbounded)."""
     gpus = tf.config.list_physical_devices("GPU")
     if gpus:
-        from tensorflow.python.client import device_lib
-
-        limits = [d.memory_limit for d in device_lib.list_local_devices() if d.device_type == "GPU"]
+        limits = compat.gpu_memory_limits()
         return min(limits) if limits else None
     return allocator.get_memory_limit() if allocator.is_active() else None
 
@@ -515,16 +493,7 @@ def _make_train_function_without_xla(model) -> bool:
     if not getattr(model, "jit_compile", False):
         model.make_train_function(force=True)
         return False
-    has_private = "_jit_compile" in vars(model)
-    saved = model._jit_compile if has_private else model.jit_compile  # pylint: disable=protected-access
-    model.jit_compile = False
-    try:
-        model.make_train_function(force=True)
-    finally:
-        if has_private:
-            model._jit_compile = saved  # pylint: disable=protected-access  (the setter would re-check support)
-        else:
-            model.jit_compile = saved
+    compat.build_without_jit(model, lambda: model.make_train_function(force=True))
     return True
 
 
@@ -533,7 +502,7 @@ def _step_stats(pass_) -> dict:
     if allocator.is_active():
         stats.update(allocator.memory_stats())
     try:
-        from dymem_tf.ops import host_pool
+        from dymem_tf.memory import host_pool
 
         stats.update({f"host_{k}": v for k, v in host_pool.host_pool_stats().items()})
     except Exception:  # pylint: disable=broad-except  (the op library may be unavailable: stats are optional)

@@ -49,7 +49,7 @@ Native C API (``_dymem_gtbm``; every ``int`` function returns 0 / a count on suc
     int         dymem_gtbm_set_host_inputs(int enabled);  /* input pipeline from host memory (1) or counted (0) */
     int         dymem_gtbm_host_inputs(void);            /* 1, 0, or -1 when inactive */
     int         dymem_replay_run(const char* csv, const char* policy, int64_t block_size, int64_t alignment,
-                                 const char* groups_mode, int64_t* out, int n);   /* see dymem_tf.replay */
+                                 const char* groups_mode, int64_t* out, int n);   /* see dymem_tf.memory.replay */
 """
 from __future__ import annotations
 
@@ -60,6 +60,7 @@ import os
 import threading
 from typing import Iterator, Mapping
 
+from dymem_tf import compat
 from dymem_tf.units import ByteSize, env_bytes, parse_bytes  # parse_bytes: re-exported (this module's API)
 
 __all__ = [
@@ -188,15 +189,13 @@ def _inactive_reason() -> str:
 
 def _library() -> ctypes.CDLL | None:
     """The loaded GTBM library (with TF's runtime initialised so that the allocator exists), or None."""
-    from dymem_tf.ops import loader
+    from dymem_tf.memory import native
 
-    lib = loader.gtbm_cdll()
+    lib = native.gtbm_cdll()
     if lib is None:
         return None
     # TF creates its CPU allocator (and so calls our factory) when the eager context initialises.
-    from tensorflow.python.eager import context
-
-    context.ensure_initialized()
+    compat.ensure_eager_context()
     return _declare(lib)
 
 
@@ -341,40 +340,33 @@ def install_input_pipeline_hook() -> bool:
     turns its arguments into tensors) in :func:`host_memory`. Called by ``import dymem_tf`` once GTBM is loaded;
     idempotent. Returns False (and changes nothing) when GTBM is not loaded or TensorFlow has no such function.
     """
-    from dymem_tf.ops import loader
+    from dymem_tf.memory import native
 
-    lib = loader.gtbm_cdll()
+    lib = native.gtbm_cdll()
     if lib is None:
         return False
-    try:
-        from tensorflow.python.data.util import structure
-    except ImportError:  # pragma: no cover - other TF layouts
-        return False
-    original = getattr(structure, "normalize_element", None)
-    if original is None:  # pragma: no cover
-        return False
-    if getattr(original, "_dymem_host_inputs", False):
-        return True
     lib = _declare(lib)
     push, pop = lib.dymem_gtbm_push_mobility, lib.dymem_gtbm_pop_mobility
 
-    @functools.wraps(original)
-    def normalize_element(*args, **kwargs):
-        push(HOST)
-        try:
-            return original(*args, **kwargs)
-        finally:
-            pop()
+    def host_inputs(original):
+        @functools.wraps(original)
+        def normalize_element(*args, **kwargs):
+            push(HOST)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                pop()
 
-    normalize_element._dymem_host_inputs = True  # type: ignore[attr-defined]
-    structure.normalize_element = normalize_element
-    return True
+        normalize_element._dymem_host_inputs = True  # type: ignore[attr-defined]
+        return normalize_element
+
+    return compat.wrap_tf_data_conversion(host_inputs)
 
 
 # --------------------------------------------------------------------------------------------------------------
 # Mobility.
 
-def _group_number(group: Union[str, int]) -> int:
+def _group_number(group: str | int) -> int:
     if isinstance(group, bool):
         raise TypeError("a mobility group is a name or a number, not a bool")
     if isinstance(group, int):
@@ -385,7 +377,7 @@ def _group_number(group: Union[str, int]) -> int:
     raise ValueError(f"unknown mobility group {group!r}: use one of {sorted(GROUPS)} or 0, 1, 2")
 
 
-def set_mobility_map(mapping: Mapping[str, Union[str, int]]) -> int:
+def set_mobility_map(mapping: Mapping[str, str | int]) -> int:
     """Install the op-name -> mobility group map (replaces the previous one); returns its size.
 
     Keys are executing op names as TensorFlow reports them (e.g. ``StatefulPartitionedCall/model/conv1/Conv2D``);
@@ -407,7 +399,7 @@ def clear_mobility_map() -> None:
 
 
 @contextlib.contextmanager
-def mobility(group: Union[str, int]) -> Iterator[None]:
+def mobility(group: str | int) -> Iterator[None]:
     """Place every allocation the current thread makes inside the block in ``group`` (nestable).
 
     Only allocations made on this thread are affected: eager ops and the swap kernels allocate on the calling
@@ -423,9 +415,9 @@ def mobility(group: Union[str, int]) -> Iterator[None]:
 
 
 def _loaded_library() -> ctypes.CDLL:
-    from dymem_tf.ops import loader
+    from dymem_tf.memory import native
 
-    lib = loader.gtbm_cdll()
+    lib = native.gtbm_cdll()
     if lib is None:
         raise GtbmNotActiveError(f"the GTBM allocator is not loaded: {_inactive_reason()}")
     return _declare(lib)
@@ -459,22 +451,22 @@ def trace_info() -> dict:
     return info
 
 
-def dump_trace(path: Union[str, os.PathLike]) -> dict:
+def dump_trace(path: str | os.PathLike) -> dict:
     """Write the trace as CSV (``id,lower,upper,size,group,offset,op,step,alloc_ns,free_ns``; the first four
     columns are MiniMalloc's, lower/upper are event indices of a half-open lifetime, unfreed buffers end at the last
-    event + 1) and return :func:`trace_info`. Replay it with ``python -m dymem_tf.replay PATH``."""
+    event + 1) and return :func:`trace_info`. Replay it with ``python -m dymem_tf.memory.replay PATH``."""
     lib = _active_library()
     _check(lib, lib.dymem_gtbm_trace_dump(os.fsencode(os.fspath(path))), "writing the GTBM trace")
     return trace_info()
 
 
 @contextlib.contextmanager
-def record_trace(path: Union[str, os.PathLike], max_records: int = DEFAULT_MAX_TRACE_RECORDS) -> Iterator[None]:
+def record_trace(path: str | os.PathLike, max_records: int = DEFAULT_MAX_TRACE_RECORDS) -> Iterator[None]:
     """Record the allocations made inside the block and write them to ``path`` as CSV on exit.
 
     Example::
 
-        with dymem_tf.allocator.record_trace("step.csv"):
+        with dymem_tf.memory.allocator.record_trace("step.csv"):
             model.fit(x, y, epochs=1, steps_per_epoch=2)
 
     Warns (RuntimeWarning) when the trace was truncated at ``max_records``.

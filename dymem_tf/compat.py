@@ -1,0 +1,180 @@
+"""Every TensorFlow and Keras internal that dymem_tf relies on, in one place, behind one version gate.
+
+dymem_tf is built and tested against TensorFlow 2.21 and Keras 3.10–3.x. The hooks below are not public API in
+either; a new release may move them. :func:`check_versions` names the supported versions in a clear error instead
+of letting a missing attribute surface deep inside ``fit``. Nothing here imports TensorFlow or Keras at module
+level.
+
+| hook | why |
+| --- | --- |
+| ``tensorflow.python.eager.context`` | whether TF's runtime (and so its CPU allocator) exists yet |
+| ``tensorflow.python.util._pywrap_util_port.IsMklEnabled`` | whether oneDNN kernels run (they crash on OOM) |
+| ``tensorflow.python.client.device_lib`` | a GPU's memory limit as TF computed it |
+| ``tensorflow.python.data.util.structure.normalize_element`` | the one place tf.data turns inputs into tensors |
+| ``keras.src.callbacks.callback_list.CallbackList`` | the list whose hook is calling a callback |
+| the ``fit`` frame's locals (``epoch_iterator``, ``batch_size``) | the batch size of the running ``fit`` |
+| ``Model._jit_compile`` | put the user's XLA flag back without the setter's re-check |
+| ``tf.data`` datasets' ``_batch_size`` / ``_input_dataset`` | the static batch size of a pipeline |
+"""
+from __future__ import annotations
+
+import functools
+import sys
+
+#: TensorFlow versions (major.minor) the native libraries and the hooks are built for.
+SUPPORTED_TENSORFLOW = ("2.21",)
+#: Keras versions: from 3.10 up to, not including, 4.
+SUPPORTED_KERAS = ((3, 10), (4, 0))
+
+
+class UnsupportedVersionError(ImportError):
+    """TensorFlow or Keras is a version whose internals dymem_tf was not built against."""
+
+
+def _major_minor(version: str) -> tuple[int, int]:
+    parts = (version.split(".") + ["0", "0"])[:2]
+    return int("".join(c for c in parts[0] if c.isdigit()) or 0), int("".join(c for c in parts[1] if c.isdigit()) or 0)
+
+
+def version_problem(tf_version: str, keras_version: str) -> str | None:
+    """Why these versions are unsupported, or None when they are supported."""
+    tf_mm = ".".join(map(str, _major_minor(tf_version)))
+    if tf_mm not in SUPPORTED_TENSORFLOW:
+        return (f"TensorFlow {tf_version} is not supported: dymem_tf works with TensorFlow "
+                f"{' or '.join(v + '.x' for v in SUPPORTED_TENSORFLOW)}")
+    low, high = SUPPORTED_KERAS
+    if not low <= _major_minor(keras_version) < high:
+        return (f"Keras {keras_version} is not supported: dymem_tf works with Keras >= {low[0]}.{low[1]}, "
+                f"< {high[0]}.{high[1]}")
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def check_versions() -> None:
+    """Raise :class:`UnsupportedVersionError` unless the running TensorFlow and Keras are supported."""
+    import keras
+    import tensorflow as tf
+
+    problem = version_problem(tf.__version__, keras.__version__)
+    if problem:
+        raise UnsupportedVersionError(problem + " (install a supported version, or a dymem_tf release built for "
+                                                "yours).")
+
+
+# ------------------------------------------------------------------------------------------------- TensorFlow
+
+def eager_context_initialized() -> bool:
+    """True once TF's eager context exists, i.e. once TF may have created its CPU allocator."""
+    from tensorflow.python.eager import context
+
+    ctx = context.context_safe()
+    return ctx is not None and ctx._context_handle is not None  # pylint: disable=protected-access
+
+
+def ensure_eager_context() -> None:
+    """Initialise TF's runtime (which creates the CPU allocator) if it is not yet."""
+    from tensorflow.python.eager import context
+
+    context.ensure_initialized()
+
+
+def onednn_enabled() -> bool | None:
+    """Whether TF runs its oneDNN (MKL) CPU kernels; None when this TF cannot say."""
+    try:
+        from tensorflow.python.util import _pywrap_util_port
+
+        return bool(_pywrap_util_port.IsMklEnabled())
+    except (ImportError, AttributeError):
+        return None
+
+
+def gpu_memory_limits() -> list[int]:
+    """The memory limit TF computed for each local GPU (creates TF's device list: call it once)."""
+    from tensorflow.python.client import device_lib
+
+    return [d.memory_limit for d in device_lib.list_local_devices() if d.device_type == "GPU"]
+
+
+def wrap_tf_data_conversion(wrap) -> bool:
+    """Replace tf.data's ``normalize_element`` by ``wrap(original)`` once (marked ``_dymem_wrapped``); return
+    whether it is wrapped now."""
+    try:
+        from tensorflow.python.data.util import structure
+    except ImportError:  # pragma: no cover - other TF layouts
+        return False
+    original = getattr(structure, "normalize_element", None)
+    if original is None:  # pragma: no cover
+        return False
+    if not getattr(original, "_dymem_wrapped", False):
+        wrapped = wrap(original)
+        wrapped._dymem_wrapped = True
+        structure.normalize_element = wrapped
+    return True
+
+
+def dataset_batch_size(dataset, depth: int = 0) -> int | None:
+    """Static ``batch_size`` of the last ``batch``/``padded_batch`` applied in a ``tf.data`` pipeline, if any."""
+    if dataset is None or depth > 64:
+        return None
+    size = getattr(dataset, "_batch_size", None)
+    if size is not None:
+        import tensorflow as tf
+
+        value = tf.get_static_value(size) if tf.is_tensor(size) else size
+        try:
+            return int(value) if value is not None and int(value) > 0 else None
+        except (TypeError, ValueError):
+            return None
+    return dataset_batch_size(getattr(dataset, "_input_dataset", None), depth + 1)
+
+
+# ------------------------------------------------------------------------------------------------------ Keras
+
+def fit_frame_locals(model) -> dict | None:
+    """The local variables of the ``model.fit`` call on the current stack, or None when none is running."""
+    frame = sys._getframe(1)  # pylint: disable=protected-access
+    try:
+        while frame is not None:
+            if frame.f_code.co_name == "fit" and frame.f_locals.get("self") is model:
+                return dict(frame.f_locals)
+            frame = frame.f_back
+    finally:
+        del frame
+    return None
+
+
+def running_callback_list(callback, max_depth: int = 8):
+    """The Keras ``CallbackList`` whose hook is calling ``callback`` right now, or None.
+
+    Keras hands a callback no handle on the list that runs it; the list's method that called the callback is on the
+    stack, with the list as its ``self``.
+    """
+    from keras.src.callbacks.callback_list import CallbackList
+
+    frame = sys._getframe(1)  # pylint: disable=protected-access
+    try:
+        for _ in range(max_depth):
+            if frame is None:
+                return None
+            holder = frame.f_locals.get("self")
+            if isinstance(holder, CallbackList) and any(cb is callback for cb in holder.callbacks):
+                return holder
+            frame = frame.f_back
+    finally:
+        del frame
+    return None
+
+
+def build_without_jit(model, build) -> None:
+    """Call ``build()`` with ``model.jit_compile`` off, then put the user's value back exactly (the public setter
+    would re-check XLA support and may change it)."""
+    has_private = "_jit_compile" in vars(model)
+    saved = model._jit_compile if has_private else model.jit_compile  # pylint: disable=protected-access
+    model.jit_compile = False
+    try:
+        build()
+    finally:
+        if has_private:
+            model._jit_compile = saved  # pylint: disable=protected-access
+        else:
+            model.jit_compile = saved
