@@ -84,6 +84,7 @@ class DymemCallback(keras.callbacks.Callback):
         self._writer = None
         self._headroom = self.pass_.config.headroom
         self._exit_guard = None
+        self._plans_written = 0  # how many of pass_.records the summary writer has seen
 
     # -- Keras hooks ---------------------------------------------------------------------------------------------
     def on_train_begin(self, logs=None):
@@ -122,12 +123,16 @@ class DymemCallback(keras.callbacks.Callback):
             from dymem_tf import summaries
 
             self._writer = summaries.DymemSummaryWriter(log_dir, profile=self.profile)
+            self._plans_written = len(self.pass_.records)  # plans of an earlier fit are not this run's
             if self.trace_allocations:
                 self._writer.start_allocator_trace()
 
     def on_train_batch_end(self, batch, logs=None):
         if self._writer is not None:
-            if batch == 0 and self.pass_.records:
+            # Keras reports the last batch of each execution (steps_per_execution), and a retrace can come at any
+            # step: write the newest plan once, after the execution that traced it
+            if len(self.pass_.records) > self._plans_written:
+                self._plans_written = len(self.pass_.records)
                 self._writer.write_plan(self.pass_.records[-1])
             self._writer.write_step(self._global_step(batch), _step_stats(self.pass_))
 
