@@ -355,6 +355,7 @@ def test_model_tensors_stand_in_for_a_missing_trace(written):
     assert tensors["source"] == "model" and tensors["rows"]
     live = sum(r["size"] for r in tensors["rows"])
     assert live == record.plan.predicted["peak_bytes"] - record.plan.persistent_bytes
+    assert tensors["total_bytes"] == live  # what the caption says the listed tensors hold
 
 
 def test_runs_are_found_and_names_are_checked(tmp_path):
@@ -369,3 +370,39 @@ def test_runs_are_found_and_names_are_checked(tmp_path):
         with pytest.raises(logdata.DataError, match=why):
             logdata.load_run(str(tmp_path), bad)
     json.dumps(logdata.load_run(str(tmp_path), "b/c/dymem"), allow_nan=False)  # the payload is plain JSON
+
+
+def conv_reshape_graph() -> analysis.StepGraph:
+    """Conv2D -> Relu (written in place into the conv's buffer) -> Reshape (an alias) -> Dense, and its backward
+    pass, whose Reshape and ReluGrad also share buffers: 20 MiB of buffers at the peak, 28 MiB of tensors."""
+    return analysis.StepGraph.from_spec({
+        "x": {"bytes": 4 * MiB, "type": "IteratorGetNext"},
+        "conv": {"inputs": ["x"], "bytes": 8 * MiB, "type": "Conv2D", "flops": 1e8},
+        "relu": {"inputs": ["conv"], "bytes": 8 * MiB, "type": "Relu", "flops": 1e6},
+        "reshape": {"inputs": ["relu"], "bytes": 8 * MiB, "type": "Reshape"},
+        "dense": {"inputs": ["reshape"], "bytes": 4, "type": "MatMul", "flops": 1e6},
+        "gdense": {"inputs": ["dense", "reshape"], "bytes": 8 * MiB, "type": "MatMul", "backward": True,
+                   "flops": 1e6},
+        "gflat": {"inputs": ["gdense"], "bytes": 8 * MiB, "type": "Reshape", "backward": True},
+        "grelu": {"inputs": ["gflat", "relu"], "bytes": 8 * MiB, "type": "ReluGrad", "backward": True, "flops": 1e6},
+        "gconv": {"inputs": ["grelu", "x"], "bytes": 64, "type": "Conv2DBackpropFilter", "backward": True,
+                  "flops": 1e8},
+    })
+
+
+@pytest.mark.parametrize("policy", ["none", "dymem"])
+def test_tensors_at_the_peak_count_each_buffer_once(policy):
+    """Aliases and tensors forwarded into an input's buffer are not counted again: the table holds exactly the
+    simulated peak's transient and mobile bytes."""
+    sg, profile = conv_reshape_graph(), get_profile("cpu")
+    plan = planner.make_plan(sg, policy=policy, persistent_bytes=MiB, batch_size=8, profile=profile,
+                             min_swap_bytes=0)
+    timeline, _ = summaries.plan_views(plan, sg, profile)
+    rows = timeline["peak_tensors"]
+    assert timeline["peak_tensor_count"] == len(rows)
+    assert sum(r["size"] for r in rows) == timeline["peak"]["bytes"] - plan.persistent_bytes
+    assert not {"reshape:0", "gflat:0"} & {r["tensor"] for r in rows}  # aliases own no buffer
+    if policy == "none":
+        assert sum(r["size"] for r in rows) == 20 * MiB + 64
+    else:
+        assert plan.swaps and any(r["group"] == "mobile" for r in rows)
