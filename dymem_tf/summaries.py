@@ -28,7 +28,7 @@ from dymem_tf.tensorboard_plugin import logdata
 
 #: Scalars written per step (when the stats have them), by the key in the stats dict. Host-pool keys carry the
 #: ``host_`` prefix the callback gives them; ``*_per_step`` keys are differences of the cumulative counters.
-DEVICE_SCALARS = ("bytes_in_use", "peak_bytes_in_use", "bytes_reserved", "peak_bytes_reserved", "fragmentation",
+DEVICE_SCALARS = ("bytes_in_use", "peak_bytes_in_use", "bytes_reserved", "peak_bytes_reserved", "reserved_overhead",
                   "extent", "peak_extent", "largest_free_block", "bytes_limit", "num_failed_allocs")
 HOST_SCALARS = ("host_bytes_in_use", "host_peak_bytes_in_use", "host_bytes_swapped_out_per_step",
                 "host_bytes_swapped_in_per_step")

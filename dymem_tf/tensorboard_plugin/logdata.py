@@ -218,6 +218,9 @@ def read_steps(path: str) -> tuple[list[dict], list[str]]:
         if not isinstance(row, dict) or not isinstance(row.get("step"), int):
             bad.append(lineno)
             continue
+        if "fragmentation" in row and "reserved_overhead" not in row:
+            # written before 1 - in use / reserved got its own name: "fragmentation" is the pool map's figure
+            row["reserved_overhead"] = row.pop("fragmentation")
         rows.append(row)
     notes = []
     if bad:
