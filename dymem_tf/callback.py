@@ -106,6 +106,7 @@ class DymemCallback(keras.callbacks.Callback):
                 f"({_fmt(weights)}); raise the budget or use a smaller model.")
         _warn_onednn_out_of_memory_crash()
         self.pass_.default_batch_size = _fit_batch_size(model)
+        self.pass_.last_skipped = None  # an earlier fit's step is not this one's
         self.pass_.persistent_bytes = weights
         # A new train function: its first call instantiates it, and the graph pass plans that instantiation. Under
         # a budget that first step is the probe (dymem_tf.first_step): least memory, measured, variables guarded.
@@ -302,9 +303,7 @@ class DymemCallback(keras.callbacks.Callback):
         return error
 
     def _warn(self, text: str) -> None:
-        import warnings
-
-        warnings.warn(text, RuntimeWarning, stacklevel=3)
+        step_pass.warn_user(text)
 
     def out_of_memory_hint(self) -> str:
         """What the out-of-memory error of a train step under this callback adds: the budget, and what to change."""
@@ -316,14 +315,20 @@ class DymemCallback(keras.callbacks.Callback):
         if self.budget_bytes is not None:
             limits.append(f"memory_budget={_fmt(self.budget_bytes)}")
         where = "; ".join(limits) if limits else "the device's memory"
+        device_limit = allocator.get_memory_limit() if allocator.is_active() else None
+        raise_budget = (f"raise the budget ({allocator.LIMIT_ENV} before starting Python, or "
+                        "dymem_tf.set_memory_limit)" if device_limit is not None else "use a device with more memory")
+        skipped = self.pass_.last_skipped
+        if skipped is not None:  # no plan runs in this step: swapping (or a plan's budget) cannot change anything
+            why = skipped.reason.split(": ", 1)[-1].rstrip(".")
+            return (f"dymem_tf: the train step ran out of device memory under the {where}. Dymem left this step "
+                    f"unmodified ({skipped.kind}: {why}), so no tensor is swapped and swapping cannot help it. To "
+                    f"fit: lower the batch size; or {raise_budget}.")
         plan = self.plan
         predicted = ""
         if plan is not None and plan.predicted.get("peak_bytes"):
             predicted = f" The plan predicted a peak of {_fmt(int(plan.predicted['peak_bytes']))}."
-        device_limit = allocator.get_memory_limit() if allocator.is_active() else None
-        fixes = ["lower the batch size",
-                 f"raise the budget ({allocator.LIMIT_ENV} before starting Python, or dymem_tf.set_memory_limit)"
-                 if device_limit is not None else "use a device with more memory"]
+        fixes = ["lower the batch size", raise_budget]
         if self.budget_bytes is not None and device_limit is not None and self.budget_bytes > device_limit:
             fixes.append(f"plan for the device's real size: memory_budget=\"{_fmt(device_limit)}\" (memory_budget "
                          f"{_fmt(self.budget_bytes)} exceeds the device budget)")
@@ -385,13 +390,10 @@ def _warn_onednn_out_of_memory_crash() -> None:
         return
     if onednn:
         _ONEDNN_WARNED.append(True)
-        import warnings
-
-        warnings.warn(
+        step_pass.warn_user(
             f"dymem_tf: {allocator.LIMIT_ENV} caps the device pool while TensorFlow's oneDNN kernels are on; in "
             "TensorFlow 2.21 a oneDNN kernel that runs out of the budget crashes the process (SIGSEGV) instead of "
-            "raising ResourceExhaustedError. Set TF_ENABLE_ONEDNN_OPTS=0 before starting Python to get the error.",
-            RuntimeWarning, stacklevel=3)
+            "raising ResourceExhaustedError. Set TF_ENABLE_ONEDNN_OPTS=0 before starting Python to get the error.")
 
 
 def _resolve_budget(memory_budget):

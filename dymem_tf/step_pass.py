@@ -20,7 +20,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 import re
+import sys
 import warnings
 from collections import Counter
 
@@ -133,6 +135,8 @@ class StepPass:
         self.probe: bool = False
         #: the calibration the next budgeted plan was made with (noted in the plan)
         self.calibration = None
+        #: the most recent instantiation, when the pass left it unmodified (None once a later one is planned)
+        self.last_skipped: SkippedTrace | None = None
         self._print = print_fn
         self._warned: set[str] = set()
         self._mobility: dict = {}
@@ -208,6 +212,7 @@ class StepPass:
             self._mobility.update(plan.mobility)  # every instantiation of this fit stays callable
             record = TraceRecord(call.function_name, plan.batch_size, step_graph, plan, report, replica, rewritten)
             self.records.append(record)
+            self.last_skipped = None
             if self.config.verbose:
                 where = f" (replica {replica})" if replica is not None else ""
                 self._print(plan.summary())
@@ -217,14 +222,35 @@ class StepPass:
     def skip(self, function_name: str, kind: str, subject: str, detail: str, replica: int | None) -> None:
         """Record that the graph is left unmodified, and warn once per construct."""
         reason = f"dymem_tf left this train step unmodified (no swapping): {detail}"
-        self.skipped.append(SkippedTrace(function_name, kind, subject, reason, replica))
+        self.last_skipped = SkippedTrace(function_name, kind, subject, reason, replica)
+        self.skipped.append(self.last_skipped)
         # one warning per construct: the same op in another replica or a retrace is the same construct
         self._warn_once(f"{kind}:{_REPLICA_SCOPE.sub(_keep_slash, subject)}", reason)
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
-            warnings.warn(message, RuntimeWarning, stacklevel=2)
+            warn_user(message)
+
+
+#: packages whose frames a warning about the user's model skips (the pass runs deep inside Keras' fit and TF)
+_LIBRARY_PACKAGES = ("dymem_tf", "keras", "tensorflow", "tf_keras")
+
+
+def warn_user(message: str, category=RuntimeWarning) -> None:
+    """``warnings.warn`` attributed to the user's code: the innermost caller outside dymem_tf, Keras and TensorFlow
+    (the line that called ``fit``), wherever in them the warning is raised. A fixed ``stacklevel`` cannot do that:
+    the pass is called from TF's function instantiation, a varying number of frames below ``fit``."""
+    prefixes = tuple(os.path.dirname(module.__file__) + os.sep for module in
+                     (sys.modules.get(name) for name in _LIBRARY_PACKAGES) if getattr(module, "__file__", None))
+    frame, level = sys._getframe(1), 2  # pylint: disable=protected-access  (level 2: warn_user's caller)
+    try:
+        while frame is not None and (frame.f_code.co_filename.startswith(prefixes)
+                                     or frame.f_code.co_filename.startswith("<frozen ")):
+            frame, level = frame.f_back, level + 1
+    finally:
+        del frame
+    warnings.warn(message, category, stacklevel=level)
 
 
 def drop_conditional_triggers(plan, step_graph) -> int:
