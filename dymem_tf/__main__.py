@@ -1,4 +1,4 @@
-"""Command line: ``python -m dymem_tf plan --model resnet50 --batch 64 --image-size 224 --budget 8GiB --device h200``.
+"""Command line: ``python -m dymem_tf plan --model resnet50 --batch 64 --image-size 224 --budget 5GiB --device h200``.
 
 A dry run: it traces the model's train step (random weights, nothing is trained or downloaded), plans it under
 every policy and prints the plan summary and, per policy, the predicted device peak and step time.

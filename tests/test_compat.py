@@ -164,3 +164,26 @@ def test_bazel_build_compiles_what_setup_py_compiles(monkeypatch):
     cc_files = {os.path.relpath(path, REPO).replace(os.sep, "/")
                 for path in glob.glob(os.path.join(REPO, "dymem_tf", "cc", "*.cc"))}
     assert cc_files and cc_files == set().union(*libraries.values())
+
+
+def test_the_readme_dry_run_plans_swaps():
+    """The README's dry-run command, run as written there, plans something: Dymem swaps to fit the budget without a
+    modelled stall, where vDNN's and TFLMS' schedules stall (what the README says of it)."""
+    import re
+
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as fh:
+        readme = fh.read()
+    (command,) = re.findall(r"`(python -m dymem_tf plan [^`]*)`", readme)
+    args = command.split()
+    assert args[:3] == ["python", "-m", "dymem_tf"]
+    assert args[3:] == ["plan", "--model", "resnet50", "--batch", "64", "--image-size", "224", "--budget", "5GiB",
+                        "--device", "h200"]
+    proc = run_cli(*args[3:], timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    table = proc.stdout[proc.stdout.index("policy  swaps"):].splitlines()[1:]
+    rows = {line.split()[0]: line.split() for line in table if line.strip()}
+    assert not [line for line in table if "error" in line], table
+    assert int(rows["none"][1]) == 0 and int(rows["dymem"][1]) > 0
+    assert "[fits]" in proc.stdout and "the step fits the budget without swapping" not in proc.stdout
+    stall = {policy: float(row[-1]) for policy, row in rows.items()}  # stall ms, the last column
+    assert stall["dymem"] == 0.0 and stall["vdnn"] > 0 and stall["tflms"] > 0
