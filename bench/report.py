@@ -100,7 +100,7 @@ def summarize_matrix(matrix: dict) -> dict:
                 # the simulator's peak for the plan this run executed vs the peak GTBM measured
                 row["predicted_error"] = row["predicted_peak_bytes"] / row["peak_bytes_in_use"] - 1.0
             if row["peak_bytes_in_use"] and row["peak_bytes_reserved"]:
-                row["fragmentation"] = 1.0 - row["peak_bytes_in_use"] / row["peak_bytes_reserved"]
+                row["reserved_overhead"] = 1.0 - row["peak_bytes_in_use"] / row["peak_bytes_reserved"]
             per_round = []
             for r in ok:
                 base = base_by_round.get(r.get("round", 0))
@@ -439,13 +439,13 @@ def _matrix_section(results: dict, d: dict) -> str:
         + f". Rounds: {cfg.get('rounds', 1)}; in round *r* the policy order is rotated by *r*, and each policy's "
         "step time is divided by `none`'s from the same round (median of the rounds; the per-round ratios are in "
         "brackets). Step time is the median of the steps after the first (which includes tracing and the Dymem "
-        "pass). Memory figures are medians over the rounds. Fragmentation = 1 - peak in use / peak reserved. These "
+        "pass). Memory figures are medians over the rounds. Reserved overhead = 1 - peak in use / peak reserved. These "
         "timing runs leave op determinism off, so the loss column may differ between policies in the last digits "
         "(multi-threaded kernels round differently from run to run); bit-identity with and without swapping is "
         "checked with determinism on in tests/test_models.py.")
     lines.append("")
     header = ["model", "policy", "status", "device peak MiB", "vs none", "predicted MiB (error)", "reserved MiB",
-              "fragmentation", "host peak MiB", "swapped", "step s", "step vs none", "loss"]
+              "reserved overhead", "host peak MiB", "swapped", "step s", "step vs none", "loss"]
     rows = []
     for model, pols in d["matrix"].items():
         for policy in POLICIES:
@@ -461,7 +461,7 @@ def _matrix_section(results: dict, d: dict) -> str:
             predicted = "-" if r.get("predicted_error") is None else \
                 f"{mib(r['predicted_peak_bytes'])} ({r['predicted_error']:+.1%})"
             rows.append([model, policy, r["status"], mib(r.get("peak_bytes_in_use")), ratio(r.get("peak_vs_none")),
-                         predicted, mib(r.get("peak_bytes_reserved")), pct(r.get("fragmentation")),
+                         predicted, mib(r.get("peak_bytes_reserved")), pct(r.get("reserved_overhead")),
                          mib(r.get("host_peak_bytes")), swapped,
                          "-" if r.get("step_time_s") is None else f"{r['step_time_s']:.3f}",
                          "-" if r.get("step_ratio") is None else f"{r['step_ratio']:.2f}x [{rounds}]",
@@ -770,7 +770,7 @@ def make_plots(results: dict, img_dir: str, derived: dict | None = None) -> list
         fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
         for ax, key, label, scale in ((axes[0], "peak_bytes_in_use", "peak in use (MiB)", MIB),
                                       (axes[1], "peak_bytes_reserved", "peak reserved (MiB)", MIB),
-                                      (axes[2], "fragmentation", "fragmentation (%)", 0.01)):
+                                      (axes[2], "reserved_overhead", "reserved overhead (%)", 0.01)):
             series = {p: [None if m[mo].get(p, {}).get(key) is None else m[mo][p][key] / scale for mo in models]
                       for p in POLICIES}
             _grouped_bars(ax, models, series, label, f"{label} — measured, CPU")

@@ -6,7 +6,7 @@
 Sections (every number in the generated file comes from the run that wrote it):
 
 1. ``matrix``   measured, CPU: {vgg16, resnet50, densenet121, inception_v3} x {none, vdnn, tflms, dymem}, each in a
-   fresh process (``examples/common.run_in_subprocess``): device peak, reserved pool, fragmentation, host peak,
+   fresh process (``examples/common.run_in_subprocess``): device peak, reserved pool, reserved overhead, host peak,
    step time relative to ``none`` measured interleaved (policy order rotated every round, median of the rounds).
 2. ``bfc``      measured, CPU: the ``none`` run once more on TensorFlow's BFC allocator
    (``TF_CPU_ALLOCATOR_USE_BFC=true DYMEM_GTBM=0``) against GTBM's peak reserved.

@@ -1,4 +1,4 @@
-"""Command line, run as ``python -m dymem_tf`` (e.g. ``python -m dymem_tf plan --model resnet50 --batch 64``).
+"""Command line, run as ``python -m dymem_tf`` (e.g. ``plan --model resnet50 --batch 64 --budget 5GiB``).
 
 A dry run: it traces the model's train step (random weights, nothing is trained or downloaded), plans it under
 every policy and prints the plan summary and, per policy, the predicted device peak and step time.

@@ -19,7 +19,9 @@ level.
 from __future__ import annotations
 
 import functools
+import os
 import sys
+import warnings
 
 #: TensorFlow versions (major.minor) the native libraries and the hooks are built for.
 SUPPORTED_TENSORFLOW = ("2.21",)
@@ -178,3 +180,25 @@ def build_without_jit(model, build) -> None:
             model._jit_compile = saved  # pylint: disable=protected-access
         else:
             model.jit_compile = saved
+
+
+# ------------------------------------------------------------------------------------------------ warnings
+
+#: packages whose frames a warning about the user's model skips (the pass runs deep inside Keras' fit and TF)
+_LIBRARY_PACKAGES = ("dymem_tf", "keras", "tensorflow", "tf_keras")
+
+
+def warn_user(message: str, category=RuntimeWarning) -> None:
+    """``warnings.warn`` attributed to the user's code: the innermost caller outside dymem_tf, Keras and TensorFlow
+    (the line that called ``fit``), wherever in them the warning is raised. A fixed ``stacklevel`` cannot do that:
+    the pass is called from TF's function instantiation, a varying number of frames below ``fit``."""
+    prefixes = tuple(os.path.dirname(module.__file__) + os.sep for module in
+                     (sys.modules.get(name) for name in _LIBRARY_PACKAGES) if getattr(module, "__file__", None))
+    frame, level = sys._getframe(1), 2  # pylint: disable=protected-access  (level 2: warn_user's caller)
+    try:
+        while frame is not None and (frame.f_code.co_filename.startswith(prefixes)
+                                     or frame.f_code.co_filename.startswith("<frozen ")):
+            frame, level = frame.f_back, level + 1
+    finally:
+        del frame
+    warnings.warn(message, category, stacklevel=level)

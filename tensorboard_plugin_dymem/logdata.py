@@ -218,6 +218,9 @@ def read_steps(path: str) -> tuple[list[dict], list[str]]:
         if not isinstance(row, dict) or not isinstance(row.get("step"), int):
             bad.append(lineno)
             continue
+        if "fragmentation" in row and "reserved_overhead" not in row:
+            # written before 1 - in use / reserved got its own name: "fragmentation" is the pool map's figure
+            row["reserved_overhead"] = row.pop("fragmentation")
         rows.append(row)
     notes = []
     if bad:
@@ -602,8 +605,13 @@ def load_run(logdir: str, run: str) -> dict:
                               "rows": [{**r, "swapped": r["op"] in swapped} for r in out["tensors"]["rows"]]}
     if out["tensors"] is None and out["timeline"] is not None and out["timeline"].get("peak_tensors"):
         tl = out["timeline"]
+        # the listed buffers hold the peak's transient and mobile bytes (weights and optimizer slots are not listed)
+        total = tl.get("peak_tensor_bytes")
+        if not _num(total):
+            peak, persistent = (tl.get("peak") or {}).get("bytes"), tl.get("persistent_bytes") or 0
+            total = peak - persistent if _num(peak) and _num(persistent) else peak
         out["tensors"] = {"source": "model", "count": tl.get("peak_tensor_count", len(tl["peak_tensors"])),
-                          "total_bytes": (tl.get("peak") or {}).get("bytes"), "rows": tl["peak_tensors"]}
+                          "total_bytes": total, "rows": tl["peak_tensors"]}
     if out["schedule"] is not None and plan is not None:
         n_plan, n_sched = len(plan["swaps"]), len(out["schedule"]["swaps"])
         if n_plan != n_sched:

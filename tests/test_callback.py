@@ -195,3 +195,26 @@ def test_adam_slots_count_as_persistent_before_the_first_step():
     weights = sum(w.numpy().nbytes for w in model.trainable_weights)
     assert cb.pass_.persistent_bytes >= 3 * weights
     assert cb.plan.persistent_bytes == cb.pass_.persistent_bytes
+
+
+@pytest.mark.parametrize("steps_per_execution", [1, 2])
+def test_each_plan_reaches_the_dashboard_once(tmp_path, monkeypatch, steps_per_execution):
+    """Keras reports the last batch of each execution, and the calibrated plan is traced at the second step: every
+    plan is written once, when it appears, and not again in later epochs."""
+    from dymem_tf import summaries
+
+    written = []
+    write_plan = summaries.DymemSummaryWriter.write_plan
+    monkeypatch.setattr(summaries.DymemSummaryWriter, "write_plan",
+                        lambda self, record: (written.append(record), write_plan(self, record))[1])
+    keras.utils.set_random_seed(1)
+    model = small_cnn("sequential")
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  steps_per_execution=steps_per_execution)
+    x = np.random.default_rng(1).normal(size=(32, 16, 16, 3)).astype("float32")
+    cb = dymem_tf.DymemCallback(memory_budget="64MiB", min_swap_bytes=0, log_dir=str(tmp_path), verbose=0)
+    model.fit(x, np.arange(32) % 10, batch_size=8, epochs=3, verbose=0, callbacks=[cb])
+    assert [r.plan.params.get("stage") for r in cb.records] == ["probe", "calibrated"]
+    assert [id(r) for r in written] == [id(r) for r in cb.records]
+    with open(tmp_path / "dymem" / "plugins" / "dymem" / "plan.json", encoding="utf-8") as fh:
+        assert fh.read() == cb.plan.to_json() + "\n"

@@ -124,3 +124,67 @@ def test_cli_bad_arguments(args, message):
     assert proc.returncode == 2
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+# ------------------------------------------------------------------------------------------------ native build
+def setup_py_libraries(monkeypatch) -> dict[str, set[str]]:
+    """``{"_dymem_gtbm": {"dymem_tf/cc/gtbm_allocator.cc", ...}, ...}``: the sources setup.py compiles per library
+    (setup.py run with ``setuptools.setup`` replaced, so nothing is built)."""
+    import runpy
+
+    import setuptools
+
+    captured = {}
+    monkeypatch.setattr(setuptools, "setup", lambda **kwargs: captured.update(kwargs))
+    monkeypatch.chdir(REPO)
+    runpy.run_path(os.path.join(REPO, "setup.py"), run_name="setup_under_test")
+    return {ext.name.rsplit(".", 1)[-1]: {src.replace(os.sep, "/") for src in ext.sources}
+            for ext in captured["ext_modules"]}
+
+
+def bazel_targets() -> dict[str, set[str]]:
+    """``{target name: its srcs}`` of every rule in BUILD."""
+    import re
+
+    with open(os.path.join(REPO, "BUILD"), encoding="utf-8") as fh:
+        text = fh.read()
+    rules = re.findall(r'name\s*=\s*"([^"]+)",\s*srcs\s*=\s*\[(.*?)\]', text, flags=re.S)
+    return {name: set(re.findall(r'"([^"]+)"', srcs)) for name, srcs in rules}
+
+
+def test_bazel_build_compiles_what_setup_py_compiles(monkeypatch):
+    """BUILD says it compiles the same sources per library as setup.py: each library's .cc files are the same,
+    and every .cc of dymem_tf/cc outside its tests is in a library."""
+    libraries = setup_py_libraries(monkeypatch)
+    targets = bazel_targets()
+    assert set(libraries) == {"_dymem_gtbm", "_dymem_ops", "_dymem_replay"}
+    for library, sources in libraries.items():
+        assert f"{library}.so" in targets, f"BUILD has no target {library}.so"
+        in_build = {src for src in targets[f"{library}.so"] if src.endswith(".cc")}
+        assert in_build == sources, f"{library}: BUILD compiles {sorted(in_build)}, setup.py {sorted(sources)}"
+    cc_files = {os.path.relpath(path, REPO).replace(os.sep, "/")
+                for path in glob.glob(os.path.join(REPO, "dymem_tf", "cc", "*.cc"))}
+    assert cc_files and cc_files == set().union(*libraries.values())
+
+
+def test_the_readme_dry_run_plans_swaps():
+    """The README's dry-run command, run as written there, plans something: Dymem swaps to fit the budget without a
+    modelled stall, where vDNN's and TFLMS' schedules stall (what the README says of it)."""
+    import re
+
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as fh:
+        readme = fh.read()
+    (command,) = re.findall(r"`(python -m dymem_tf plan [^`]*)`", readme)
+    args = command.split()
+    assert args[:3] == ["python", "-m", "dymem_tf"]
+    assert args[3:] == ["plan", "--model", "resnet50", "--batch", "64", "--image-size", "224", "--budget", "5GiB",
+                        "--device", "h200"]
+    proc = run_cli(*args[3:], timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    table = proc.stdout[proc.stdout.index("policy  swaps"):].splitlines()[1:]
+    rows = {line.split()[0]: line.split() for line in table if line.strip()}
+    assert not [line for line in table if "error" in line], table
+    assert int(rows["none"][1]) == 0 and int(rows["dymem"][1]) > 0
+    assert "[fits]" in proc.stdout and "the step fits the budget without swapping" not in proc.stdout
+    stall = {policy: float(row[-1]) for policy, row in rows.items()}  # stall ms, the last column
+    assert stall["dymem"] == 0.0 and stall["vdnn"] > 0 and stall["tflms"] > 0

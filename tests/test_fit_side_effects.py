@@ -198,6 +198,41 @@ def test_a_validation_run_that_raises_leaves_nothing_behind():
     assert_plain_fit_runs_the_unmodified_step(model, x, y, cb)
 
 
+@pytest.mark.parametrize("failure", ["step", "on_epoch_end", "validation"])
+def test_a_failed_fit_closes_the_summary_writer_and_stops_the_allocator_trace(tmp_path, failure):
+    """Whatever raises, the run's writer is closed (its files flushed, ``meta.json`` marked closed) and the
+    allocator trace stops recording and is saved in the run."""
+    import json
+
+    model, x, y = model_and_data(n=24, poisoned_batch=2 if failure == "step" else None)
+    _, vx, vy = model_and_data(poisoned_batch=0)
+    cb = dymem_tf.DymemCallback(min_swap_bytes=0, verbose=0, log_dir=str(tmp_path),
+                                trace_allocations=allocator.is_active())
+    writers = []
+
+    def on_epoch_end(epoch, logs):
+        raise RuntimeError("stop here")
+
+    callbacks = [cb, keras.callbacks.LambdaCallback(on_train_batch_begin=lambda batch, logs: writers.append(cb._writer))]
+    kwargs = {}
+    if failure == "on_epoch_end":
+        callbacks.append(keras.callbacks.LambdaCallback(on_epoch_end=on_epoch_end))
+    elif failure == "validation":
+        kwargs["validation_data"] = (vx, vy)
+    with pytest.raises((tf.errors.InvalidArgumentError, RuntimeError), match="a poisoned batch|stop here"):
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False, callbacks=callbacks, **kwargs)
+    assert_left_nothing_behind(model, cb)
+    writer = writers[0]
+    assert writer is not None and writer._closed  # pylint: disable=protected-access
+    assert writer._steps_fh is None and writer._tf_writer is None  # pylint: disable=protected-access
+    plugin = tmp_path / "dymem" / "plugins" / "dymem"
+    with open(plugin / "meta.json", encoding="utf-8") as fh:
+        assert "closed" in json.load(fh)
+    if allocator.is_active():
+        assert not writer._tracing and not allocator.trace_info()["active"]  # pylint: disable=protected-access
+        assert os.path.getsize(plugin / "trace.csv") > 0
+
+
 def test_the_guard_lets_the_end_of_an_epoch_through_and_is_released_after_training():
     model, x, y = model_and_data()
     cleanups = []

@@ -187,7 +187,7 @@ def test_live_training_stats_and_trace(procs):
     groups = stats["groups"]
     assert groups["persistent"]["in_use"] > 0  # weights and optimizer slots
     assert groups["transient"]["num_allocs"] > 0  # the train step's kernels
-    assert 0.0 <= stats["fragmentation"] < 1.0 and stats["bytes_reserved"] % stats["block_size"] == 0
+    assert 0.0 <= stats["reserved_overhead"] < 1.0 and stats["bytes_reserved"] % stats["block_size"] == 0
     assert stats["peak_bytes_reserved"] >= stats["peak_bytes_in_use"] >= stats["bytes_in_use"]
     assert stats["cached_free_bytes"] <= (64 << 20) // 8 and out["cached_after_trim"] == 0
     assert out["mobile_delta"] == 256 * 256 * 4
@@ -347,9 +347,11 @@ def test_reset_peak_and_stats_shape():
     assert s["peak_bytes_in_use"] - s["bytes_in_use"] < 1 << 20  # other threads may allocate in between
     assert set(s["groups"]) == {"persistent", "transient", "mobile"}
     assert set(s["groups"]["mobile"]) == {"in_use", "peak_in_use", "reserved", "peak_reserved", "num_allocs"}
-    for key in ("bytes_reserved", "peak_extent", "largest_free_block", "num_frees", "fragmentation",
-                "peak_fragmentation", "live_allocations"):
+    for key in ("bytes_reserved", "peak_extent", "largest_free_block", "num_frees", "reserved_overhead",
+                "peak_reserved_overhead", "live_allocations"):
         assert key in s
+    # 1 - in use / reserved is the reserved overhead; "fragmentation" is the dashboard's 1 - largest gap / free
+    assert "fragmentation" not in s and "peak_fragmentation" not in s
 
 
 @needs_gtbm

@@ -6,6 +6,7 @@ tests. The distributed tests are in ``test_distributed.py``. ``docs/reliability.
 """
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
@@ -358,9 +359,37 @@ def test_unsupported_construct_is_left_unmodified_with_one_warning(case, build, 
     texts = dymem_warnings(caught)
     assert len(texts) == 1, texts  # one warning although Keras traces the step twice (variable creation)
     assert fragment in texts[0] and "unmodified" in texts[0]
+    # a warning about the user's model points at the user's code (here: fit() above), not at dymem_tf
+    (where,) = [(w.filename, w.lineno) for w in caught if "dymem_tf" in str(w.message)]
+    first = fit.__code__.co_firstlineno
+    assert where[0] == __file__ and first < where[1] < first + len(inspect.getsourcelines(fit)[0]), where
     assert cb.records == [] and cb.skipped and {s.kind for s in cb.skipped} == {kind}
     assert hist == base
     assert_same_weights(weights, base_w)
+
+
+@pytest.mark.parametrize("budget", [None, "64MiB"])
+def test_out_of_memory_in_a_step_left_unmodified_says_why_and_suggests_no_swapping(budget):
+    """An LSTM's loop leaves the step unmodified: when that step runs out of memory, the hint says so and why, and
+    asks for a smaller batch or a larger budget only (no policy, budget below ... or min_swap_bytes: no plan runs)."""
+    x = np.random.default_rng(1).normal(size=(16, 6, 8)).astype("float32")
+    y = np.random.default_rng(1).integers(0, 10, 16)
+    cb = dymem_tf.DymemCallback(memory_budget=budget, min_swap_bytes=0, verbose=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fit(_lstm, [cb], x, y)
+    assert cb.plan is None and cb.skipped[-1].kind == "control-flow"
+
+    def failing(iterator):
+        raise tf.errors.ResourceExhaustedError(None, None, "OOM when allocating tensor with shape[8,6,16]")
+
+    with pytest.raises(tf.errors.ResourceExhaustedError) as info:
+        cb._wrap_train_function(failing)(iter(()))  # pylint: disable=protected-access
+    hint = info.value.message.split("\n\n", 1)[1]
+    assert "Dymem left this step unmodified (control-flow: its backward pass contains a loop" in hint
+    assert "swapping cannot help" in hint and "lower the batch size" in hint and "raise the budget" in hint
+    assert "policy=" not in hint and "min_swap_bytes" not in hint and "memory_budget below" not in hint
+    assert "swap enough" not in hint
 
 
 @tf.function

@@ -115,6 +115,14 @@ def test_aliases_allocate_nothing_and_extend_the_source():
         "b": {"inputs": ["a"], "bytes": 50, "flops": MS}, "c": {"inputs": ["b", "r"], "flops": MS}})
     res = simulate(sg, None, TOY)
     assert res.peak_bytes == 150  # a's buffer (shared with r) + b
+    assert sorted((b.tensor, b.bytes) for b in res.peak_buffers) == [("a:0", 100), ("b:0", 50)]
+
+
+def test_peak_buffers_add_up_to_the_peak_with_swaps():
+    res = simulate(chain(), [swap_f1()], TOY, persistent_bytes=1000)
+    live = res.peak_buffers
+    assert sum(b.bytes for b in live) == res.peak_bytes - 1000
+    assert sum(b.bytes for b in live if b.group == "mobile") == res.peak_by_group["mobile"]
 
 
 def test_cost_model_roofline_and_calibration():

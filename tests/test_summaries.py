@@ -60,7 +60,7 @@ TRACE_ROWS = [
 
 def stats(step, plan):
     return {"bytes_in_use": 5 * MiB, "peak_bytes_in_use": (10 + step) * MiB, "bytes_reserved": 16 * MiB,
-            "peak_bytes_reserved": 16 * MiB, "fragmentation": 0.25, "block_size": 100, "bytes_limit": 12 * MiB,
+            "peak_bytes_reserved": 16 * MiB, "reserved_overhead": 0.25, "block_size": 100, "bytes_limit": 12 * MiB,
             "groups": {"mobile": {"in_use": MiB, "peak_in_use": 2 * MiB}, "transient": {"in_use": 3 * MiB}},
             "host_bytes_in_use": 2 * MiB, "host_bytes_swapped_out": (step + 1) * plan.swapped_bytes,
             "planned_swap_bytes": plan.swapped_bytes, "modelled_stall_s": plan.predicted["stall_s"],
@@ -114,7 +114,8 @@ def test_scalars_are_tf_summaries_with_the_stats(written):
     scalars = read_scalars(log_dir / "dymem")
     assert scalars["dymem/device/peak_bytes_in_use"] == {0: 10 * MiB, 1: 11 * MiB, 2: 12 * MiB}
     assert scalars["dymem/device/bytes_reserved"][2] == 16 * MiB
-    assert scalars["dymem/device/fragmentation"][0] == pytest.approx(0.25)
+    assert scalars["dymem/device/reserved_overhead"][0] == pytest.approx(0.25)
+    assert not [tag for tag in scalars if "fragmentation" in tag]  # the pool map's figure, not a step scalar
     assert scalars["dymem/device/groups/mobile/peak_in_use"][1] == 2 * MiB
     assert scalars["dymem/host/bytes_in_use"][0] == 2 * MiB
     # bytes swapped per step: differences of the host pool's cumulative counter
@@ -127,12 +128,12 @@ def test_scalars_are_tf_summaries_with_the_stats(written):
 
 def test_missing_stats_keys_are_simply_not_written(tmp_path):
     with summaries.DymemSummaryWriter(str(tmp_path)) as writer:
-        writer.write_step(0, {"bytes_in_use": 123, "fragmentation": float("nan")})
+        writer.write_step(0, {"bytes_in_use": 123, "reserved_overhead": float("nan")})
         writer.write_step(1, {})
     assert set(read_scalars(tmp_path / "dymem")) == {"dymem/device/bytes_in_use"}
     rows, notes = logdata.read_steps(str(tmp_path / "dymem" / "plugins" / "dymem" / "steps.jsonl"))
     assert [r["step"] for r in rows] == [0, 1] and notes == []
-    assert "fragmentation" not in rows[0] and rows[0]["bytes_in_use"] == 123
+    assert "reserved_overhead" not in rows[0] and rows[0]["bytes_in_use"] == 123
 
 
 def test_reader_returns_what_was_written(written):
@@ -355,6 +356,7 @@ def test_model_tensors_stand_in_for_a_missing_trace(written):
     assert tensors["source"] == "model" and tensors["rows"]
     live = sum(r["size"] for r in tensors["rows"])
     assert live == record.plan.predicted["peak_bytes"] - record.plan.persistent_bytes
+    assert tensors["total_bytes"] == live  # what the caption says the listed tensors hold
 
 
 def test_runs_are_found_and_names_are_checked(tmp_path):
@@ -369,3 +371,48 @@ def test_runs_are_found_and_names_are_checked(tmp_path):
         with pytest.raises(logdata.DataError, match=why):
             logdata.load_run(str(tmp_path), bad)
     json.dumps(logdata.load_run(str(tmp_path), "b/c/dymem"), allow_nan=False)  # the payload is plain JSON
+
+
+def conv_reshape_graph() -> analysis.StepGraph:
+    """Conv2D -> Relu (written in place into the conv's buffer) -> Reshape (an alias) -> Dense, and its backward
+    pass, whose Reshape and ReluGrad also share buffers: 20 MiB of buffers at the peak, 28 MiB of tensors."""
+    return analysis.StepGraph.from_spec({
+        "x": {"bytes": 4 * MiB, "type": "IteratorGetNext"},
+        "conv": {"inputs": ["x"], "bytes": 8 * MiB, "type": "Conv2D", "flops": 1e8},
+        "relu": {"inputs": ["conv"], "bytes": 8 * MiB, "type": "Relu", "flops": 1e6},
+        "reshape": {"inputs": ["relu"], "bytes": 8 * MiB, "type": "Reshape"},
+        "dense": {"inputs": ["reshape"], "bytes": 4, "type": "MatMul", "flops": 1e6},
+        "gdense": {"inputs": ["dense", "reshape"], "bytes": 8 * MiB, "type": "MatMul", "backward": True,
+                   "flops": 1e6},
+        "gflat": {"inputs": ["gdense"], "bytes": 8 * MiB, "type": "Reshape", "backward": True},
+        "grelu": {"inputs": ["gflat", "relu"], "bytes": 8 * MiB, "type": "ReluGrad", "backward": True, "flops": 1e6},
+        "gconv": {"inputs": ["grelu", "x"], "bytes": 64, "type": "Conv2DBackpropFilter", "backward": True,
+                  "flops": 1e8},
+    })
+
+
+@pytest.mark.parametrize("policy", ["none", "dymem"])
+def test_tensors_at_the_peak_count_each_buffer_once(policy):
+    """Aliases and tensors forwarded into an input's buffer are not counted again: the table holds exactly the
+    simulated peak's transient and mobile bytes."""
+    sg, profile = conv_reshape_graph(), get_profile("cpu")
+    plan = planner.make_plan(sg, policy=policy, persistent_bytes=MiB, batch_size=8, profile=profile,
+                             min_swap_bytes=0)
+    timeline, _ = summaries.plan_views(plan, sg, profile)
+    rows = timeline["peak_tensors"]
+    assert timeline["peak_tensor_count"] == len(rows)
+    assert sum(r["size"] for r in rows) == timeline["peak"]["bytes"] - plan.persistent_bytes
+    assert not {"reshape:0", "gflat:0"} & {r["tensor"] for r in rows}  # aliases own no buffer
+    if policy == "none":
+        assert sum(r["size"] for r in rows) == 20 * MiB + 64
+    else:
+        assert plan.swaps and any(r["group"] == "mobile" for r in rows)
+
+
+def test_steps_written_before_reserved_overhead_had_its_name_are_read_under_it(tmp_path):
+    """Runs written when ``1 - in use / reserved`` was called "fragmentation" show it as the reserved overhead:
+    the dashboard keeps "fragmentation" for the pool map's ``1 - largest gap / free``."""
+    path = tmp_path / "steps.jsonl"
+    path.write_text('{"step": 0, "fragmentation": 0.25}\n{"step": 1, "reserved_overhead": 0.5}\n')
+    rows, _ = logdata.read_steps(str(path))
+    assert rows == [{"step": 0, "reserved_overhead": 0.25}, {"step": 1, "reserved_overhead": 0.5}]

@@ -449,6 +449,11 @@ def test_views_draw_the_training_run(dashboard, trained_logdir):
     assert attr(in_use, "data-value", int) == trace_peak
     assert_label(in_use.text, trace_peak)
     assert 0 <= attr(pool, "data-fragmentation", float) <= 1
+    # one name per figure: "fragmentation" is the gaps' 1 - largest gap / free, 1 - in use / reserved is the
+    # reserved overhead (in the summary and beside the pool map)
+    labels = [dt.text for dt in pane.find_elements(By.CSS_SELECTOR, ".dymem-figure dt")]
+    assert [t for t in labels if "ragmentation" in t] == ["Fragmentation (1 − largest gap / free)"]
+    assert [t for t in labels if "in use / reserved" in t] == ["Reserved overhead (1 − in use / reserved, last step)"] * 2
     assert {b.get_attribute("data-group") for b in blocks} <= set(logdata.GROUPS)
 
     # (3) swap schedule: one row per swapped tensor of plan.json, stalls marked

@@ -35,7 +35,8 @@
 //                      of bytes_reserved is the "footprint" that replays compare;
 //   extent             end offset of the highest reserved byte: what a flat arena without page-level release
 //                      must provide (for GTBM it exceeds bytes_reserved by the whole free blocks below it);
-//   fragmentation      1 - bytes_in_use / bytes_reserved.
+//   reserved overhead  1 - bytes_in_use / bytes_reserved (memory_stats' reserved_overhead; "fragmentation" on the
+//                      dashboard is 1 - largest free gap / free bytes of the traced pool, another figure).
 //
 // Thread safety: every public method of Pool is safe to call concurrently (one mutex; each operation is a few
 // ordered-map updates, O(log n), plus O(number of free block runs) when a group must grow).
@@ -107,7 +108,7 @@ struct PoolStats {
   int64_t peak_bytes_reserved = 0;
   int64_t extent = 0;
   int64_t peak_extent = 0;
-  // bytes_reserved at the moment bytes_in_use last reached its peak (fragmentation at the peak).
+  // bytes_reserved at the moment bytes_in_use last reached its peak (reserved overhead at the peak).
   int64_t reserved_at_peak_in_use = 0;
   int64_t largest_free_block = 0;
   // Free blocks not yet passed to on_release (see PoolOptions::release_cache).

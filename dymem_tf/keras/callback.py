@@ -88,6 +88,7 @@ class DymemCallback(keras.callbacks.Callback):
         self._writer = None
         self._headroom = self.pass_.config.headroom
         self._exit_guard = None
+        self._plans_written = 0  # how many of pass_.records the summary writer has seen
 
     # -- Keras hooks ---------------------------------------------------------------------------------------------
     def on_train_begin(self, logs=None):
@@ -109,6 +110,7 @@ class DymemCallback(keras.callbacks.Callback):
                 f"({_fmt(weights)}); raise the budget or use a smaller model.")
         _warn_onednn_out_of_memory_crash()
         self.pass_.default_batch_size = _fit_batch_size(model)
+        self.pass_.last_skipped = None  # an earlier fit's step is not this one's
         self.pass_.persistent_bytes = weights
         # A new train function: its first call instantiates it, and the graph pass plans that instantiation. Under
         # a budget that first step is the probe (dymem_tf.planning.first_step): least memory, measured, variables guarded.
@@ -126,12 +128,16 @@ class DymemCallback(keras.callbacks.Callback):
             from dymem_tf.observe import summaries
 
             self._writer = summaries.DymemSummaryWriter(log_dir, profile=self.profile)
+            self._plans_written = len(self.pass_.records)  # plans of an earlier fit are not this run's
             if self.trace_allocations:
                 self._writer.start_allocator_trace()
 
     def on_train_batch_end(self, batch, logs=None):
         if self._writer is not None:
-            if batch == 0 and self.pass_.records:
+            # Keras reports the last batch of each execution (steps_per_execution), and a retrace can come at any
+            # step: write the newest plan once, after the execution that traced it
+            if len(self.pass_.records) > self._plans_written:
+                self._plans_written = len(self.pass_.records)
                 self._writer.write_plan(self.pass_.records[-1])
             self._writer.write_step(self._global_step(batch), _step_stats(self.pass_))
 
@@ -298,9 +304,7 @@ class DymemCallback(keras.callbacks.Callback):
         return error
 
     def _warn(self, text: str) -> None:
-        import warnings
-
-        warnings.warn(text, RuntimeWarning, stacklevel=3)
+        compat.warn_user(text)
 
     def out_of_memory_hint(self) -> str:
         """What the out-of-memory error of a train step under this callback adds: the budget, and what to change."""
@@ -312,14 +316,20 @@ class DymemCallback(keras.callbacks.Callback):
         if self.budget_bytes is not None:
             limits.append(f"memory_budget={_fmt(self.budget_bytes)}")
         where = "; ".join(limits) if limits else "the device's memory"
+        device_limit = allocator.get_memory_limit() if allocator.is_active() else None
+        raise_budget = (f"raise the budget ({allocator.LIMIT_ENV} before starting Python, or "
+                        "dymem_tf.set_memory_limit)" if device_limit is not None else "use a device with more memory")
+        skipped = self.pass_.last_skipped
+        if skipped is not None:  # no plan runs in this step: swapping (or a plan's budget) cannot change anything
+            why = skipped.reason.split(": ", 1)[-1].rstrip(".")
+            return (f"dymem_tf: the train step ran out of device memory under the {where}. Dymem left this step "
+                    f"unmodified ({skipped.kind}: {why}), so no tensor is swapped and swapping cannot help it. To "
+                    f"fit: lower the batch size; or {raise_budget}.")
         plan = self.plan
         predicted = ""
         if plan is not None and plan.predicted.get("peak_bytes"):
             predicted = f" The plan predicted a peak of {_fmt(int(plan.predicted['peak_bytes']))}."
-        device_limit = allocator.get_memory_limit() if allocator.is_active() else None
-        fixes = ["lower the batch size",
-                 f"raise the budget ({allocator.LIMIT_ENV} before starting Python, or dymem_tf.set_memory_limit)"
-                 if device_limit is not None else "use a device with more memory"]
+        fixes = ["lower the batch size", raise_budget]
         if self.budget_bytes is not None and device_limit is not None and self.budget_bytes > device_limit:
             fixes.append(f"plan for the device's real size: memory_budget=\"{_fmt(device_limit)}\" (memory_budget "
                          f"{_fmt(self.budget_bytes)} exceeds the device budget)")
@@ -375,13 +385,10 @@ def _warn_onednn_out_of_memory_crash() -> None:
         return
     if compat.onednn_enabled():
         _ONEDNN_WARNED.append(True)
-        import warnings
-
-        warnings.warn(
+        compat.warn_user(
             f"dymem_tf: {allocator.LIMIT_ENV} caps the device pool while TensorFlow's oneDNN kernels are on; in "
             "TensorFlow 2.21 a oneDNN kernel that runs out of the budget crashes the process (SIGSEGV) instead of "
-            "raising ResourceExhaustedError. Set TF_ENABLE_ONEDNN_OPTS=0 before starting Python to get the error.",
-            RuntimeWarning, stacklevel=3)
+            "raising ResourceExhaustedError. Set TF_ENABLE_ONEDNN_OPTS=0 before starting Python to get the error.")
 
 
 def _resolve_budget(memory_budget):

@@ -96,8 +96,9 @@ def plan_all(traced: TracedStep, policies, budget_bytes, device, headroom: float
     """A plan (or the error that stopped it) per policy for one traced step; a step the callback would not rewrite
     (``traced.unsupported``) gets :class:`StepLeftUnmodifiedError` for every swapping policy.
 
-    ``headroom`` is the share of the budget kept free, as the callback does; 0 compares policies at exactly the
-    same modelled budget."""
+    ``headroom`` is the share of the budget kept free: the callback's default when it has measured nothing (it
+    calibrates its own on the first step under a budget, which a dry run cannot); 0 compares policies at exactly
+    the same modelled budget."""
     results = {}
     for policy in policies:
         if traced.unsupported and (policy != "none" or traced.step_graph is None):

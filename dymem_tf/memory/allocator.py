@@ -236,7 +236,9 @@ def memory_stats() -> dict:
     ``extent`` / ``peak_extent`` (end of the highest owned block: what a flat arena would need),
     ``cached_free_bytes`` (free blocks still resident, see :func:`trim`), ``largest_free_block``, ``largest_alloc_size``, ``num_allocs``, ``num_frees``, ``num_failed_allocs``,
     ``live_allocations``, ``bytes_limit``, ``capacity`` (reserved address space), ``block_size``;
-    ``fragmentation`` = 1 - in_use / reserved now and ``peak_fragmentation`` at the moment of peak use;
+    ``reserved_overhead`` = 1 - in_use / reserved now (the share of the reserved pageblocks no live buffer uses) and
+    ``peak_reserved_overhead`` at the moment of peak use (not "fragmentation": the dashboard keeps that word for
+    ``1 - largest free gap / free bytes`` of the traced pool);
     ``groups``: {"persistent"|"transient"|"mobile": {in_use, peak_in_use, reserved, peak_reserved, num_allocs}}.
 
     All of the above describe the emulated device. The host-inputs arena (input-pipeline tensors served from host
@@ -263,9 +265,9 @@ def memory_stats() -> dict:
             stats[key] = value
     stats["groups"] = groups
     reserved = stats["bytes_reserved"]
-    stats["fragmentation"] = 1.0 - stats["bytes_in_use"] / reserved if reserved else 0.0
+    stats["reserved_overhead"] = 1.0 - stats["bytes_in_use"] / reserved if reserved else 0.0
     at_peak = stats["reserved_at_peak_in_use"]
-    stats["peak_fragmentation"] = 1.0 - stats["peak_bytes_in_use"] / at_peak if at_peak else 0.0
+    stats["peak_reserved_overhead"] = 1.0 - stats["peak_bytes_in_use"] / at_peak if at_peak else 0.0
     return stats
 
 

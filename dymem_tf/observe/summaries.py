@@ -28,7 +28,7 @@ from tensorboard_plugin_dymem import logdata
 
 #: Scalars written per step (when the stats have them), by the key in the stats dict. Host-pool keys carry the
 #: ``host_`` prefix the callback gives them; ``*_per_step`` keys are differences of the cumulative counters.
-DEVICE_SCALARS = ("bytes_in_use", "peak_bytes_in_use", "bytes_reserved", "peak_bytes_reserved", "fragmentation",
+DEVICE_SCALARS = ("bytes_in_use", "peak_bytes_in_use", "bytes_reserved", "peak_bytes_reserved", "reserved_overhead",
                   "extent", "peak_extent", "largest_free_block", "bytes_limit", "num_failed_allocs")
 HOST_SCALARS = ("host_bytes_in_use", "host_peak_bytes_in_use", "host_bytes_swapped_out_per_step",
                 "host_bytes_swapped_in_per_step")
@@ -397,7 +397,8 @@ def plan_views(plan, step_graph, profile=None) -> tuple[dict, dict]:
         "step_time_s": res.step_time_s,
         "stall_s": res.stall_s,
     }
-    timeline["peak_tensors"], timeline["peak_tensor_count"] = _tensors_at(res, step_graph, plan)
+    timeline["peak_tensors"], timeline["peak_tensor_count"] = _tensors_at(res, sim)
+    timeline["peak_tensor_bytes"] = sum(int(buf.bytes) for buf in res.peak_buffers)  # the peak less persistent
     swap_out, swap_in = {}, {}
     for ev in res.swap_events:
         swap_out[ev.tensor] = {"start_layer": round(clock(ev.out_start), 4), "end_layer": round(clock(ev.out_end), 4),
@@ -412,37 +413,18 @@ def plan_views(plan, step_graph, profile=None) -> tuple[dict, dict]:
     return timeline, schedule
 
 
-def _tensors_at(res, step_graph, plan) -> tuple[list[dict], int]:
-    """The largest tensors on the device at the simulated peak (producer start <= t < release), and how many are
-    live then."""
-    t = res.peak_time_s
-    pos = {name: i for i, name in enumerate(res.order)}
-    start, end = res.op_start_s, res.op_end_s
-    swapped = {s.tensor: s for s in plan.swaps}
-    events = {(ev.tensor, ev.swap_in): ev for ev in res.swap_events}
-    out_end = {ev.tensor: ev.out_end for ev in res.swap_events}
+def _tensors_at(res, sim) -> tuple[list[dict], int]:
+    """The largest buffers on the device at the simulated peak, and how many are live then: the simulator's own
+    live set (``res.peak_buffers``), so an alias (Identity, Reshape ... output) or a tensor written in place into a
+    dying input's buffer is not counted again; ``shares`` names the other tensors in the buffer."""
+    step_graph = sim.sg
     live = []
-    for tensor in step_graph.tensors.values():
-        if tensor.persistent or tensor.bytes <= 0:
-            continue
-        producer = step_graph.ops[tensor.producer]
-        p = pos[tensor.producer]
-        decision = swapped.get(tensor.name)
-        row = {"tensor": tensor.name, "size": int(tensor.bytes), "op": tensor.producer, "op_type": producer.type,
-               "keras_layer": producer.keras_layer, "layer": producer.layer, "swapped": decision is not None}
-        if decision is None:
-            last = max([p] + [pos[c] for c in tensor.consumers])
-            if start[p] <= t < end[last]:
-                live.append({**row, "group": "transient"})
-            continue
-        fed = {c for si in decision.swap_ins for c in si.consumers}
-        last = max([p] + [pos[c] for c in tensor.consumers if c not in fed])
-        release = max(end[last], out_end.get(tensor.name, end[last]))
-        if start[p] <= t < release:
-            live.append({**row, "group": "mobile"})
-        for k, si in enumerate(decision.swap_ins):
-            ev = events.get((tensor.name, k))
-            if ev is not None and ev.in_start <= t < end[max(pos[c] for c in si.consumers)]:
-                live.append({**row, "tensor": f"{tensor.name} (swap-in {k})", "group": "mobile"})
+    for buf in res.peak_buffers:
+        producer = step_graph.ops[step_graph.tensors[buf.tensor].producer]
+        label = buf.tensor if buf.swap_in is None else f"{buf.tensor} (swap-in {buf.swap_in})"
+        live.append({"tensor": label, "size": int(buf.bytes), "op": producer.name, "op_type": producer.type,
+                     "keras_layer": producer.keras_layer, "layer": producer.layer,
+                     "swapped": buf.group == "mobile", "group": buf.group,
+                     "shares": [n for n in sim.buffer_tensors(buf.tensor) if n != buf.tensor]})
     live.sort(key=lambda r: (-r["size"], r["tensor"]))
     return live[:MAX_PEAK_TENSORS], len(live)

@@ -28,6 +28,7 @@ from collections import Counter
 import numpy as np
 import tensorflow as tf
 
+from dymem_tf import compat
 from dymem_tf.passes import graph_capture, graph_def_view, graph_pass
 from dymem_tf.planning import pipeline, planner
 from dymem_tf.planning.device_profiles import DeviceProfile
@@ -156,6 +157,8 @@ class StepPass:
         self.probe: bool = False
         #: the calibration the next budgeted plan was made with (noted in the plan)
         self.calibration = None
+        #: the most recent instantiation, when the pass left it unmodified (None once a later one is planned)
+        self.last_skipped: SkippedTrace | None = None
         self._print = print_fn
         self._warned: set[str] = set()
         self._mobility: dict = {}
@@ -223,6 +226,7 @@ class StepPass:
             self._mobility.update(plan.mobility)  # every instantiation of this fit stays callable
             record = TraceRecord(call.function_name, plan.batch_size, step_graph, plan, report, replica, rewritten)
             self.records.append(record)
+            self.last_skipped = None
             if self.config.verbose:
                 where = f" (replica {replica})" if replica is not None else ""
                 self._print(plan.summary())
@@ -232,14 +236,15 @@ class StepPass:
     def skip(self, function_name: str, problem: Unsupported, replica: int | None) -> None:
         """Record that the graph is left unmodified, and warn once per construct."""
         reason = f"dymem_tf left this train step unmodified (no swapping): {problem.detail}"
-        self.skipped.append(SkippedTrace(function_name, problem.kind, problem.subject, reason, replica))
+        self.last_skipped = SkippedTrace(function_name, problem.kind, problem.subject, reason, replica)
+        self.skipped.append(self.last_skipped)
         # one warning per construct: the same op in another replica or a retrace is the same construct
         self._warn_once(f"{problem.kind}:{_REPLICA_SCOPE.sub(_keep_slash, problem.subject)}", reason)
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
-            warnings.warn(message, RuntimeWarning, stacklevel=2)
+            compat.warn_user(message)
 
 
 @functools.lru_cache(maxsize=4)

@@ -64,8 +64,12 @@ CONV_LIKE_OP_TYPES = frozenset({
 DEFAULT_MIN_SWAP_BYTES = 64 * 1024
 
 
-#: Share of the budget the planner leaves free: GTBM's fragmentation (a few % of the pool) plus the simulator's
-#: peak error (within about 6% of the measured CPU peak on ResNet-50, see docs/benchmarks.md).
+#: Share of the budget the planner leaves free when nothing was measured: ``DymemCallback(calibrate=False)``, a
+#: process without GTBM to measure the first step with, and the dry run. It is a default, not a bound on the
+#: simulator's error: docs/benchmarks.md measures that error at about 5% (median) without a budget but beyond 10%
+#: on some models, and far larger on the uncalibrated least-memory step under a budget ("Budget reliability").
+#: Under a budget the callback therefore derives the headroom from its measured first step instead
+#: (:func:`dymem_tf.first_step.calibrated_headroom`, never below ``first_step.CALIBRATION_MARGIN``, also 10%).
 DEFAULT_HEADROOM = 0.1
 
 
@@ -485,8 +489,8 @@ def make_plan(step_graph: StepGraph, policy: str = "dymem", budget_bytes: int | 
     ``swapin_ahead`` is TFLMS' level distance (default 1) and, for dymem, a cap on how late a trigger may sit;
     ``group_gap_layers``: consumers further apart than this (and far enough in time) get separate swap-ins.
     ``headroom``: the swap set is chosen so the predicted peak stays under ``(1 - headroom) * budget_bytes``,
-    leaving room for the allocator's fragmentation and the simulator's error (the callback uses
-    :data:`DEFAULT_HEADROOM`; 0 plans to the byte).
+    leaving room for the allocator's fragmentation and the simulator's error (the callback uses the headroom it
+    calibrates on the first step under a budget, else :data:`DEFAULT_HEADROOM`; 0 plans to the byte).
 
     Raises ValueError for an unknown policy or a budget below the persistent bytes, and
     :class:`BudgetTooSmallError` when no swap set of the policy fits the budget.

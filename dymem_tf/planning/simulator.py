@@ -58,9 +58,23 @@ class SwapEvent:
 
 
 @dataclass
+class PeakBuffer:
+    """A device buffer live at the simulated peak: ``tensor`` owns it (aliases and tensors written into it in place
+    are not separate buffers, see :meth:`Simulator.buffer_tensors`); ``swap_in`` is the index of the swap-in whose
+    copy it is, or None for the original."""
+
+    tensor: str
+    bytes: int
+    group: str
+    swap_in: int | None = None
+
+
+@dataclass
 class SimResult:
     """Outcome of :func:`simulate`. ``peak_by_group`` is the breakdown at the peak instant; ``group_peaks`` holds
-    each group's own maximum. ``timeline`` rows are ``(t, persistent, transient, mobile)`` after every event."""
+    each group's own maximum. ``timeline`` rows are ``(t, persistent, transient, mobile)`` after every event;
+    ``peak_buffers`` (with the timeline) are the buffers live at the peak instant: their bytes add up to the peak's
+    transient and mobile bytes."""
 
     peak_bytes: int
     peak_by_group: dict[str, int]
@@ -75,6 +89,7 @@ class SimResult:
     order: list[str] = field(default_factory=list, repr=False)
     op_start_s: np.ndarray | None = field(default=None, repr=False)
     op_end_s: np.ndarray | None = field(default=None, repr=False)
+    peak_buffers: list[PeakBuffer] = field(default_factory=list, repr=False)
 
     def as_predicted(self) -> dict:
         """The fields a :class:`Plan` stores in ``predicted``."""
@@ -112,6 +127,14 @@ class Simulator:
         self.t_prod = np.array(prod, dtype=np.int64)
         self.t_last = np.array(last, dtype=np.int64)
         self.t_bytes = np.array(size, dtype=np.int64)
+
+    def buffer_tensors(self, owner: str) -> list[str]:
+        """The tensors whose data lives in ``owner``'s buffer: ``owner``, the tensors forwarded into it and the
+        aliases of each (an empty list for a tensor that owns no buffer)."""
+        if owner not in self.t_index and owner not in self.chain:
+            return []
+        aliases = self.sg.aliases()
+        return [n for name in self.chain.get(owner, [owner]) for n in [name] + aliases.get(name, [])]
 
     def _buffer_users(self, tensor: str) -> list[str]:
         """Ops that keep ``tensor``'s buffer alive. Shape/Size/Rank of a tensor whose shape is static do not
@@ -322,9 +345,23 @@ class Simulator:
             by_group = {"persistent": persistent_bytes, "transient": 0, "mobile": 0}
             group_peaks = dict(by_group)
         rows: list[tuple[float, int, int, int]] = []
+        live: list[PeakBuffer] = []
         if timeline:
             rows = [(0.0, persistent_bytes, 0, 0)]
             rows += list(zip(ev_t.tolist(), [persistent_bytes] * len(ev_t), trans.tolist(), mob.tolist()))
+            if len(total):
+                # the buffers allocated by the events up to the peak's and freed by a later one
+                buffers = [PeakBuffer(n, int(b), "transient") for n, b in
+                           zip(np.array(self.t_names, dtype=object)[keep].tolist(), tb.tolist())]
+                buffers += [PeakBuffer(self.t_names[i], int(self.t_bytes[i]), "mobile") for i in mob_idx]
+                buffers += [PeakBuffer(swaps[i].tensor, int(nbytes), "mobile", k)
+                            for i, k, nbytes, _tp, _c0, _c1 in swap_ins]
+                rank = np.empty(len(idx), dtype=np.int64)
+                rank[idx] = np.arange(len(idx))
+                bounds = np.cumsum([0] + [len(p) for p in parts_d])  # parts come in (allocations, frees) pairs
+                alloc = np.concatenate([rank[bounds[j]:bounds[j + 1]] for j in range(0, len(parts_d), 2)])
+                free = np.concatenate([rank[bounds[j]:bounds[j + 1]] for j in range(1, len(parts_d), 2)])
+                live = [buffers[b] for b in np.flatnonzero((alloc <= pk) & (free > pk)).tolist()]
 
         sw_events = []
         for j, (i, k, nbytes, _tp, _c0, _c1) in enumerate(swap_ins):
@@ -333,7 +370,7 @@ class Simulator:
         compute = float(self.dur.sum())
         step = float(end[-1]) if len(end) else 0.0
         return SimResult(peak, by_group, group_peaks, step, compute, float(sum(stall_of)), peak_time, peak_op,
-                         rows, sw_events, self.order, start, end)
+                         rows, sw_events, self.order, start, end, live)
 
 
 @no_autograph

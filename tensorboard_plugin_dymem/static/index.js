@@ -313,7 +313,8 @@ function renderSummary(section, data) {
     ['peak_bytes_in_use', 'Measured device peak', maxOf(steps, 'peak_bytes_in_use'), formatBytes],
     ['peak_bytes_reserved', 'Measured pool reserved (peak)', maxOf(steps, 'peak_bytes_reserved'), formatBytes],
     ['host_peak_bytes_in_use', 'Host pool peak', maxOf(steps, 'host_peak_bytes_in_use'), formatBytes],
-    ['fragmentation', 'Fragmentation (last step)', lastDefined(steps, 'fragmentation'), formatPercent],
+    ['reserved_overhead', 'Reserved overhead (1 − in use / reserved, last step)',
+      lastDefined(steps, 'reserved_overhead'), formatPercent],
   ];
   const list = el('dl', {class: 'dymem-figures'});
   let count = 0;
@@ -530,7 +531,7 @@ function renderPool(section, data) {
     showMissing(section, data, 'trace.csv', 'No allocator trace in this run.');
     return;
   }
-  const allocatorFragmentation = lastDefined(data.steps || [], 'fragmentation');
+  const reservedOverhead = lastDefined(data.steps || [], 'reserved_overhead');
   section.dataset.count = String(pool.blocks.length);
   section.dataset.fragmentation = String(pool.fragmentation);
   const figures = [
@@ -542,9 +543,9 @@ function renderPool(section, data) {
       pool.fragmentation],
     ['blocks', 'Live buffers', String(pool.blocks.length), pool.blocks.length],
   ];
-  if (allocatorFragmentation !== null) {
-    figures.push(['allocator_fragmentation', 'Allocator: 1 − in use / reserved (last step)',
-      formatPercent(allocatorFragmentation), allocatorFragmentation]);
+  if (reservedOverhead !== null) {
+    figures.push(['reserved_overhead', 'Reserved overhead (1 − in use / reserved, last step)',
+      formatPercent(reservedOverhead), reservedOverhead]);
   }
   section.append(el('p', {class: 'dymem-caption'},
       `Traced buffers live at allocator event ${pool.event} (TensorFlow ${stepName(pool)}), by offset in the pool; ` +
