@@ -181,7 +181,7 @@ def test_the_readme_dry_run_plans_swaps():
                         "--device", "h200"]
     proc = run_cli(*args[3:], timeout=600)
     assert proc.returncode == 0, proc.stderr
-    table = proc.stdout[proc.stdout.index("policy  swaps"):].splitlines()[1:]
+    table = proc.stdout[re.search(r"^policy +swaps", proc.stdout, re.M).start():].splitlines()[1:]
     rows = {line.split()[0]: line.split() for line in table if line.strip()}
     assert not [line for line in table if "error" in line], table
     assert int(rows["none"][1]) == 0 and int(rows["dymem"][1]) > 0

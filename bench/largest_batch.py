@@ -1,0 +1,211 @@
+"""Largest batch under a device budget, trials that last: ResNet-50 at 64x64 under 512 MiB, SGD and Adam.
+
+    python bench/largest_batch.py                      # both optimizers, modes plain, none, auto; writes the docs
+    python bench/largest_batch.py --optimizers sgd --modes plain,auto --steps 5 --samples 500   # quicker, no write
+
+Each trial is a fresh interpreter (Keras keeps every model it built alive until exit) with the GTBM device capped at
+``--budget`` (oneDNN off, so running out of memory raises instead of crashing) that trains ``--steps`` steps on a
+data set of ``max(--samples, batch x steps)`` NumPy samples. A batch *fits* when every step trained and every
+step's measured device peak (GTBM ``peak_bytes_reserved``) stayed under the budget. A refusal
+(``BudgetTooSmallError``) or an out-of-memory error is a batch that does not fit. Modes:
+
+* ``plain``: no Dymem callback (GTBM is still the allocator, so the peak is measured the same way);
+* ``none``: ``DymemCallback(memory_budget=None)``: every eligible tensor swapped, no budget;
+* ``auto``: ``DymemCallback(memory_budget="auto")``: the budget is the device (the product's promise).
+
+The search doubles from ``--start`` until a batch fails, then bisects to within ~3% of the answer. The default run
+writes the "Largest batch" section of docs/benchmarks.md (between its markers) and docs/largest_batch.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+BEGIN, END = "<!-- largest-batch:begin -->", "<!-- largest-batch:end -->"
+MODES = ("plain", "none", "auto")
+OPTIMIZERS = ("sgd", "adam")
+MiB = 1 << 20
+
+
+def trial(batch: int, optimizer: str, mode: str, args) -> dict:
+    """Run one trial in a fresh interpreter; its JSON result (``outcome`` trained / refused / oom / failed)."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--batch", str(batch), "--optimizer", optimizer,
+           "--mode", mode, "--steps", str(args.steps), "--samples", str(args.samples), "--image-size",
+           str(args.image_size), "--budget", args.budget]
+    env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="0", TF_CPP_MIN_LOG_LEVEL="2", DYMEM_DEVICE_MEMORY_LIMIT=args.budget)
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    result = json.loads(lines[-1]) if lines else {
+        "outcome": "failed", "error": " | ".join((proc.stderr or "").strip().splitlines()[-3:])}
+    result.update(batch=batch, seconds=round(time.perf_counter() - t0, 1))
+    return result
+
+
+def fits(result: dict, budget_bytes: int, steps: int) -> bool:
+    """Trained every step with every step's measured peak under the budget."""
+    return (result.get("outcome") == "trained" and result.get("steps_run") == steps
+            and max(result.get("peaks") or [budget_bytes + 1]) <= budget_bytes)
+
+
+def largest(optimizer: str, mode: str, args, budget_bytes: int, log) -> tuple[int, list[dict]]:
+    """The largest batch that fits (0 when even ``--start`` does not), and every trial run to find it."""
+    trials = []
+
+    def ok(batch: int) -> bool:
+        result = trial(batch, optimizer, mode, args)
+        trials.append(result)
+        good = fits(result, budget_bytes, args.steps)
+        peak = max(result.get("peaks") or [0]) / MiB
+        log(f"  {optimizer:4s} {mode:5s} batch {batch:4d}: {'fits' if good else result.get('outcome')} "
+            f"(max step peak {peak:.0f} MiB, {result['seconds']:.0f} s)")
+        return good
+
+    lo, hi, batch = 0, None, args.start
+    while batch <= args.limit:
+        if not ok(batch):
+            hi = batch
+            break
+        lo, batch = batch, batch * 2
+    if hi is None:
+        return lo, trials
+    while hi - lo > max(1, lo // 32):
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo, trials
+
+
+def report(results: dict, args, seconds: float) -> str:
+    """The Markdown section for docs/benchmarks.md."""
+    cmd = "python bench/largest_batch.py" + ("" if _defaults(args) else " " + " ".join(sys.argv[1:]))
+    lines = [BEGIN, "## Largest batch under a 512 MiB device: trials that last", "",
+             f"`{cmd}` ({seconds / 60:.0f} min on this 2-core CPU machine; GTBM is the emulated device, oneDNN "
+             f"off). ResNet-50 at {args.image_size}x{args.image_size}, device capped at {args.budget}; every trial "
+             f"is a fresh process that trains {args.steps} steps on max({args.samples}, batch x {args.steps}) "
+             "samples and fits when every step trained with its measured peak under the budget. *plain*: no "
+             "callback; *none*: `DymemCallback(memory_budget=None)`; *auto*: `DymemCallback(memory_budget=\"auto\")`.",
+             "", "| optimizer | plain | none | auto | auto / plain | trials |", "| --- | --- | --- | --- | --- | --- |"]
+    for optimizer, by_mode in results.items():
+        got = {m: by_mode[m]["largest"] for m in by_mode}
+        ratio = f"{got['auto'] / got['plain']:.2f}x" if got.get("plain") and "auto" in got else "-"
+        n = sum(len(by_mode[m]["trials"]) for m in by_mode)
+        lines.append(f"| {optimizer} | {got.get('plain', '-')} | {got.get('none', '-')} | {got.get('auto', '-')} "
+                     f"| {ratio} | {n} |")
+    lines += ["", "Largest batch per mode; the trials (batch, outcome, max step peak) are in "
+              "[docs/largest_batch.json](largest_batch.json).", END]
+    return "\n".join(lines)
+
+
+def _defaults(args) -> bool:
+    return (args.steps, args.samples, args.image_size, args.budget) == (20, 2000, 64, "512MiB")
+
+
+def write_docs(section: str, results: dict) -> None:
+    path = os.path.join(REPO, "docs", "benchmarks.md")
+    text = open(path, encoding="utf-8").read()
+    if BEGIN in text and END in text:
+        text = text[:text.index(BEGIN)] + section + text[text.index(END) + len(END):]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(text)
+    with open(os.path.join(REPO, "docs", "largest_batch.json"), "w", encoding="utf-8") as fh:
+        json.dump(results, fh, indent=1)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--optimizers", default=",".join(OPTIMIZERS))
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--budget", default="512MiB")
+    parser.add_argument("--image-size", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--samples", type=int, default=2000)
+    parser.add_argument("--start", type=int, default=16, help="first batch tried")
+    parser.add_argument("--limit", type=int, default=1024, help="largest batch tried")
+    parser.add_argument("--write", action="store_true", help="write docs even when not the default run")
+    # one trial (internal)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--optimizer", help=argparse.SUPPRESS)
+    parser.add_argument("--mode", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(run_child(args)))
+        return 0
+    from dymem_tf.units import parse_bytes
+
+    optimizers = [o.strip() for o in args.optimizers.split(",")]
+    modes = [m.strip() for m in args.modes.split(",")]
+    for value, allowed, flag in ((optimizers, OPTIMIZERS, "--optimizers"), (modes, MODES, "--modes")):
+        bad = [v for v in value if v not in allowed]
+        if bad:
+            parser.error(f"{flag}: unknown {', '.join(bad)} (choose from {', '.join(allowed)})")
+    budget_bytes = parse_bytes(args.budget)
+    t0 = time.perf_counter()
+    results: dict = {}
+    for optimizer in optimizers:
+        results[optimizer] = {}
+        for mode in modes:
+            print(f"ResNet-50 {args.image_size}px, {optimizer}, mode {mode}, device {args.budget}:", flush=True)
+            best, trials = largest(optimizer, mode, args, budget_bytes, lambda s: print(s, flush=True))
+            results[optimizer][mode] = {"largest": best, "trials": trials}
+    section = report(results, args, time.perf_counter() - t0)
+    print(section)
+    if _defaults(args) and modes == list(MODES) and optimizers == list(OPTIMIZERS) or args.write:
+        write_docs(section, results)
+    return 0
+
+
+def run_child(args) -> dict:
+    """One trial in this fresh interpreter (see the module docstring)."""
+    import tensorflow as tf
+
+    import dymem_tf
+    import keras
+    from dymem_tf.memory import allocator
+
+    sys.path.insert(0, HERE)
+    from model_zoo import _application, _sgd
+
+    keras.utils.set_random_seed(0)
+    optimizer = _sgd if args.optimizer == "sgd" else (lambda: keras.optimizers.Adam(1e-3))
+    samples = max(args.samples, args.batch * args.steps)
+    model, x, y = _application("ResNet50", args.image_size, optimizer)(args.batch, samples, 0)
+
+    class Peaks(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.peaks = []
+
+        def on_train_batch_begin(self, batch, logs=None):
+            allocator.reset_peak_stats()
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.peaks.append(int(allocator.memory_stats()["peak_bytes_reserved"]))
+
+    peaks = Peaks()
+    callbacks = [peaks]
+    if args.mode != "plain":
+        callbacks.insert(0, dymem_tf.DymemCallback(memory_budget="auto" if args.mode == "auto" else None,
+                                                   verbose=0))
+    result = {"outcome": "trained", "samples": samples}
+    try:
+        model.fit(x, y, batch_size=args.batch, epochs=1, steps_per_epoch=args.steps, shuffle=False, verbose=0,
+                  callbacks=callbacks)
+    except dymem_tf.BudgetTooSmallError as err:
+        result.update(outcome="refused", error=str(err)[:300])
+    except tf.errors.ResourceExhaustedError as err:
+        result.update(outcome="oom", error=(err.message or "").splitlines()[0][:200])
+    result.update(steps_run=len(peaks.peaks), peaks=peaks.peaks)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())
