@@ -49,11 +49,10 @@ def _child(name: str, args) -> dict:
     import keras
 
     import dymem_tf
-    from dymem_tf.memory import allocator
     from dymem_tf.passes import step_pass
 
     sys.path.insert(0, HERE)
-    from model_zoo import ZOO
+    from model_zoo import ZOO, StepPeaks as Peaks
 
     tf.config.experimental.enable_op_determinism()
     batch = BATCH[name]
@@ -68,17 +67,6 @@ def _child(name: str, args) -> dict:
         kwargs = dict(batch_size=batch, epochs=1, steps_per_epoch=steps, shuffle=False, verbose=0,
                       callbacks=callbacks)
         return model.fit(x, **kwargs) if y is None else model.fit(x, y, **kwargs)
-
-    class Peaks(keras.callbacks.Callback):
-        def __init__(self):
-            super().__init__()
-            self.peaks = []
-
-        def on_train_batch_begin(self, b, logs=None):
-            allocator.reset_peak_stats()
-
-        def on_train_batch_end(self, b, logs=None):
-            self.peaks.append(int(allocator.memory_stats()["peak_bytes_reserved"]))
 
     def same_results():
         model, x, y = build(batch * args.identity_steps)

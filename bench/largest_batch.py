@@ -169,28 +169,16 @@ def run_child(args) -> dict:
 
     import dymem_tf
     import keras
-    from dymem_tf.memory import allocator
 
     sys.path.insert(0, HERE)
-    from model_zoo import _application, _sgd
+    from model_zoo import StepPeaks, _application, _sgd
 
     keras.utils.set_random_seed(0)
     optimizer = _sgd if args.optimizer == "sgd" else (lambda: keras.optimizers.Adam(1e-3))
     samples = max(args.samples, args.batch * args.steps)
     model, x, y = _application("ResNet50", args.image_size, optimizer)(args.batch, samples, 0)
 
-    class Peaks(keras.callbacks.Callback):
-        def __init__(self):
-            super().__init__()
-            self.peaks = []
-
-        def on_train_batch_begin(self, batch, logs=None):
-            allocator.reset_peak_stats()
-
-        def on_train_batch_end(self, batch, logs=None):
-            self.peaks.append(int(allocator.memory_stats()["peak_bytes_reserved"]))
-
-    peaks = Peaks()
+    peaks = StepPeaks()
     callbacks = [peaks]
     if args.mode != "plain":
         callbacks.insert(0, dymem_tf.DymemCallback(memory_budget="auto" if args.mode == "auto" else None,

@@ -11,6 +11,24 @@ import numpy as np
 import tensorflow as tf
 
 
+class StepPeaks(keras.callbacks.Callback):
+    """Records the GTBM device's peak (``peak_bytes_reserved``) of every training step in ``peaks``."""
+
+    def __init__(self):
+        super().__init__()
+        self.peaks: list[int] = []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        from dymem_tf.memory import allocator
+
+        allocator.reset_peak_stats()
+
+    def on_train_batch_end(self, batch, logs=None):
+        from dymem_tf.memory import allocator
+
+        self.peaks.append(int(allocator.memory_stats()["peak_bytes_reserved"]))
+
+
 def _images(samples: int, size: int, seed: int, classes: int = 10):
     rng = np.random.default_rng(seed)
     return (rng.uniform(size=(samples, size, size, 3)).astype("float32"),

@@ -330,3 +330,38 @@ def test_budget_reliability_cli_checks_its_arguments_and_renders_a_saved_run(tmp
     text = budget_reliability.report([result], args, 60.0)
     assert "| gan | 64 | yes | 3 |" in text and "trained 20 steps" in text and "Budget violations" in text
     assert "median 16.7%" in text  # |50 - 60| / 60 on the probe
+
+
+def test_largest_batch_search_and_report(monkeypatch):
+    """The search finds the largest batch whose trial trained every step under the budget (trials faked by a
+    limit: the real ones train ResNet-50 for minutes); a step over the budget or a refusal is a batch that fails."""
+    import subprocess
+    import sys
+
+    script = os.path.join(REPO, "bench", "largest_batch.py")
+    bad = subprocess.run([sys.executable, script, "--modes", "auto,bogus"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--modes: unknown bogus" in bad.stderr
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    import largest_batch
+
+    budget = 512 << 20
+    assert largest_batch.fits({"outcome": "trained", "steps_run": 20, "peaks": [budget] * 20}, budget, 20)
+    assert not largest_batch.fits({"outcome": "trained", "steps_run": 20, "peaks": [budget + 1] + [0] * 19},
+                                  budget, 20)
+    assert not largest_batch.fits({"outcome": "trained", "steps_run": 19, "peaks": [0] * 19}, budget, 20)
+    assert not largest_batch.fits({"outcome": "refused", "steps_run": 0, "peaks": []}, budget, 20)
+
+    limit = {"plain": 31, "auto": 139}
+    monkeypatch.setattr(largest_batch, "trial", lambda batch, optimizer, mode, args: {
+        "outcome": "trained" if batch <= limit[mode] else "oom", "steps_run": 20 if batch <= limit[mode] else 0,
+        "peaks": [budget] * 20 if batch <= limit[mode] else [], "seconds": 1.0})
+    args = types.SimpleNamespace(start=16, limit=1024, steps=20, samples=2000, image_size=64, budget="512MiB")
+    results = {"sgd": {}}
+    for mode in limit:
+        best, trials = largest_batch.largest("sgd", mode, args, budget, lambda s: None)
+        assert limit[mode] - limit[mode] // 32 - 1 <= best <= limit[mode]
+        results["sgd"][mode] = {"largest": best, "trials": trials}
+    text = largest_batch.report(results, args, 60.0)
+    ratio = results["sgd"]["auto"]["largest"] / results["sgd"]["plain"]["largest"]
+    assert f"| sgd | {results['sgd']['plain']['largest']} | - | {results['sgd']['auto']['largest']} | {ratio:.2f}x |" \
+        in text
