@@ -1,7 +1,7 @@
 // GTBM core: placement of tensors in an abstract offset space, grouped by mobility.
 //
 // Pure C++17, no TensorFlow dependency: the same code serves the live TensorFlow allocator
-// (gtbm_allocator.cc maps offsets onto an mmap'ed range), the trace replay engine (gtbm_replay.cc) and the
+// (../allocator/gtbm_allocator.cc maps offsets onto an mmap'ed range), the trace replay engine (replay.cc) and the
 // standalone/sanitizer tests (tests/gtbm_core_test.cc).
 //
 // Model. A Pool manages offsets [0, capacity). Memory is handed out in chunks aligned to `alignment`.
@@ -40,8 +40,8 @@
 //
 // Thread safety: every public method of Pool is safe to call concurrently (one mutex; each operation is a few
 // ordered-map updates, O(log n), plus O(number of free block runs) when a group must grow).
-#ifndef DYMEM_TF_CC_GTBM_CORE_H_
-#define DYMEM_TF_CC_GTBM_CORE_H_
+#ifndef DYMEM_TF_CC_GTBM_GTBM_CORE_H_
+#define DYMEM_TF_CC_GTBM_GTBM_CORE_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -253,4 +253,4 @@ class Pool {
 
 }  // namespace gtbm
 
-#endif  // DYMEM_TF_CC_GTBM_CORE_H_
+#endif  // DYMEM_TF_CC_GTBM_GTBM_CORE_H_

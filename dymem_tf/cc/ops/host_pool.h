@@ -8,8 +8,8 @@
 // The pool caches freed blocks (up to a configurable byte limit) and hands them out again to requests of nearly the
 // same size: a training step swaps the same feature-map sizes every step, and reusing a block avoids an mmap/munmap
 // pair plus a page fault per 4 KiB for every swap-out.
-#ifndef DYMEM_TF_CC_HOST_POOL_H_
-#define DYMEM_TF_CC_HOST_POOL_H_
+#ifndef DYMEM_TF_CC_OPS_HOST_POOL_H_
+#define DYMEM_TF_CC_OPS_HOST_POOL_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -111,4 +111,4 @@ void dymem_host_pool_set_cache_limit(int64_t bytes);
 void dymem_host_pool_set_bytes_limit(int64_t bytes);
 }
 
-#endif  // DYMEM_TF_CC_HOST_POOL_H_
+#endif  // DYMEM_TF_CC_OPS_HOST_POOL_H_

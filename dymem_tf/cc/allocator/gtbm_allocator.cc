@@ -72,7 +72,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "gtbm_core.h"
+#include "../gtbm/gtbm_core.h"
 #include "tensorflow/core/framework/allocator.h"
 #include "tensorflow/core/framework/allocator_registry.h"
 #include "tsl/platform/env.h"
