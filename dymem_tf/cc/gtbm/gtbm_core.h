@@ -4,6 +4,11 @@
 // (../allocator/gtbm_allocator.cc maps offsets onto an mmap'ed range), the trace replay engine (replay.cc) and the
 // standalone/sanitizer tests (tests/gtbm_core_test.cc).
 //
+// This header is the core's API. Its implementation, one file per concern: parse.cc (ParseBytes, group and policy
+// names), placer.h (the internal placement interface) with placer_gtbm.cc, placer_best_fit.cc and
+// placer_first_fit.cc (one policy each), pool.cc (the Pool), stats.cc (stat names, flattening), trace.cc (trace
+// recording, CSV dump); arith.h holds the byte arithmetic they share.
+//
 // Model. A Pool manages offsets [0, capacity). Memory is handed out in chunks aligned to `alignment`.
 // Under the GTBM policy the space is cut into fixed-size pageblocks; each block is either free (in the shared
 // free list) or owned by exactly one mobility group:
@@ -18,7 +23,7 @@
 // the OS), so a group that shrinks gives its memory to the others: the Linux "group pages by mobility" scheme
 // applied to tensors.
 //
-// Where groups grow (see GtbmPlacer in gtbm_core.cc): all groups draw blocks from one address-ordered free list,
+// Where groups grow (see GtbmPlacer in placer_gtbm.cc): all groups draw blocks from one address-ordered free list,
 // lowest extent first, so memory released by one group is reused by the others; blocks stay mobility-homogeneous.
 //
 // Policies for comparison in replays: BEST_FIT mirrors TensorFlow's BFC allocator (256-byte rounding, 21
@@ -151,7 +156,7 @@ struct TraceInfo {
   uint64_t max_records = 0;
 };
 
-class Placer;  // one placement policy (gtbm_core.cc)
+class Placer;  // one placement policy (placer.h)
 
 class Pool {
  public:
@@ -226,10 +231,18 @@ class Pool {
     int32_t group;
   };
 
+  // Block size of the GTBM policies, 0 for the others (PoolStats::block_size).
   int64_t gtbm_block_size() const;
+  // Raises the peaks to the current values (and records reserved_at_peak_in_use on a new in-use peak).
   void UpdatePeaksLocked();
+  // Peaks restart from the current values.
   void ResetPeaksLocked();
+  // Trace recording (trace.cc); each is a no-op while no trace is active.
+  void TraceAllocLocked(uint64_t offset, const AllocTag* tag, Live* live);
+  void TraceFreeLocked(const Live& live);
+  // Index of `name` in op_names_, added if new.
   uint32_t InternOpLocked(std::string_view name);
+  // Nanoseconds since the trace started.
   int64_t NowNsLocked() const;
 
   PoolOptions options_;

@@ -2,7 +2,7 @@
 // for every policy, a multi-threaded stress test with an overlap detector, and unit checks (parsing, limits,
 // alignment, traces, the BFC mirror).
 //
-//   g++ -std=c++17 -O2 -pthread dymem_tf/cc/gtbm/gtbm_core.cc dymem_tf/cc/gtbm/tests/gtbm_core_test.cc -o gtbm_core_test
+//   make native-test   (g++ -std=c++17 -O2 -pthread, the core's dymem_tf/cc/gtbm/*.cc but replay.cc, and this file)
 //   ./gtbm_core_test [--seeds N] [--ops N] [--threads N] [--thread-ops N]
 // Exit status 0 when every check passes. Built under ASan/UBSan by `make asan` / `make ubsan`.
 #include <algorithm>
