@@ -73,6 +73,7 @@ constexpr int kNumPolicies = 4;
 
 // "gtbm", "gtbm_nogroups", "best_fit", "first_fit".
 const char* PolicyName(Policy policy);
+// Accepts a policy name (case-insensitive); returns false on anything else.
 bool ParsePolicy(std::string_view text, Policy* policy);
 
 constexpr uint64_t kInvalidOffset = ~uint64_t{0};
@@ -202,6 +203,7 @@ class Pool {
   // recording gets upper = last event index + 1 and free_ns = -1.
   bool DumpTrace(const std::string& path, std::string* error) const;
 
+  // The options the pool was created with (capacity rounded down to whole blocks for GTBM).
   const PoolOptions& options() const { return options_; }
 
   // Verifies the internal invariants (chunks tile the reserved space, free lists consistent, counters match);

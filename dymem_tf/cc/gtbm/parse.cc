@@ -9,8 +9,10 @@ namespace gtbm {
 
 namespace {
 
+// ASCII lower case of `c`.
 char Lower(char c) { return (c >= 'A' && c <= 'Z') ? static_cast<char>(c - 'A' + 'a') : c; }
 
+// ASCII case-insensitive equality.
 bool EqualsIgnoreCase(std::string_view a, std::string_view b) {
   if (a.size() != b.size()) return false;
   for (size_t i = 0; i < a.size(); ++i) {

@@ -116,14 +116,19 @@ class BestFitPlacer final : public Placer {
     bool used;
   };
 
+  // The bin of a chunk of `bytes`: floor(log2(bytes / 256)), at most the last bin.
   static int BinNum(uint64_t bytes) {
     const uint64_t v = std::max<uint64_t>(bytes, kMinAllocationSize) >> 8;
     return std::min(kNumBins - 1, FloorLog2(v));
   }
 
+  // Adds the free chunk at `off` to its bin.
   void InsertIntoBin(uint64_t off, uint64_t size) { bins_[BinNum(size)].insert({size, off}); }
+  // Removes the free chunk at `off` from its bin.
   void RemoveFromBin(uint64_t off, uint64_t size) { bins_[BinNum(size)].erase({size, off}); }
 
+  // Takes the smallest free chunk of at least `r` bytes in the lowest bin holding one (split by BFC's rule); its
+  // offset, or kInvalidOffset.
   uint64_t Find(uint64_t r) {
     for (int b = BinNum(r); b < kNumBins; ++b) {
       auto it = bins_[b].lower_bound({r, 0});
@@ -143,6 +148,7 @@ class BestFitPlacer final : public Placer {
     return kInvalidOffset;
   }
 
+  // Appends a free region that holds `r` bytes (doubling the region size); false when `limit` leaves no room.
   bool Extend(uint64_t r, uint64_t limit) {
     const uint64_t room = std::min(limit, capacity_);
     const uint64_t available = room > pool_bytes_ ? (room - pool_bytes_) / unit_ * unit_ : 0;

@@ -172,12 +172,14 @@ class GtbmPlacer final : public Placer {
     bool used;
   };
 
+  // End of the highest owned block, in blocks.
   uint64_t ExtentBlocks() const {
     if (runs_.empty()) return nblocks_;
     const auto& last = *runs_.rbegin();
     return last.first + last.second == nblocks_ ? last.first : nblocks_;
   }
 
+  // Records [off, off+size) as a free chunk of group g (chunks_ and its free set).
   void AddFreeChunk(uint64_t off, uint64_t size, int g) {
     chunks_.emplace(off, Chunk{size, g, false});
     free_[g].insert({size, off});
@@ -221,6 +223,7 @@ class GtbmPlacer final : public Placer {
     return chunks_.end();
   }
 
+  // Free chunk of group g starting exactly at byte `pos`, or chunks_.end().
   std::map<uint64_t, Chunk>::iterator FreeChunkAt(uint64_t pos, int g) {
     auto it = chunks_.find(pos);
     if (it != chunks_.end() && !it->second.used && it->second.group == g) return it;
@@ -305,6 +308,7 @@ class GtbmPlacer final : public Placer {
     return off;
   }
 
+  // Gives blocks [start, start+count), inside one free run, to group g (and out of the release cache).
   void TakeBlocks(int g, uint64_t start, uint64_t count) {
     auto it = std::prev(runs_.upper_bound(start));
     const uint64_t rs = it->first;
@@ -334,6 +338,7 @@ class GtbmPlacer final : public Placer {
     }
   }
 
+  // Returns blocks [start, start+count) of group g to the shared free list, then caches or releases them.
   void ReleaseBlocks(int g, uint64_t start, uint64_t count) {
     owned_[g] -= count;
     owned_total_ -= count;

@@ -49,6 +49,7 @@ constexpr GroupField kGroupFields[] = {
 };
 constexpr int kNumGroupFields = static_cast<int>(sizeof(kGroupFields) / sizeof(kGroupFields[0]));
 
+// The comma-separated names of the flattened stats: the scalars, then each group field per group.
 std::string BuildStatNames() {
   std::string names;
   for (const ScalarField& f : kScalarFields) {

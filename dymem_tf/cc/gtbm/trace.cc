@@ -95,6 +95,7 @@ TraceInfo Pool::GetTraceInfo() const {
 
 namespace {
 
+// Writes `s` as one CSV field, quoted (RFC 4180) when it holds a comma, a quote or a line break.
 void WriteCsvField(FILE* f, const std::string& s) {
   const bool quote = s.find_first_of(",\"\n\r") != std::string::npos;
   if (!quote) {
