@@ -9,7 +9,10 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.dymem-installed
 CXX    ?= g++
-NATIVE_SRC := $(wildcard dymem_tf/cc/*.cc dymem_tf/cc/*.h)
+NATIVE_SRC := $(shell find dymem_tf/cc -name '*.cc' -o -name '*.h')
+# The allocator core (no TensorFlow) that the standalone test links: dymem_tf/cc/gtbm/ without the replay engine.
+CORE_SRC   := $(filter-out %/replay.cc,$(sort $(wildcard dymem_tf/cc/gtbm/*.cc)))
+CORE_TEST  := dymem_tf/cc/gtbm/tests/gtbm_core_test.cc
 
 .PHONY: all install demo test test-fast native-test asan ubsan bench bench-quick browser-deps keras-conformance clean
 
@@ -49,17 +52,17 @@ build:
 	mkdir -p build
 
 native-test: build
-	$(CXX) -std=c++17 -O2 -Wall -Wextra -Werror -pthread dymem_tf/cc/gtbm_core.cc dymem_tf/cc/tests/gtbm_core_test.cc -o build/gtbm_core_test
+	$(CXX) -std=c++17 -O2 -Wall -Wextra -Werror -pthread $(CORE_SRC) $(CORE_TEST) -o build/gtbm_core_test
 	./build/gtbm_core_test
 
 asan: build
 	$(CXX) -std=c++17 -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all -pthread \
-	  dymem_tf/cc/gtbm_core.cc dymem_tf/cc/tests/gtbm_core_test.cc -o build/gtbm_core_test_asan
+	  $(CORE_SRC) $(CORE_TEST) -o build/gtbm_core_test_asan
 	ASAN_OPTIONS=detect_leaks=1 ./build/gtbm_core_test_asan
 
 ubsan: build
 	$(CXX) -std=c++17 -O1 -g -fsanitize=undefined -fno-sanitize-recover=all -pthread \
-	  dymem_tf/cc/gtbm_core.cc dymem_tf/cc/tests/gtbm_core_test.cc -o build/gtbm_core_test_ubsan
+	  $(CORE_SRC) $(CORE_TEST) -o build/gtbm_core_test_ubsan
 	./build/gtbm_core_test_ubsan
 
 # Keras's own tests (trainers, every offline callback, models) run twice, without and with DymemCallback appended to

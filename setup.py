@@ -1,12 +1,13 @@
 """Compiles the native libraries of dymem_tf against the installed TensorFlow.
 
-Three shared libraries are built from ``dymem_tf/cc``:
+Three shared libraries are built from ``dymem_tf/cc``, one folder per concern:
 
-* ``_dymem_gtbm``: the GTBM allocator (files ``gtbm_*.cc``). It registers itself with TF's allocator factory, so
-  it must be loaded before TF's first CPU allocation; it is kept apart from the ops for that reason.
-* ``_dymem_ops``: the swap kernels, the host pool and the graph pass after Grappler (every other ``*.cc``).
-* ``_dymem_replay``: the GTBM core and its trace replay engine only (plain C++17, not linked to TF, no allocator
-  registration), loaded with ctypes by ``python -m dymem_tf.memory.replay`` at any time.
+* ``_dymem_gtbm``: the GTBM allocator (``allocator/`` and the core in ``gtbm/``). It registers itself with TF's
+  allocator factory, so it must be loaded before TF's first CPU allocation; it is kept apart from the ops for that
+  reason.
+* ``_dymem_ops``: the swap kernels and the host pool (``ops/``) and the graph pass after Grappler (``pass/``).
+* ``_dymem_replay``: the GTBM core and its trace replay engine only (``gtbm/``: plain C++17, not linked to TF, no
+  allocator registration), loaded with ctypes by ``python -m dymem_tf.memory.replay`` at any time.
 
 Flags come from ``tf.sysconfig``; TF's headers are included with ``-isystem`` so that ``-Wall -Wextra -Werror``
 applies to our own sources only.
@@ -23,14 +24,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 CC_DIR = os.path.join("dymem_tf", "cc")
 
 
-def _sources(pattern, exclude=()):
-    files = sorted(glob.glob(os.path.join(CC_DIR, pattern)))
-    return [f for f in files if os.path.basename(f) not in exclude]
+def _sources(*folders):
+    """The ``.cc`` files directly in the given folders of ``dymem_tf/cc`` (not their ``tests/``), sorted."""
+    return sorted(f for folder in folders for f in glob.glob(os.path.join(CC_DIR, folder, "*.cc")))
 
 
-GTBM_SOURCES = _sources("gtbm_*.cc")
-OPS_SOURCES = _sources("*.cc", exclude={os.path.basename(f) for f in GTBM_SOURCES})
-REPLAY_SOURCES = [f for f in GTBM_SOURCES if os.path.basename(f) in ("gtbm_core.cc", "gtbm_replay.cc")]
+CORE_SOURCES = _sources("gtbm")  # TF-free: the allocator core and the replay engine
+GTBM_SOURCES = _sources("allocator") + CORE_SOURCES
+OPS_SOURCES = _sources("ops", "pass")
+REPLAY_SOURCES = CORE_SOURCES
 REPLAY_EXT = "dymem_tf._dymem_replay"
 
 
@@ -97,7 +99,7 @@ class TensorFlowBuildExt(build_ext):
 ext_modules = []
 if GTBM_SOURCES:
     ext_modules.append(Extension("dymem_tf._dymem_gtbm", sources=GTBM_SOURCES, language="c++"))
-if len(REPLAY_SOURCES) == 2:
+if REPLAY_SOURCES:
     ext_modules.append(Extension(REPLAY_EXT, sources=REPLAY_SOURCES, language="c++"))
 if OPS_SOURCES:
     ext_modules.append(Extension("dymem_tf._dymem_ops", sources=OPS_SOURCES, language="c++"))

@@ -627,7 +627,7 @@ def _replay_section(results: dict, d: dict) -> str:
     rp = results.get("replay", {})
     lines = ["## 5. GTBM placement replayed on allocation traces (measured: the C++ allocator core, offline)", "",
              "`dymem_tf.memory.replay.replay` runs each instance online (arrival order, frees before allocations at equal "
-             "times) through the allocator core of `dymem_tf/cc/gtbm_core.cc` with each policy: `gtbm` (pageblocks "
+             "times) through the allocator core of `dymem_tf/cc/gtbm/` with each policy: `gtbm` (pageblocks "
              "owned by mobility groups), `gtbm_nogroups` (the same with one group: the ablation of grouping), "
              "`best_fit` (a mirror of TF's BFC: 256-byte rounding, 21 bins, regions doubling from 2 MiB), "
              "`first_fit` (address-ordered). Each cell is **footprint / lower bound** (memory held at the peak: "

@@ -2,7 +2,7 @@
 bench's configuration and TensorFlow's logs) and the formatting shared by summaries, the CLI and error messages.
 
 Imports nothing but the standard library: ``bench/run_all.py`` loads this file by path, without TensorFlow. The C++
-parser (``ParseBytes`` in ``dymem_tf/cc/gtbm_core.cc``), which reads the allocator's environment variables before
+parser (``ParseBytes`` in ``dymem_tf/cc/gtbm/parse.cc``), which reads the allocator's environment variables before
 any Python runs, follows the same rules; ``tests/test_gtbm_allocator.py`` checks that the two agree.
 """
 from __future__ import annotations

@@ -128,8 +128,8 @@ def test_cli_bad_arguments(args, message):
 
 # ------------------------------------------------------------------------------------------------ native build
 def setup_py_libraries(monkeypatch) -> dict[str, set[str]]:
-    """``{"_dymem_gtbm": {"dymem_tf/cc/gtbm_allocator.cc", ...}, ...}``: the sources setup.py compiles per library
-    (setup.py run with ``setuptools.setup`` replaced, so nothing is built)."""
+    """``{"_dymem_gtbm": {"dymem_tf/cc/allocator/gtbm_allocator.cc", ...}, ...}``: the sources setup.py compiles per
+    library (setup.py run with ``setuptools.setup`` replaced, so nothing is built)."""
     import runpy
 
     import setuptools
@@ -143,27 +143,37 @@ def setup_py_libraries(monkeypatch) -> dict[str, set[str]]:
 
 
 def bazel_targets() -> dict[str, set[str]]:
-    """``{target name: its srcs}`` of every rule in BUILD."""
+    """``{target name: its srcs}`` of every rule in BUILD; ``srcs`` is a sum of string lists and list constants
+    (``NAME = [...]`` at the top level)."""
     import re
 
     with open(os.path.join(REPO, "BUILD"), encoding="utf-8") as fh:
         text = fh.read()
-    rules = re.findall(r'name\s*=\s*"([^"]+)",\s*srcs\s*=\s*\[(.*?)\]', text, flags=re.S)
-    return {name: set(re.findall(r'"([^"]+)"', srcs)) for name, srcs in rules}
+    lists = {name: set(re.findall(r'"([^"]+)"', body))
+             for name, body in re.findall(r"^([A-Z_]+)\s*=\s*\[(.*?)\]", text, flags=re.S | re.M)}
+    term = r"(?:\[[^\]]*\]|[A-Z_]+)"
+    rules = re.findall(rf'name\s*=\s*"([^"]+)",\s*srcs\s*=\s*({term}(?:\s*\+\s*{term})*)', text, flags=re.S)
+    return {name: set().union(*(set(re.findall(r'"([^"]+)"', part)) if part.startswith("[") else lists[part]
+                                for part in re.split(r"\s*\+\s*", srcs)))
+            for name, srcs in rules}
 
 
 def test_bazel_build_compiles_what_setup_py_compiles(monkeypatch):
     """BUILD says it compiles the same sources per library as setup.py: each library's .cc files are the same,
-    and every .cc of dymem_tf/cc outside its tests is in a library."""
+    every .cc under dymem_tf/cc outside a tests/ folder is in a library, and every file BUILD names exists."""
     libraries = setup_py_libraries(monkeypatch)
     targets = bazel_targets()
+    named = set().union(*targets.values())
+    missing = sorted(src for src in named if not os.path.exists(os.path.join(REPO, src)))
+    assert not missing, f"BUILD names files that do not exist: {missing}"
     assert set(libraries) == {"_dymem_gtbm", "_dymem_ops", "_dymem_replay"}
     for library, sources in libraries.items():
         assert f"{library}.so" in targets, f"BUILD has no target {library}.so"
         in_build = {src for src in targets[f"{library}.so"] if src.endswith(".cc")}
         assert in_build == sources, f"{library}: BUILD compiles {sorted(in_build)}, setup.py {sorted(sources)}"
     cc_files = {os.path.relpath(path, REPO).replace(os.sep, "/")
-                for path in glob.glob(os.path.join(REPO, "dymem_tf", "cc", "*.cc"))}
+                for path in glob.glob(os.path.join(REPO, "dymem_tf", "cc", "**", "*.cc"), recursive=True)}
+    cc_files = {path for path in cc_files if "/tests/" not in path}
     assert cc_files and cc_files == set().union(*libraries.values())
 
 

@@ -1,5 +1,5 @@
-"""The graph pass after Grappler (cc/graph_pass.cc, cc/step_plan.cc) through its Python bridge: what it offers,
-and that a plan is applied all or nothing."""
+"""The graph pass after Grappler (cc/pass/graph_pass.cc, cc/pass/step_plan.cc) through its Python bridge: what it
+offers, and that a plan is applied all or nothing."""
 import numpy as np
 import pytest
 import tensorflow as tf

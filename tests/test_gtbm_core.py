@@ -1,4 +1,4 @@
-"""The standalone C++ test of the GTBM core (dymem_tf/cc/tests/gtbm_core_test.cc), plain and under ASan+UBSan.
+"""The standalone C++ test of the GTBM core (dymem_tf/cc/gtbm/tests/gtbm_core_test.cc), plain and under ASan+UBSan.
 
 The binaries are built with g++ directly (the commands of ``make native-test`` / ``make asan``) into ``build/`` and
 reused while they are newer than the sources, so only the first run pays for the compilation (the sanitizer build
@@ -6,6 +6,7 @@ takes 20-45 s on 2 busy cores).
 """
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 import subprocess
@@ -13,8 +14,11 @@ import subprocess
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SOURCES = ["dymem_tf/cc/gtbm_core.cc", "dymem_tf/cc/tests/gtbm_core_test.cc"]
-DEPS = SOURCES + ["dymem_tf/cc/gtbm_core.h"]
+CORE = "dymem_tf/cc/gtbm"
+# The core without the replay engine, then the test: what `make native-test` compiles (its CORE_SRC, CORE_TEST).
+SOURCES = ([f for f in sorted(glob.glob(f"{CORE}/*.cc", root_dir=REPO)) if not f.endswith("/replay.cc")]
+           + [f"{CORE}/tests/gtbm_core_test.cc"])
+DEPS = SOURCES + sorted(glob.glob(f"{CORE}/*.h", root_dir=REPO))
 CXX = os.environ.get("CXX", "g++")
 
 pytestmark = pytest.mark.skipif(shutil.which(CXX) is None, reason=f"{CXX} not found")

@@ -1,6 +1,6 @@
 """Statistics and limits of the native host pool that holds swapped-out tensors on the CPU device.
 
-The pool lives in ``_dymem_ops`` (``dymem_tf/cc/host_pool.cc``) and is reached through ctypes. On the CPU device
+The pool lives in ``_dymem_ops`` (``dymem_tf/cc/ops/host_pool.cc``) and is reached through ctypes. On the CPU device
 ``DymemSwapOut`` stores its output there, outside the device allocator's budget; on a GPU the host copies use TF's
 pinned host allocator instead and only the swap counters (``bytes_swapped_*``, ``num_swap_*``) move.
 

@@ -3,7 +3,7 @@
 Three libraries live next to the package (built by ``pip install .``):
 
 * ``_dymem_ops``: the ``DymemSwapOut`` / ``DymemSwapIn`` kernels, the host pool and the graph pass that plans the
-  train step after Grappler (``cc/graph_pass.cc``); safe to load at any time.
+  train step after Grappler (``cc/pass/graph_pass.cc``); safe to load at any time.
 * ``_dymem_gtbm``: the GTBM allocator. It registers with TF's allocator factory from a static initializer, which
   TensorFlow turns into a process-killing CHECK failure once its CPU allocator exists. It is therefore loaded only
   while TF's eager context is not yet initialised (see :func:`gtbm_load_is_safe`).

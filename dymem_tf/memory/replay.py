@@ -11,7 +11,7 @@ idealloc benchmarks, or a trace recorded by :func:`dymem_tf.memory.allocator.rec
 ``offset``, ``op``, ``step`` and timestamps). Buffers are allocated at ``lower`` and freed at ``upper``, online and in
 time order; at equal times frees come first, then allocations in file order.
 
-Policies (the C++ core in ``dymem_tf/cc/gtbm_core.cc``): ``gtbm`` (pageblocks owned by mobility groups),
+Policies (the C++ core in ``dymem_tf/cc/gtbm/``): ``gtbm`` (pageblocks owned by mobility groups),
 ``gtbm_nogroups`` (the same with one group, to isolate the grouping), ``best_fit`` (a mirror of TensorFlow's BFC
 allocator: 256-byte rounding, 21 bins, regions doubling from 2 MiB) and ``first_fit`` (address-ordered).
 

@@ -9,7 +9,7 @@ import tensorflow as tf
 
 from dymem_tf.memory.native import load_ops_library
 
-# Every dtype whose tensors are plain bytes; must match DYMEM_SWAP_TYPES in dymem_tf/cc/swap_ops.cc.
+# Every dtype whose tensors are plain bytes; must match DYMEM_SWAP_TYPES in dymem_tf/cc/ops/swap_ops.cc.
 SUPPORTED_DTYPES: tuple[tf.DType, ...] = (
     tf.float16, tf.bfloat16, tf.float32, tf.float64,
     tf.int8, tf.int16, tf.int32, tf.int64,

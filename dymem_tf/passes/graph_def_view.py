@@ -1,7 +1,7 @@
 """A read-only view of the GraphDef the graph pass hands over, shaped like the parts of ``tf.Graph`` the pass uses.
 
 The pass serializes the graph TensorFlow will run with every node's output types and inferred shapes
-(``_dymem_output_types``, ``_dymem_output_shapes``, from the runtime's own op registry, ``cc/graph_pass.cc``). This
+(``_dymem_output_types``, ``_dymem_output_shapes``, from the runtime's own op registry, ``cc/pass/graph_pass.cc``). This
 view reads them, so the graph never has to be re-imported through Python's op registry, which rejects some graphs
 Grappler legitimately produces (bfloat16 ``_FusedConv2D`` under oneDNN) and costs time on large steps.
 

@@ -1,4 +1,4 @@
-"""The bridge to Dymem's graph pass after Grappler (``cc/graph_pass.cc``): offer, plan, apply.
+"""The bridge to Dymem's graph pass after Grappler (``cc/pass/graph_pass.cc``): offer, plan, apply.
 
 TensorFlow runs the pass once per function instantiation, on the graph it will execute (after Grappler). While a
 :func:`armed` block is active, the pass hands every instantiated graph that holds gradient ops to the *listener*

@@ -1,8 +1,8 @@
 """The Dymem pass over an instantiated train step: analyse ▶ defer ▶ plan ▶ rewrite, after Grappler.
 
 TensorFlow offers every instantiated function graph that holds gradient ops to a :class:`StepPass` while the
-callback's train function runs (:mod:`dymem_tf.passes.graph_pass`, ``cc/graph_pass.cc``). The graph is the one TF will
-execute: Grappler has fused, folded and rewritten it already. The pass reads it (with the shapes TF's own shape inference gives, :mod:`dymem_tf.passes.graph_def_view`), builds the step
+callback's train function runs (:mod:`dymem_tf.passes.graph_pass`, ``cc/pass/graph_pass.cc``). The graph is the one
+TF will execute: Grappler has fused, folded and rewritten it already. The pass reads it (with the shapes TF's own shape inference gives, :mod:`dymem_tf.passes.graph_def_view`), builds the step
 graph of each training device (:mod:`dymem_tf.passes.graph_capture`), defers gradient-independent optimizer arithmetic
 (:mod:`dymem_tf.planning.update_deferral`), plans the swaps (:mod:`dymem_tf.planning.planner`) and hands the plan back to the C++
 pass, which inserts the swap ops by node name (all or nothing). Because Grappler has finished, the inserted ops

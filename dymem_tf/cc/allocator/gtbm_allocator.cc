@@ -72,7 +72,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "gtbm_core.h"
+#include "../gtbm/gtbm_core.h"
 #include "tensorflow/core/framework/allocator.h"
 #include "tensorflow/core/framework/allocator_registry.h"
 #include "tsl/platform/env.h"
@@ -102,6 +102,7 @@ constexpr uint64_t kReleaseCacheBudgetDivisor = 8;
 
 thread_local std::string g_last_error;
 
+// Records `message` as this thread's last error; returns -1, for the caller to return.
 int SetError(const std::string& message) {
   g_last_error = message;
   return -1;
@@ -114,6 +115,7 @@ constexpr int kMaxOverrideDepth = 64;
 thread_local int t_override_depth = 0;
 thread_local int t_override[kMaxOverrideDepth];
 
+// The calling thread's innermost mobility override, or -1 when it has none.
 int CurrentOverride() {
   const int depth = std::min(t_override_depth, kMaxOverrideDepth);
   return depth > 0 ? t_override[depth - 1] : -1;
@@ -127,6 +129,7 @@ void PushOverride(int group) {
   ++t_override_depth;
 }
 
+// Drops the calling thread's innermost mobility override (no-op when it has none).
 void PopOverride() {
   if (t_override_depth > 0) --t_override_depth;
 }
@@ -139,11 +142,13 @@ struct MobilityMap {
 std::shared_ptr<const MobilityMap> g_mobility_map;  // accessed with std::atomic_load / std::atomic_store
 std::atomic<bool> g_has_mobility_map{false};         // fast path: no map, no shared_ptr traffic per allocation
 
+// The part of an op name after its last '/'.
 std::string_view Leaf(std::string_view op) {
   const size_t slash = op.rfind('/');
   return slash == std::string_view::npos ? op : op.substr(slash + 1);
 }
 
+// True when `text` begins with `prefix`.
 bool StartsWith(std::string_view text, std::string_view prefix) { return text.substr(0, prefix.size()) == prefix; }
 
 // Node names default to the op type ("AssignSubVariableOp_12"), and Keras/TF optimizers keep them.
@@ -281,11 +286,13 @@ struct Arena {
   uint64_t space = 0;
   std::unique_ptr<gtbm::Pool> pool;
 
+  // True when `ptr` lies inside this arena's reserved range.
   bool Owns(const void* ptr) const {
     const uintptr_t p = reinterpret_cast<uintptr_t>(ptr);
     const uintptr_t b = reinterpret_cast<uintptr_t>(base);
     return pool != nullptr && p >= b && p < b + space;
   }
+  // Offset of `ptr`, an address inside the arena, in its pool's offset space.
   uint64_t OffsetOf(const void* ptr) const {
     return static_cast<uint64_t>(reinterpret_cast<uintptr_t>(ptr) - reinterpret_cast<uintptr_t>(base));
   }
@@ -456,18 +463,22 @@ class GtbmAllocator final : public tensorflow::Allocator {
 
   tsl::AllocatorMemoryType GetMemoryType() const override { return tsl::AllocatorMemoryType::kHostPageable; }
 
+  // The device arena's pool (nullptr when it could not be reserved).
   gtbm::Pool* pool() { return device_.pool.get(); }
   // nullptr when the host-inputs arena could not be reserved.
   gtbm::Pool* host_pool() { return host_.pool.get(); }
+  // Why the device arena could not be set up (empty when it was).
   const std::string& error() const { return error_; }
 
  private:
+  // The arena (device or host inputs) holding `ptr`, or nullptr.
   const Arena* ArenaOf(const void* ptr) const {
     if (device_.Owns(ptr)) return &device_;
     if (host_.Owns(ptr)) return &host_;
     return nullptr;
   }
 
+  // Logs a refused allocation with the pool's state (the first kMaxFailureLogs refusals only).
   void LogFailure(gtbm::Pool* pool, size_t num_bytes, size_t alignment, int group, std::string_view op) {
     // Out-of-budget is an expected, recoverable condition (TF raises ResourceExhausted): log the first few only.
     const int n = failures_logged_.fetch_add(1, std::memory_order_relaxed);
@@ -497,6 +508,7 @@ std::atomic<GtbmAllocator*> g_instance{nullptr};
 std::atomic<bool> g_created_by_tf{false};
 std::mutex g_instance_mu;
 
+// The process-wide allocator, created on first use (thread-safe).
 GtbmAllocator* Instance() {
   GtbmAllocator* a = g_instance.load(std::memory_order_acquire);
   if (a != nullptr) return a;
@@ -560,6 +572,7 @@ constexpr const char* kHostStatNames[] = {
 };
 constexpr int kNumHostStats = static_cast<int>(sizeof(kHostStatNames) / sizeof(kHostStatNames[0]));
 
+// Writes the host-inputs arena's values in kHostStatNames order (all zeros without an arena).
 void HostStats(gtbm::Pool* host, int64_t out[kNumHostStats]) {
   const gtbm::PoolStats s = host != nullptr ? host->Stats() : gtbm::PoolStats();
   const int64_t values[kNumHostStats] = {
@@ -624,6 +637,7 @@ int dymem_gtbm_is_active(void) {
 // inputs are off); any other value pushes "no override" (keeps push/pop balanced).
 void dymem_gtbm_push_mobility(int group) { dymem::PushOverride(group); }
 
+// Ends the calling thread's innermost dymem_gtbm_push_mobility.
 void dymem_gtbm_pop_mobility(void) { dymem::PopOverride(); }
 
 // Replaces the op-name -> mobility map. `text`: lines "op_name<TAB>group", group a name (persistent, transient,
@@ -658,6 +672,7 @@ int dymem_gtbm_set_mobility_map(const char* text) {
   });
 }
 
+// Removes the op-name -> mobility map; returns 0.
 int dymem_gtbm_clear_mobility_map(void) {
   dymem::g_has_mobility_map.store(false, std::memory_order_release);
   std::atomic_store(&dymem::g_mobility_map, std::shared_ptr<const dymem::MobilityMap>());
@@ -699,8 +714,10 @@ const char* dymem_gtbm_stat_names(void) {
   }();
   return names->c_str();
 }
+// Number of values dymem_gtbm_get_stats has.
 int dymem_gtbm_num_stats(void) { return gtbm::NumStats() + dymem::kNumHostStats; }
 
+// Writes min(n, dymem_gtbm_num_stats()) values; returns dymem_gtbm_num_stats(), or -1.
 int dymem_gtbm_get_stats(int64_t* out, int n) {
   return dymem::Guard([&]() -> int {
     dymem::GtbmAllocator* a = dymem::ActiveAllocator();
@@ -763,6 +780,7 @@ int dymem_gtbm_trace_start(int64_t max_records) {
   });
 }
 
+// Stops recording (the trace is kept for dymem_gtbm_trace_dump); 0, or -1 when inactive.
 int dymem_gtbm_trace_stop(void) {
   gtbm::Pool* pool = dymem::ActivePool();
   if (pool == nullptr) return -1;
@@ -770,6 +788,7 @@ int dymem_gtbm_trace_stop(void) {
   return 0;
 }
 
+// Writes the trace to `path` as CSV (columns of gtbm::Pool::DumpTrace); 0 or -1.
 int dymem_gtbm_trace_dump(const char* path) {
   return dymem::Guard([&]() -> int {
     gtbm::Pool* pool = dymem::ActivePool();
@@ -781,11 +800,13 @@ int dymem_gtbm_trace_dump(const char* path) {
   });
 }
 
+// Allocation records held, or -1 when inactive.
 int64_t dymem_gtbm_trace_count(void) {
   gtbm::Pool* pool = dymem::ActivePool();
   return pool == nullptr ? -1 : static_cast<int64_t>(pool->GetTraceInfo().records);
 }
 
+// Writes min(n, 5) of {active, records, dropped, events, max_records}; returns 5, or -1 when inactive.
 int dymem_gtbm_trace_info(int64_t* out, int n) {
   gtbm::Pool* pool = dymem::ActivePool();
   if (pool == nullptr) return -1;

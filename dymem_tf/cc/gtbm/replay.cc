@@ -61,6 +61,7 @@ std::vector<std::string> SplitCsv(const std::string& line) {
   return fields;
 }
 
+// `s` without leading and trailing spaces and tabs.
 std::string Trim(const std::string& s) {
   size_t b = 0;
   size_t e = s.size();
@@ -69,6 +70,7 @@ std::string Trim(const std::string& s) {
   return s.substr(b, e - b);
 }
 
+// Parses a decimal of at most 19 digits (spaces around it allowed); false on anything else.
 bool ParseU64(const std::string& text, uint64_t* v) {
   const std::string s = Trim(text);
   if (s.empty() || s.size() > 19) return false;
@@ -156,6 +158,7 @@ constexpr uint64_t kBlocksPerLowerBound = 256;
 constexpr double kPersistentFraction = 0.9;
 constexpr double kMobileFraction = 0.1;
 
+// The group of `b` by the rule above, over the horizon [t0, t1).
 int LifetimeGroup(const Buffer& b, uint64_t t0, uint64_t t1) {
   const double horizon = static_cast<double>(t1 - t0);
   const double life = static_cast<double>(b.upper - b.lower);
@@ -165,6 +168,7 @@ int LifetimeGroup(const Buffer& b, uint64_t t0, uint64_t t1) {
   return kTransient;
 }
 
+// The largest power of two <= v (1 for v < 2).
 uint64_t FloorPow2(uint64_t v) {
   uint64_t p = 1;
   while (p <= v / 2) p *= 2;
@@ -200,6 +204,7 @@ constexpr const char* kStatNames =
     "footprint,peak_extent,used_extent,lower_bound,peak_in_use,reserved_at_peak_in_use,num_buffers,num_failed,"
     "time_ns,block_size,alignment,buffers_persistent,buffers_transient,buffers_mobile,groups_from_trace";
 
+// dymem_replay_run without the exception guard: 0 with `out` written, or -1 with g_replay_error set.
 int Replay(const char* csv_path, const char* policy_name, int64_t block_size, int64_t alignment,
            const char* groups_mode, int64_t* out, int out_len) {
   if (csv_path == nullptr || policy_name == nullptr || out == nullptr) {

@@ -8,8 +8,8 @@
 // The pool caches freed blocks (up to a configurable byte limit) and hands them out again to requests of nearly the
 // same size: a training step swaps the same feature-map sizes every step, and reusing a block avoids an mmap/munmap
 // pair plus a page fault per 4 KiB for every swap-out.
-#ifndef DYMEM_TF_CC_HOST_POOL_H_
-#define DYMEM_TF_CC_HOST_POOL_H_
+#ifndef DYMEM_TF_CC_OPS_HOST_POOL_H_
+#define DYMEM_TF_CC_OPS_HOST_POOL_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -58,11 +58,14 @@ class HostPool {
   // Returns a block obtained from Allocate; `block_bytes` is the size it reported.
   void Deallocate(void* ptr, size_t block_bytes);
 
+  // Counts one swap-out (DymemSwapOut) of `bytes` payload bytes.
   void RecordSwapOut(int64_t bytes);
+  // Counts one swap-in (DymemSwapIn) of `bytes` payload bytes.
   void RecordSwapIn(int64_t bytes);
 
   // Fills out[0..kNumHostPoolStats) in HostPoolStat order.
   void GetStats(int64_t out[kNumHostPoolStats]) const;
+  // kPeakBytesInUse restarts from the bytes in use.
   void ResetPeak();
   // Frees every cached block; returns the number of bytes given back to the system.
   int64_t ReleaseCache();
@@ -79,11 +82,15 @@ class HostPool {
   using LruList = std::list<FreeBlock>;
 
   HostPool();
+  // `bytes` rounded to the block granule: 64 bytes below 64 KiB, 4 KiB pages above.
   static size_t RoundUp(size_t bytes);
   // Both require mu_. Evicted blocks are appended to `victims` and freed by the caller outside the lock.
   void EvictLocked(int64_t target_cached_bytes, LruList* victims);
+  // A cached block of `bytes` to 9/8 of it (best fit; its size in *block_bytes), or nullptr.
   void* TakeCachedLocked(size_t bytes, size_t* block_bytes);
+  // Counts a block of `block_bytes` handed out.
   void RecordAllocLocked(size_t block_bytes);
+  // Frees every block of `blocks` and empties the list.
   static void FreeAll(LruList* blocks);
 
   mutable std::mutex mu_;
@@ -102,6 +109,7 @@ absl::Status AllocateHostPoolTensor(tensorflow::DataType dtype, const tensorflow
 
 // C interface for Python (ctypes); see dymem_tf/memory/host_pool.py.
 extern "C" {
+// The C interface mirrors HostPool::Global()'s methods of the same names.
 int dymem_host_pool_num_stats(void);
 const char* dymem_host_pool_stat_name(int index);  // nullptr when out of range
 int dymem_host_pool_stats(int64_t* out, int n);    // writes min(n, num_stats) values, returns that count
@@ -111,4 +119,4 @@ void dymem_host_pool_set_cache_limit(int64_t bytes);
 void dymem_host_pool_set_bytes_limit(int64_t bytes);
 }
 
-#endif  // DYMEM_TF_CC_HOST_POOL_H_
+#endif  // DYMEM_TF_CC_OPS_HOST_POOL_H_

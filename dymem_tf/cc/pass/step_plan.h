@@ -6,8 +6,8 @@
 //   ctrl  <from node> <to node>
 // `out` copies a tensor to host memory; `in` brings it back for the listed consumers (their data inputs from the
 // tensor are rerouted to the swap-in), after the trigger node ran; `ctrl` adds a control edge (no numeric change).
-#ifndef DYMEM_TF_CC_STEP_PLAN_H_
-#define DYMEM_TF_CC_STEP_PLAN_H_
+#ifndef DYMEM_TF_CC_PASS_STEP_PLAN_H_
+#define DYMEM_TF_CC_PASS_STEP_PLAN_H_
 
 #include <string>
 #include <vector>
@@ -49,4 +49,4 @@ bool ApplyStepPlan(const StepPlan& plan, tensorflow::Graph* graph, std::string* 
 
 }  // namespace dymem
 
-#endif  // DYMEM_TF_CC_STEP_PLAN_H_
+#endif  // DYMEM_TF_CC_PASS_STEP_PLAN_H_

@@ -2,7 +2,7 @@
 // for every policy, a multi-threaded stress test with an overlap detector, and unit checks (parsing, limits,
 // alignment, traces, the BFC mirror).
 //
-//   g++ -std=c++17 -O2 -pthread dymem_tf/cc/gtbm_core.cc dymem_tf/cc/tests/gtbm_core_test.cc -o gtbm_core_test
+//   make native-test   (g++ -std=c++17 -O2 -pthread, the core's dymem_tf/cc/gtbm/*.cc but replay.cc, and this file)
 //   ./gtbm_core_test [--seeds N] [--ops N] [--threads N] [--thread-ops N]
 // Exit status 0 when every check passes. Built under ASan/UBSan by `make asan` / `make ubsan`.
 #include <algorithm>
@@ -45,8 +45,10 @@ using gtbm::PoolStats;
 
 constexpr Policy kPolicies[] = {Policy::kGtbm, Policy::kGtbmNoGroups, Policy::kBestFit, Policy::kFirstFit};
 
+// True for the pageblock policies.
 bool IsGtbm(Policy p) { return p == Policy::kGtbm || p == Policy::kGtbmNoGroups; }
 
+// A pool with options `o`; fails the test when they are rejected.
 std::unique_ptr<Pool> MakePool(const PoolOptions& o) {
   std::string error;
   std::unique_ptr<Pool> pool = Pool::Create(o, &error);
@@ -54,6 +56,7 @@ std::unique_ptr<Pool> MakePool(const PoolOptions& o) {
   return pool;
 }
 
+// Fails the test, naming `where`, when the pool's invariants do not hold.
 void CheckPool(const Pool& pool, const char* where) {
   std::string error;
   CHECK(pool.CheckInvariants(&error), "%s: invariant violated: %s", where, error.c_str());
@@ -68,11 +71,13 @@ struct LiveRef {
   int group;
 };
 
+// A size drawn log-uniformly from [lo, hi).
 uint64_t LogUniform(std::mt19937_64& rng, uint64_t lo, uint64_t hi) {
   std::uniform_real_distribution<double> d(std::log(static_cast<double>(lo)), std::log(static_cast<double>(hi)));
   return static_cast<uint64_t>(std::exp(d(rng)));
 }
 
+// `ops` random allocations and frees checked against a reference model; `tight`: under a small budget.
 void RandomSequence(Policy policy, uint64_t seed, int ops, bool tight) {
   std::mt19937_64 rng(seed * 7919 + static_cast<uint64_t>(policy));
   PoolOptions o;
@@ -334,6 +339,7 @@ void TestParseBytes() {
   }
 }
 
+// Pool::Create rejects invalid options with an error.
 void TestCreateValidation() {
   std::string error;
   PoolOptions o;
@@ -351,6 +357,7 @@ void TestCreateValidation() {
   CHECK(!Pool::Create(o, &error), "zero capacity accepted");
 }
 
+// The budget, for every policy: refusals above it, failure counts, SetLimit's bounds.
 void TestLimits() {
   for (Policy p : kPolicies) {
     PoolOptions o;
@@ -379,6 +386,7 @@ void TestLimits() {
   }
 }
 
+// Per-group accounting and the peaks, on a GTBM pool.
 void TestPeaksAndGroups() {
   PoolOptions o;
   o.capacity = uint64_t{64} << 20;
@@ -426,6 +434,7 @@ void TestPeaksAndGroups() {
   CHECK(names.rfind("bytes_in_use,peak_bytes_in_use", 0) == 0, "StatNames order");
 }
 
+// Free blocks stay resident up to release_cache, then go to on_release; TrimCache releases the rest.
 void TestReleaseCache() {
   PoolOptions o;
   o.capacity = uint64_t{64} << 20;
@@ -449,6 +458,7 @@ void TestReleaseCache() {
   CheckPool(*pool, "cache");
 }
 
+// BEST_FIT follows BFC's rounding, split and region-growth rules.
 void TestBestFitMirror() {
   PoolOptions o;
   o.policy = Policy::kBestFit;
@@ -469,6 +479,7 @@ void TestBestFitMirror() {
   CheckPool(*pool, "bfc");
 }
 
+// Trace recording: lifetimes, op names with CSV quoting, the record bound, a bad dump path.
 void TestTrace() {
   PoolOptions o;
   o.capacity = uint64_t{64} << 20;
@@ -515,6 +526,7 @@ void TestTrace() {
   CHECK(!pool->DumpTrace("/nonexistent-dir/x.csv", &error) && !error.empty(), "dump to a bad path succeeded");
 }
 
+// The integer after `name` on the command line, or `fallback`.
 int IntArg(int argc, char** argv, const char* name, int fallback) {
   for (int i = 1; i + 1 < argc; ++i) {
     if (std::strcmp(argv[i], name) == 0) return std::atoi(argv[i + 1]);

@@ -89,6 +89,7 @@ int FindGtbmLibrary(struct dl_phdr_info* info, size_t /*size*/, void* data) {
 }
 #endif
 
+// GTBM's dymem_gtbm_push/pop_mobility from the loaded libraries, both or neither.
 MobilityHooks ResolveMobilityHooks() {
   MobilityHooks hooks;
   void* push = dlsym(RTLD_DEFAULT, "dymem_gtbm_push_mobility");
@@ -158,6 +159,7 @@ void CopyBytes(OpKernelContext* ctx, char* dst, const char* src, size_t bytes) {
                     });
 }
 
+// OK when tensors of `dtype` can be copied as plain bytes, else InvalidArgument naming `op`.
 absl::Status CheckSwappable(const char* op, DataType dtype) {
   if (!tensorflow::DataTypeCanUseMemcpy(dtype)) {
     return absl::InvalidArgumentError(absl::StrCat(op, " cannot swap tensors of dtype ",

@@ -1,8 +1,13 @@
 // GTBM core: placement of tensors in an abstract offset space, grouped by mobility.
 //
 // Pure C++17, no TensorFlow dependency: the same code serves the live TensorFlow allocator
-// (gtbm_allocator.cc maps offsets onto an mmap'ed range), the trace replay engine (gtbm_replay.cc) and the
+// (../allocator/gtbm_allocator.cc maps offsets onto an mmap'ed range), the trace replay engine (replay.cc) and the
 // standalone/sanitizer tests (tests/gtbm_core_test.cc).
+//
+// This header is the core's API. Its implementation, one file per concern: parse.cc (ParseBytes, group and policy
+// names), placer.h (the internal placement interface) with placer_gtbm.cc, placer_best_fit.cc and
+// placer_first_fit.cc (one policy each), pool.cc (the Pool), stats.cc (stat names, flattening), trace.cc (trace
+// recording, CSV dump); arith.h holds the byte arithmetic they share.
 //
 // Model. A Pool manages offsets [0, capacity). Memory is handed out in chunks aligned to `alignment`.
 // Under the GTBM policy the space is cut into fixed-size pageblocks; each block is either free (in the shared
@@ -18,7 +23,7 @@
 // the OS), so a group that shrinks gives its memory to the others: the Linux "group pages by mobility" scheme
 // applied to tensors.
 //
-// Where groups grow (see GtbmPlacer in gtbm_core.cc): all groups draw blocks from one address-ordered free list,
+// Where groups grow (see GtbmPlacer in placer_gtbm.cc): all groups draw blocks from one address-ordered free list,
 // lowest extent first, so memory released by one group is reused by the others; blocks stay mobility-homogeneous.
 //
 // Policies for comparison in replays: BEST_FIT mirrors TensorFlow's BFC allocator (256-byte rounding, 21
@@ -40,8 +45,8 @@
 //
 // Thread safety: every public method of Pool is safe to call concurrently (one mutex; each operation is a few
 // ordered-map updates, O(log n), plus O(number of free block runs) when a group must grow).
-#ifndef DYMEM_TF_CC_GTBM_CORE_H_
-#define DYMEM_TF_CC_GTBM_CORE_H_
+#ifndef DYMEM_TF_CC_GTBM_GTBM_CORE_H_
+#define DYMEM_TF_CC_GTBM_GTBM_CORE_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -68,6 +73,7 @@ constexpr int kNumPolicies = 4;
 
 // "gtbm", "gtbm_nogroups", "best_fit", "first_fit".
 const char* PolicyName(Policy policy);
+// Accepts a policy name (case-insensitive); returns false on anything else.
 bool ParsePolicy(std::string_view text, Policy* policy);
 
 constexpr uint64_t kInvalidOffset = ~uint64_t{0};
@@ -151,7 +157,7 @@ struct TraceInfo {
   uint64_t max_records = 0;
 };
 
-class Placer;  // one placement policy (gtbm_core.cc)
+class Placer;  // one placement policy (placer.h)
 
 class Pool {
  public:
@@ -197,6 +203,7 @@ class Pool {
   // recording gets upper = last event index + 1 and free_ns = -1.
   bool DumpTrace(const std::string& path, std::string* error) const;
 
+  // The options the pool was created with (capacity rounded down to whole blocks for GTBM).
   const PoolOptions& options() const { return options_; }
 
   // Verifies the internal invariants (chunks tile the reserved space, free lists consistent, counters match);
@@ -226,10 +233,18 @@ class Pool {
     int32_t group;
   };
 
+  // Block size of the GTBM policies, 0 for the others (PoolStats::block_size).
   int64_t gtbm_block_size() const;
+  // Raises the peaks to the current values (and records reserved_at_peak_in_use on a new in-use peak).
   void UpdatePeaksLocked();
+  // Peaks restart from the current values.
   void ResetPeaksLocked();
+  // Trace recording (trace.cc); each is a no-op while no trace is active.
+  void TraceAllocLocked(uint64_t offset, const AllocTag* tag, Live* live);
+  void TraceFreeLocked(const Live& live);
+  // Index of `name` in op_names_, added if new.
   uint32_t InternOpLocked(std::string_view name);
+  // Nanoseconds since the trace started.
   int64_t NowNsLocked() const;
 
   PoolOptions options_;
@@ -253,4 +268,4 @@ class Pool {
 
 }  // namespace gtbm
 
-#endif  // DYMEM_TF_CC_GTBM_CORE_H_
+#endif  // DYMEM_TF_CC_GTBM_GTBM_CORE_H_
