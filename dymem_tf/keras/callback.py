@@ -456,9 +456,12 @@ def _batch_hint(batch: int | None, suggested: int | None) -> str:
 
 
 def device_memory_capacity() -> int | None:
-    """Bytes of the training device: the GPU's memory, or on the CPU the GTBM budget (None when unbounded)."""
-    gpus = tf.config.list_physical_devices("GPU")
-    if gpus:
+    """Bytes of the training device: the memory limit TF gave the GPU's allocator (the smallest, with several), or
+    on the CPU the GTBM budget (None when unbounded).
+
+    The GPU's limit is read from the devices TF's eager context already has (:func:`dymem_tf.compat.gpu_memory_limits`),
+    so it respects ``memory_limit``, virtual devices and ``set_memory_growth``; no second device set is created."""
+    if tf.config.list_physical_devices("GPU"):
         limits = compat.gpu_memory_limits()
         return min(limits) if limits else None
     return allocator.get_memory_limit() if allocator.is_active() else None
