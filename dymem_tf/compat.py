@@ -10,6 +10,7 @@ level.
 | ``tensorflow.python.eager.context`` | whether TF's runtime (and so its CPU allocator) exists yet |
 | ``tensorflow.python.util._pywrap_util_port.IsMklEnabled`` | whether oneDNN kernels run (they crash on OOM) |
 | ``TFE_ContextListDevices`` / ``TF_DeviceListMemoryBytes`` (TF's C API, through ctypes) | a GPU's memory limit as TF computed it, read from the eager context's own devices |
+| ``tensorflow.python.eager.context`` function call options | autoclustering off for the rewritten train step only |
 | ``tensorflow.python.data.util.structure.normalize_element`` | the one place tf.data turns inputs into tensors |
 | ``keras.src.callbacks.callback_list.CallbackList`` | the list whose hook is calling a callback |
 | the ``fit`` frame's locals (``epoch_iterator``, ``batch_size``) | the batch size of the running ``fit`` |
@@ -18,6 +19,8 @@ level.
 """
 from __future__ import annotations
 
+import contextlib
+import copy
 import functools
 import os
 import sys
@@ -152,6 +155,48 @@ def _tf_c_api():
 def gpu_memory_limits() -> list[int]:
     """The memory limit TF computed for each GPU of the eager context (no second device set is created)."""
     return [limit for _, limit in local_device_memory("GPU")]
+
+
+def autoclustering_requested() -> bool:
+    """Whether the user turned on XLA auto-clustering for functions (``tf.config.optimizer.set_jit(True)`` or
+    ``"autoclustering"``: the session config's ``global_jit_level``)."""
+    import tensorflow as tf
+
+    return bool(tf.config.optimizer.get_jit())
+
+
+def forced_auto_jit_flag() -> str | None:
+    """The ``--tf_xla_auto_jit`` value of ``TF_XLA_FLAGS`` when it turns auto-clustering on, else None.
+
+    XLA's ``GetXlaGlobalJitLevel`` (``compiler/jit/xla_cluster_util.cc``) lets this flag override every session
+    config, so :func:`autoclustering_off` cannot turn such clustering off for one function."""
+    for token in os.environ.get("TF_XLA_FLAGS", "").split():
+        if token.startswith("--tf_xla_auto_jit="):
+            value = token.split("=", 1)[1].strip()
+            return None if value in ("", "0", "-1") else value
+    return None
+
+
+@contextlib.contextmanager
+def autoclustering_off():
+    """Run the ``tf.function`` calls inside with XLA auto-clustering explicitly off (``global_jit_level=OFF``),
+    on this thread only, whatever ``tf.config.optimizer.set_jit`` says: a function instantiated inside keeps its
+    ops out of XLA clusters. TF builds each call's ``config_proto`` from the thread's function call options."""
+    from tensorflow.core.protobuf import config_pb2
+    from tensorflow.python.eager import context
+
+    ctx = context.context()
+    saved = ctx._thread_local_data.function_call_options  # pylint: disable=protected-access  (None: from config)
+    options = copy.copy(ctx.function_call_options)
+    config = config_pb2.ConfigProto()
+    config.ParseFromString(options.config_proto_serialized)
+    config.graph_options.optimizer_options.global_jit_level = config_pb2.OptimizerOptions.OFF
+    options.config_proto_serialized = config
+    ctx.function_call_options = options
+    try:
+        yield
+    finally:
+        ctx.function_call_options = saved
 
 
 def wrap_tf_data_conversion(wrap) -> bool:
