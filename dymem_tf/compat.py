@@ -11,6 +11,7 @@ level.
 | ``tensorflow.python.util._pywrap_util_port.IsMklEnabled`` | whether oneDNN kernels run (they crash on OOM) |
 | ``TFE_ContextListDevices`` / ``TF_DeviceListMemoryBytes`` (TF's C API, through ctypes) | a GPU's memory limit as TF computed it, read from the eager context's own devices |
 | ``tensorflow.python.eager.context`` function call options | autoclustering off for the rewritten train step only |
+| ``tensorflow.python.framework.kernels`` | which devices the swap ops have kernels for (``selfcheck``) |
 | ``tensorflow.python.data.util.structure.normalize_element`` | the one place tf.data turns inputs into tensors |
 | ``keras.src.callbacks.callback_list.CallbackList`` | the list whose hook is calling a callback |
 | the ``fit`` frame's locals (``epoch_iterator``, ``batch_size``) | the batch size of the running ``fit`` |
@@ -197,6 +198,13 @@ def autoclustering_off():
         yield
     finally:
         ctx.function_call_options = saved
+
+
+def registered_kernel_devices(op_name: str) -> set[str]:
+    """Device types (``"CPU"``, ``"GPU"``) with a kernel registered for ``op_name`` in this process."""
+    from tensorflow.python.framework import kernels
+
+    return {k.device_type for k in kernels.get_registered_kernels_for_op(op_name).kernel}
 
 
 def wrap_tf_data_conversion(wrap) -> bool:
