@@ -1,7 +1,9 @@
-"""Command line, run as ``python -m dymem_tf`` (e.g. ``plan --model resnet50 --batch 64 --budget 5GiB``).
+"""Command line, run as ``python -m dymem_tf`` (``plan ...`` or ``selfcheck``).
 
-A dry run: it traces the model's train step (random weights, nothing is trained or downloaded), plans it under
-every policy and prints the plan summary and, per policy, the predicted device peak and step time.
+``plan`` (e.g. ``plan --model resnet50 --batch 64 --budget 5GiB``) is a dry run: it traces the model's train step
+(random weights, nothing is trained or downloaded), plans it under every policy and prints the plan summary and,
+per policy, the predicted device peak and step time. ``selfcheck`` checks dymem_tf on this machine's devices
+(:mod:`dymem_tf.keras.selfcheck`) and exits non-zero when a check fails.
 """
 from __future__ import annotations
 
@@ -23,12 +25,20 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--device", default="h200", help="cost-model profile (cpu, v100, a100, h100, h200, ...)")
     plan.add_argument("--policy", default="all", help="dymem, vdnn, tflms, none or all (default)")
     plan.add_argument("--save", default=None, help="write the dymem plan as JSON to this path")
+    check = sub.add_parser("selfcheck", help="check dymem_tf on this machine's devices (GTBM, swap ops, copies, "
+                                             "training); exit 1 on a failure")
+    check.add_argument("--no-training", action="store_true", help="skip the tiny training run (the slowest check)")
     return parser
 
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     import dymem_tf  # noqa: F401  (loads the allocator before TF allocates)
+
+    if args.command == "selfcheck":
+        from dymem_tf.keras import selfcheck
+
+        return selfcheck.main(training=not args.no_training)
     from dymem_tf import units
     from dymem_tf.keras import dry_run
     from dymem_tf.planning import device_profiles, planner

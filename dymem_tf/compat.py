@@ -9,7 +9,9 @@ level.
 | --- | --- |
 | ``tensorflow.python.eager.context`` | whether TF's runtime (and so its CPU allocator) exists yet |
 | ``tensorflow.python.util._pywrap_util_port.IsMklEnabled`` | whether oneDNN kernels run (they crash on OOM) |
-| ``tensorflow.python.client.device_lib`` | a GPU's memory limit as TF computed it |
+| ``TFE_ContextListDevices`` / ``TF_DeviceListMemoryBytes`` (TF's C API, through ctypes) | a GPU's memory limit as TF computed it, read from the eager context's own devices |
+| ``tensorflow.python.eager.context`` function call options | autoclustering off for the rewritten train step only |
+| ``tensorflow.python.framework.kernels`` | which devices the swap ops have kernels for (``selfcheck``) |
 | ``tensorflow.python.data.util.structure.normalize_element`` | the one place tf.data turns inputs into tensors |
 | ``keras.src.callbacks.callback_list.CallbackList`` | the list whose hook is calling a callback |
 | the ``fit`` frame's locals (``epoch_iterator``, ``batch_size``) | the batch size of the running ``fit`` |
@@ -18,6 +20,8 @@ level.
 """
 from __future__ import annotations
 
+import contextlib
+import copy
 import functools
 import os
 import sys
@@ -90,11 +94,117 @@ def onednn_enabled() -> bool | None:
         return None
 
 
-def gpu_memory_limits() -> list[int]:
-    """The memory limit TF computed for each local GPU (creates TF's device list: call it once)."""
-    from tensorflow.python.client import device_lib
+def local_device_memory(device_type: str = "GPU") -> list[tuple[str, int]]:
+    """``(name, memory_limit)`` of each device of ``device_type`` in TF's eager context: for a GPU the limit TF gave
+    its allocator (``memory_limit``, virtual devices and ``set_memory_growth`` applied).
 
-    return [d.memory_limit for d in device_lib.list_local_devices() if d.device_type == "GPU"]
+    Reads the devices the context already has, through TF's C API (``TFE_ContextListDevices`` and
+    ``TF_DeviceListMemoryBytes``, exported by ``libtensorflow_cc.so.2``; the Python bindings expose the list but
+    not the memory bytes). ``device_lib.list_local_devices()`` would create a second set of devices (and on a GPU
+    a second allocator per device) to answer the same question. Initialises the eager context if it is not yet,
+    which creates the devices TF would create at its first op anyway.
+    """
+    import ctypes
+
+    from tensorflow.python.eager import context
+
+    ctx = context.context()
+    ctx.ensure_initialized()
+    lib = _tf_c_api()
+    get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+    get_pointer.restype, get_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    handle = ctx._context_handle  # pylint: disable=protected-access  (a PyCapsule holding the TFE_Context*)
+    status = lib.TF_NewStatus()
+    devices = None
+    try:
+        devices = lib.TFE_ContextListDevices(get_pointer(handle, None), status)
+        if lib.TF_GetCode(status) != 0:
+            raise RuntimeError(f"TFE_ContextListDevices failed: {lib.TF_Message(status).decode()}")
+        found = []
+        for i in range(lib.TF_DeviceListCount(devices)):
+            kind = lib.TF_DeviceListType(devices, i, status).decode()
+            if kind == device_type:
+                found.append((lib.TF_DeviceListName(devices, i, status).decode(),
+                              int(lib.TF_DeviceListMemoryBytes(devices, i, status))))
+        return found
+    finally:
+        if devices:
+            lib.TF_DeleteDeviceList(devices)
+        lib.TF_DeleteStatus(status)
+
+
+@functools.lru_cache(maxsize=1)
+def _tf_c_api():
+    """TF's C API library (already loaded by ``import tensorflow``), with the signatures this module calls."""
+    import ctypes
+
+    import tensorflow as tf
+
+    lib = ctypes.CDLL(os.path.join(os.path.dirname(tf.__file__), "libtensorflow_cc.so.2"))
+    vp, i = ctypes.c_void_p, ctypes.c_int
+    for name, restype, argtypes in (
+            ("TF_NewStatus", vp, []), ("TF_DeleteStatus", None, [vp]), ("TF_GetCode", i, [vp]),
+            ("TF_Message", ctypes.c_char_p, [vp]), ("TFE_ContextListDevices", vp, [vp, vp]),
+            ("TF_DeviceListCount", i, [vp]), ("TF_DeviceListName", ctypes.c_char_p, [vp, i, vp]),
+            ("TF_DeviceListType", ctypes.c_char_p, [vp, i, vp]),
+            ("TF_DeviceListMemoryBytes", ctypes.c_int64, [vp, i, vp]), ("TF_DeleteDeviceList", None, [vp])):
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    return lib
+
+
+def gpu_memory_limits() -> list[int]:
+    """The memory limit TF computed for each GPU of the eager context (no second device set is created)."""
+    return [limit for _, limit in local_device_memory("GPU")]
+
+
+def autoclustering_requested() -> bool:
+    """Whether the user turned on XLA auto-clustering for functions (``tf.config.optimizer.set_jit(True)`` or
+    ``"autoclustering"``: the session config's ``global_jit_level``)."""
+    import tensorflow as tf
+
+    return bool(tf.config.optimizer.get_jit())
+
+
+def forced_auto_jit_flag() -> str | None:
+    """The ``--tf_xla_auto_jit`` value of ``TF_XLA_FLAGS`` when it turns auto-clustering on, else None.
+
+    XLA's ``GetXlaGlobalJitLevel`` (``compiler/jit/xla_cluster_util.cc``) lets this flag override every session
+    config, so :func:`autoclustering_off` cannot turn such clustering off for one function."""
+    for token in os.environ.get("TF_XLA_FLAGS", "").split():
+        if token.startswith("--tf_xla_auto_jit="):
+            value = token.split("=", 1)[1].strip()
+            return None if value in ("", "0", "-1") else value
+    return None
+
+
+@contextlib.contextmanager
+def autoclustering_off():
+    """Run the ``tf.function`` calls inside with XLA auto-clustering explicitly off (``global_jit_level=OFF``),
+    on this thread only, whatever ``tf.config.optimizer.set_jit`` says: a function instantiated inside keeps its
+    ops out of XLA clusters. TF builds each call's ``config_proto`` from the thread's function call options."""
+    from tensorflow.core.protobuf import config_pb2
+    from tensorflow.python.eager import context
+
+    ctx = context.context()
+    saved = ctx._thread_local_data.function_call_options  # pylint: disable=protected-access  (None: from config)
+    options = copy.copy(ctx.function_call_options)
+    config = config_pb2.ConfigProto()
+    config.ParseFromString(options.config_proto_serialized)
+    config.graph_options.optimizer_options.global_jit_level = config_pb2.OptimizerOptions.OFF
+    options.config_proto_serialized = config
+    ctx.function_call_options = options
+    try:
+        yield
+    finally:
+        ctx.function_call_options = saved
+
+
+def registered_kernel_devices(op_name: str) -> set[str]:
+    """Device types (``"CPU"``, ``"GPU"``) with a kernel registered for ``op_name`` in this process."""
+    from tensorflow.python.framework import kernels
+
+    return {k.device_type for k in kernels.get_registered_kernels_for_op(op_name).kernel}
 
 
 def wrap_tf_data_conversion(wrap) -> bool:

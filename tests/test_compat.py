@@ -184,14 +184,16 @@ def test_the_readme_dry_run_plans_swaps():
 
     with open(os.path.join(REPO, "README.md"), encoding="utf-8") as fh:
         readme = fh.read()
-    (command,) = re.findall(r"`(python -m dymem_tf plan [^`]*)`", readme)
+    (command,) = re.findall(r"`(python -m dymem_tf plan --[^`]*)`", readme)  # not the table's `plan ...`
     args = command.split()
     assert args[:3] == ["python", "-m", "dymem_tf"]
     assert args[3:] == ["plan", "--model", "resnet50", "--batch", "64", "--image-size", "224", "--budget", "5GiB",
                         "--device", "h200"]
     proc = run_cli(*args[3:], timeout=600)
     assert proc.returncode == 0, proc.stderr
-    table = proc.stdout[re.search(r"^policy +swaps", proc.stdout, re.M).start():].splitlines()[1:]
+    header = re.search(r"^policy\s+swaps", proc.stdout, re.MULTILINE)  # tabulate's column spacing varies
+    assert header, proc.stdout
+    table = proc.stdout[header.start():].splitlines()[1:]
     rows = {line.split()[0]: line.split() for line in table if line.strip()}
     assert not [line for line in table if "error" in line], table
     assert int(rows["none"][1]) == 0 and int(rows["dymem"][1]) > 0

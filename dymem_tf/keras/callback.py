@@ -1,6 +1,7 @@
 """``DymemCallback``: the one-line entry point, ``model.fit(..., callbacks=[dymem_tf.DymemCallback()])``."""
 from __future__ import annotations
 
+import contextlib
 import os
 
 import keras
@@ -89,6 +90,7 @@ class DymemCallback(keras.callbacks.Callback):
         self._headroom = self.pass_.config.headroom
         self._exit_guard = None
         self._plans_written = 0  # how many of pass_.records the summary writer has seen
+        self._xla_asked = []  # the XLA settings the user asked for, off while the step swaps
 
     # -- Keras hooks ---------------------------------------------------------------------------------------------
     def on_train_begin(self, logs=None):
@@ -119,9 +121,7 @@ class DymemCallback(keras.callbacks.Callback):
         if guard:
             self._cap_device_at_budget()
         self.pass_.config.headroom = self._headroom
-        if _make_train_function_without_xla(model):
-            self._say("dymem_tf: XLA (jit_compile) turned off for the train step: an XLA cluster would swallow "
-                      "the swap ops.")
+        self._xla_asked = self._turn_off_xla(model)
         model.train_function = self._wrap_train_function(model.train_function, guard=guard)
         log_dir = self.log_dir
         if log_dir:
@@ -156,6 +156,34 @@ class DymemCallback(keras.callbacks.Callback):
             writer, self._writer = self._writer, None
             writer.close()  # also stops and saves an allocator trace
 
+    def _turn_off_xla(self, model) -> list[str]:
+        """Build the train function without XLA and note which XLA settings the user asked for (they come back
+        when the plan swaps nothing, see :meth:`_restore_xla`); warn when XLA cannot be turned off."""
+        asked = []
+        if _make_train_function_without_xla(model):
+            asked.append("jit_compile=True")
+        if compat.autoclustering_requested():
+            asked.append("auto-clustering (tf.config.optimizer.set_jit)")
+        forced = compat.forced_auto_jit_flag()
+        if forced is not None:
+            self._warn(f"dymem_tf: TF_XLA_FLAGS=--tf_xla_auto_jit={forced} compiles the train step into XLA clusters "
+                       "before Dymem's pass sees it, and overrides any per-function setting: no feature map can be "
+                       "swapped in this run. Unset --tf_xla_auto_jit to train with Dymem.")
+        if asked:
+            self._say(f"dymem_tf: XLA ({', '.join(asked)}) is off for the train step while Dymem plans it, and stays "
+                      "off if the plan swaps: an XLA cluster would swallow the swap ops. A plan that swaps nothing "
+                      "gives the step back to XLA.")
+        return asked
+
+    def _restore_xla(self) -> None:
+        """The plan of the train function's first step swaps nothing: from the next step on, run the train step as
+        the user compiled it (with XLA), without the pass."""
+        model = self.model
+        model.make_train_function(force=True)  # the model's own jit_compile; auto-clustering as the user set it
+        self._say(f"dymem_tf: the plan swaps nothing, so the train step runs with XLA ({', '.join(self._xla_asked)}) "
+                  "as you set it, from its next step on (its first step ran without XLA).")
+        self._xla_asked = []
+
     def _wrap_train_function(self, train_function, guard: bool = False, fallback=None):
         """``train_function`` run with the graph pass armed (its instantiation is planned and rewritten after
         Grappler), re-raising a refusal of the pass as its own error and an out-of-memory error with the budget it
@@ -171,14 +199,19 @@ class DymemCallback(keras.callbacks.Callback):
 
         def run(iterator, first=False):
             callback.pass_.refusal = None
-            seen = len(callback.pass_.records) + len(callback.pass_.skipped)
-            with graph_pass.armed(callback.pass_):
+            seen_records = len(callback.pass_.records)
+            seen = seen_records + len(callback.pass_.skipped)
+            xla_off = compat.autoclustering_off() if compat.autoclustering_requested() else contextlib.nullcontext()
+            with graph_pass.armed(callback.pass_), xla_off:
                 outputs = train_function(iterator)
             if first and len(callback.pass_.records) + len(callback.pass_.skipped) == seen:
                 # the first call instantiated the step, and the pass saw no gradient ops in it
                 callback.pass_.skip(getattr(train_function, "__name__", "train_function"),
                                     step_pass.Unsupported(step_pass.SkipKind.NO_GRADIENTS, "", step_pass.NO_GRADIENTS),
                                     None)
+            if first and callback._xla_asked and not callback.pass_.probe and not any(
+                    record.plan.swaps for record in callback.pass_.records[seen_records:]):
+                callback._restore_xla()
             return outputs
 
         def dymem_train_function(iterator):
@@ -456,9 +489,12 @@ def _batch_hint(batch: int | None, suggested: int | None) -> str:
 
 
 def device_memory_capacity() -> int | None:
-    """Bytes of the training device: the GPU's memory, or on the CPU the GTBM budget (None when unbounded)."""
-    gpus = tf.config.list_physical_devices("GPU")
-    if gpus:
+    """Bytes of the training device: the memory limit TF gave the GPU's allocator (the smallest, with several), or
+    on the CPU the GTBM budget (None when unbounded).
+
+    The GPU's limit is read from the devices TF's eager context already has (:func:`dymem_tf.compat.gpu_memory_limits`),
+    so it respects ``memory_limit``, virtual devices and ``set_memory_growth``; no second device set is created."""
+    if tf.config.list_physical_devices("GPU"):
         limits = compat.gpu_memory_limits()
         return min(limits) if limits else None
     return allocator.get_memory_limit() if allocator.is_active() else None

@@ -1,7 +1,8 @@
 """Roofline-style time model of ops and host<->device copies.
 
 * op time   = scale * (max(flops / flops_per_s, bytes_accessed / mem_bandwidth) + op_overhead)
-* copy time = bytes / link bandwidth (per direction) + link latency
+* copy time = bytes / link bandwidth (per direction) + link latency + copy-completion latency (GPU event
+  polling; see :mod:`dymem_tf.planning.device_profiles`)
 
 Free ops (constants, graph inputs, no-ops) take no time; metadata ops (``Shape`` ...) cost only the overhead.
 ``scale`` is 1.0 (the profile's rates as they are) everywhere in dymem_tf: the callback and the dry run hand
@@ -42,9 +43,11 @@ class CostModel:
         return {name: self.op_time(op) for name, op in step_graph.ops.items()}
 
     def copy_time(self, nbytes: int, direction: Direction = "h2d") -> float:
-        """Modelled seconds to copy ``nbytes`` over the host link (``"h2d"`` swap-in, ``"d2h"`` swap-out)."""
-        bw = self.profile.h2d_bytes_per_s if direction == "h2d" else self.profile.d2h_bytes_per_s
-        return nbytes / bw + self.profile.link_latency_s
+        """Modelled seconds from a swap op's start until its copy is done as TensorFlow sees it (``"h2d"`` swap-in,
+        ``"d2h"`` swap-out): the transfer over the host link plus the issue and completion latencies."""
+        p = self.profile
+        bw = p.h2d_bytes_per_s if direction == "h2d" else p.d2h_bytes_per_s
+        return nbytes / bw + p.link_latency_s + p.copy_completion_s
 
     def round_trip_time(self, nbytes: int) -> float:
         """Swap-out plus swap-in time of ``nbytes``."""
