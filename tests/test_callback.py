@@ -201,7 +201,7 @@ def test_adam_slots_count_as_persistent_before_the_first_step():
 def test_each_plan_reaches_the_dashboard_once(tmp_path, monkeypatch, steps_per_execution):
     """Keras reports the last batch of each execution, and the calibrated plan is traced at the second step: every
     plan is written once, when it appears, and not again in later epochs."""
-    from dymem_tf import summaries
+    from dymem_tf.observe import summaries
 
     written = []
     write_plan = summaries.DymemSummaryWriter.write_plan
