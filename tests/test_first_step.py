@@ -36,6 +36,50 @@ def test_an_overestimate_is_not_relied_on_and_the_headroom_is_bounded():
     assert first_step.calibrated_headroom(512 * MiB, 101 * MiB, 500 * MiB, 100 * MiB) == first_step.MAX_HEADROOM
 
 
+def test_the_calibrated_prediction_of_a_plan_at_the_headroom_is_the_margin():
+    """calibrated_prediction scales a prediction as calibrated_headroom assumes: a plan predicted at (1 - h) * B
+    is expected to measure (1 - margin) * B."""
+    cal = {"predicted_peak_bytes": 300 * MiB, "measured_peak_bytes": 350 * MiB, "persistent_bytes": 200 * MiB}
+    h = first_step.calibrated_headroom(512 * MiB, 300 * MiB, 350 * MiB, 200 * MiB, margin=0.05)
+    assert first_step.calibrated_prediction(cal, int((1 - h) * 512 * MiB)) == pytest.approx(0.95 * 512 * MiB, abs=2)
+    # an overestimate is not scaled down
+    assert first_step.calibrated_prediction({**cal, "measured_peak_bytes": 250 * MiB}, 400 * MiB) == 400 * MiB
+
+
+def test_a_measurement_is_exact_only_when_the_peaks_grew_in_the_step():
+    before = {"peak_bytes_in_use": 10 * MiB, "peak_bytes_reserved": 12 * MiB}
+    grew = first_step.measurement(before, {"peak_bytes_in_use": 30 * MiB, "peak_bytes_reserved": 32 * MiB}, 24 * MiB)
+    assert grew == {"outcome": "ran", "peak_bytes": 32 * MiB, "peak_bytes_reserved": 32 * MiB,
+                    "peak_bytes_in_use": 30 * MiB, "exact": True, "predicted_peak_bytes": 24 * MiB, "error": 0.25}
+    # an earlier step since the last reset peaked higher: this step's peak is only bounded
+    hidden = first_step.measurement(before, dict(before), 8 * MiB)
+    assert hidden["exact"] is False and hidden["peak_bytes"] == 12 * MiB
+    oom = first_step.measurement(before, {"peak_bytes_in_use": 40 * MiB, "peak_bytes_reserved": 48 * MiB}, 24 * MiB,
+                                 outcome="out_of_memory", steps=2)
+    assert oom["outcome"] == "out_of_memory" and "error" not in oom and oom["steps"] == 2
+
+
+def test_the_plan_summary_prints_predicted_and_measured_once_the_step_ran():
+    from dymem_tf.planning.plan import Plan
+
+    plan = Plan(policy="dymem", device="cpu", budget_bytes=64 * MiB, persistent_bytes=MiB, batch_size=8, num_layers=4,
+                predicted={"peak_bytes": 30 * MiB, "no_swap_peak_bytes": 40 * MiB})
+    assert "first step" not in plan.summary() and plan.measured_error is None
+    plan.measured = first_step.measurement({"peak_bytes_in_use": 0, "peak_bytes_reserved": 0},
+                                           {"peak_bytes_in_use": 29 * MiB, "peak_bytes_reserved": 32 * MiB},
+                                           30 * MiB)
+    line = "  first step      : predicted 30.0 MiB, measured 32.0 MiB (error +6.2%); in use 29.0 MiB"
+    assert line in plan.summary().splitlines()
+    assert plan.measured_error == pytest.approx(2 / 32)
+    assert Plan.from_json(plan.to_json()).measured == plan.measured  # plan.json keeps it
+    plan.measured["exact"] = False
+    assert plan.measured_summary() == "predicted 30.0 MiB, measured at most 32.0 MiB; in use at most 29.0 MiB"
+    plan.measured["outcome"] = "out_of_memory"
+    assert plan.measured_error is None
+    assert plan.measured_summary() == ("predicted 30.0 MiB, ran out of memory in its first step (pool reserved "
+                                       "32.0 MiB, in use 29.0 MiB)")
+
+
 def test_snapshot_restores_weights_and_optimizer_state():
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
@@ -151,3 +195,4 @@ def test_the_first_step_calibrates_and_every_step_stays_under_the_budget(budget_
     assert len(out["peaks"]) == 4 and out["warnings"] == []
     assert out["losses"] == out["plain"]  # the probe step and the calibrated steps both train bit-identically
     assert any("calibrated on the first step" in note for note in out["notes"])
+
