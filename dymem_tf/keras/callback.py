@@ -135,10 +135,10 @@ class DymemCallback(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         if self._writer is not None:
             # Keras reports the last batch of each execution (steps_per_execution), and a retrace can come at any
-            # step: write the newest plan once, after the execution that traced it
-            if len(self.pass_.records) > self._plans_written:
-                self._plans_written = len(self.pass_.records)
-                self._writer.write_plan(self.pass_.records[-1])
+            # step: write each new plan once (with its measured first step), after the execution that traced it
+            while len(self.pass_.records) > self._plans_written:
+                self._plans_written += 1
+                self._writer.write_plan(self.pass_.records[self._plans_written - 1])
             self._writer.write_step(self._global_step(batch), _step_stats(self.pass_))
 
     def on_train_end(self, logs=None):
@@ -171,9 +171,16 @@ class DymemCallback(keras.callbacks.Callback):
 
         def run(iterator, first=False):
             callback.pass_.refusal = None
-            seen = len(callback.pass_.records) + len(callback.pass_.skipped)
-            with graph_pass.armed(callback.pass_):
-                outputs = train_function(iterator)
+            planned = len(callback.pass_.records)
+            seen = planned + len(callback.pass_.skipped)
+            before = callback._peak_stats(reset=first)
+            try:
+                with graph_pass.armed(callback.pass_):
+                    outputs = train_function(iterator)
+            except tf.errors.ResourceExhaustedError:
+                callback._measure_first_step(planned, before, "out_of_memory")
+                raise
+            callback._measure_first_step(planned, before)
             if first and len(callback.pass_.records) + len(callback.pass_.skipped) == seen:
                 # the first call instantiated the step, and the pass saw no gradient ops in it
                 callback.pass_.skip(getattr(train_function, "__name__", "train_function"),
@@ -249,6 +256,30 @@ class DymemCallback(keras.callbacks.Callback):
         _make_train_function_without_xla(self.model)
         self.model.train_function = self._wrap_train_function(self.model.train_function, guard=True,
                                                                fallback=fallback)
+
+    def _peak_stats(self, reset: bool = False) -> dict | None:
+        """GTBM's statistics before a call of the train function (None without GTBM); ``reset``: its peaks are
+        reset first (a fit's first step, so that they measure that step alone)."""
+        if not allocator.is_active():
+            return None
+        if reset:
+            allocator.reset_peak_stats()
+        return allocator.memory_stats()
+
+    def _measure_first_step(self, planned: int, before: dict | None, outcome: str = "ran") -> None:
+        """Keep what the allocator measured in the call that instantiated the step (its first step) in the plan
+        made for it (``Plan.measured``, see :func:`dymem_tf.planning.first_step.measurement`) and, with verbose,
+        print predicted against measured."""
+        new = self.pass_.records[planned:]
+        if before is None or len(new) != 1:  # nothing planned, or several replicas' plans that share the peak
+            return
+        plan = new[0].plan
+        steps = getattr(self.model, "steps_per_execution", 1)
+        plan.measured = first_step.measurement(before, allocator.memory_stats(), plan.predicted.get("peak_bytes"),
+                                               plan.predicted.get("calibration"), outcome,
+                                               steps if isinstance(steps, int) else 1)
+        stage = plan.params.get("stage")
+        self._say(f"dymem_tf: first step of the {stage + ' ' if stage else ''}plan: {plan.measured_summary()}")
 
     def _cap_device_at_budget(self) -> None:
         """On the CPU, cap the GTBM device at the budget for this ``fit`` (the budget is the device there), so that a
