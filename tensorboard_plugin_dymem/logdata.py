@@ -9,12 +9,15 @@ A *run* is a directory that holds ``plugins/dymem/`` (TensorBoard's plugin-asset
         plugins/dymem/
             meta.json                  format version, run facts (policy, budget, batch size, graph)
             plan.json                  the plan, exactly ``Plan.to_json()`` (``dymem_tf.planning.plan.Plan.load`` reads it)
+            plans.jsonl                one JSON object per plan of the run: predicted and measured device peak,
+                                       calibration
             timeline.json              modelled device bytes per dependency layer, by mobility group
             schedule.json              swap-out, host residency, swap-in trigger and consumer of every swap
-            steps.jsonl                one JSON object per training step: allocator and host-pool statistics
+            steps.jsonl                one JSON object per training step: allocator and host-pool statistics, and
+                                       ``plan``, the index in plans.jsonl of the plan the step ran
             trace.csv                  the allocator trace (id,lower,upper,size,group,offset,op,step,alloc_ns,free_ns)
 
-Every JSON file is replaced atomically; ``steps.jsonl`` grows by whole lines. Each file is optional: the page
+Every JSON file is replaced atomically; ``steps.jsonl`` and ``plans.jsonl`` grow by whole lines. Each file is optional: the page
 shows what is there and says what is missing. Readers raise :class:`DataError` with a message that names the
 file and what is wrong with it.
 """
@@ -37,8 +40,9 @@ PLAN_FILE = "plan.json"
 TIMELINE_FILE = "timeline.json"
 SCHEDULE_FILE = "schedule.json"
 STEPS_FILE = "steps.jsonl"
+PLANS_FILE = "plans.jsonl"
 TRACE_FILE = "trace.csv"
-DATA_FILES = (META_FILE, PLAN_FILE, TIMELINE_FILE, SCHEDULE_FILE, STEPS_FILE, TRACE_FILE)
+DATA_FILES = (META_FILE, PLAN_FILE, PLANS_FILE, TIMELINE_FILE, SCHEDULE_FILE, STEPS_FILE, TRACE_FILE)
 
 GROUPS = ("persistent", "transient", "mobile")
 TRACE_COLUMNS = ("id", "lower", "upper", "size", "group", "offset", "op", "step", "alloc_ns", "free_ns")
@@ -198,16 +202,16 @@ def read_schedule(path: str) -> dict:
     return sc
 
 
-def read_steps(path: str) -> tuple[list[dict], list[str]]:
-    """Rows of ``steps.jsonl`` and notes about lines that were skipped (a torn last line is normal while writing)."""
+def _read_lines(path: str, name: str, key: str) -> tuple[list[dict], list[int], bool]:
+    """The JSON objects of a ``.jsonl`` file that have an integer ``key``, the numbers of the lines that could
+    not be read, and whether the file holds nothing (the text after the last newline is a line being written)."""
     rows, bad = [], []
     try:
         with open(path, encoding="utf-8", errors="replace") as fh:
             lines = fh.read().split("\n")
     except OSError as err:
-        raise DataError(f"{STEPS_FILE} cannot be read: {err.strerror or err}") from None
-    complete = lines[:-1]  # the text after the last newline is a line still being written
-    for lineno, line in enumerate(complete, 1):
+        raise DataError(f"{name} cannot be read: {err.strerror or err}") from None
+    for lineno, line in enumerate(lines[:-1], 1):
         if not line.strip():
             continue
         try:
@@ -215,20 +219,81 @@ def read_steps(path: str) -> tuple[list[dict], list[str]]:
         except json.JSONDecodeError:
             bad.append(lineno)
             continue
-        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+        if not isinstance(row, dict) or not isinstance(row.get(key), int) or isinstance(row.get(key), bool):
             bad.append(lineno)
             continue
+        rows.append(row)
+    return rows, bad, not rows and not bad and not lines[-1].strip()
+
+
+def _skipped_note(name: str, bad: list[int]) -> str:
+    shown = ", ".join(map(str, bad[:5])) + (" ..." if len(bad) > 5 else "")
+    return f"{name}: skipped {len(bad)} unreadable line(s) (line {shown})"
+
+
+def read_steps(path: str) -> tuple[list[dict], list[str]]:
+    """Rows of ``steps.jsonl`` and notes about lines that were skipped (a torn last line is normal while writing)."""
+    rows, bad, empty = _read_lines(path, STEPS_FILE, "step")
+    for row in rows:
         if "fragmentation" in row and "reserved_overhead" not in row:
             # written before 1 - in use / reserved got its own name: "fragmentation" is the pool map's figure
             row["reserved_overhead"] = row.pop("fragmentation")
-        rows.append(row)
-    notes = []
-    if bad:
-        shown = ", ".join(map(str, bad[:5])) + (" ..." if len(bad) > 5 else "")
-        notes.append(f"{STEPS_FILE}: skipped {len(bad)} unreadable line(s) (line {shown})")
-    if not rows and not bad and not lines[-1].strip():
+    notes = [_skipped_note(STEPS_FILE, bad)] if bad else []
+    if empty:
         notes.append(f"{STEPS_FILE} is empty: no training step has finished yet")
     return rows[-MAX_STEPS:], notes
+
+
+def _bytes_or_none(value: Any) -> int | float | None:
+    return value if _num(value) and value >= 0 else None
+
+
+def plan_accuracy(entry: dict) -> dict:
+    """One plan of ``plans.jsonl`` as the page shows it: predicted and measured device peak and the error, and
+    the calibration it was planned with. Numbers that are missing or malformed become None."""
+    measured = entry.get("measured") if isinstance(entry.get("measured"), dict) else {}
+    predicted = _bytes_or_none(entry.get("predicted_peak_bytes"))
+    peak = _bytes_or_none(measured.get("peak_bytes"))
+    outcome = measured.get("outcome") if isinstance(measured.get("outcome"), str) else ("ran" if measured else None)
+    exact = measured.get("exact") is not False
+    error = None
+    if outcome == "ran" and exact and peak and predicted is not None:
+        error = (peak - predicted) / peak
+    out = {
+        "index": entry["index"],
+        "stage": entry.get("stage") if isinstance(entry.get("stage"), str) else None,
+        "function_name": entry.get("function_name") if isinstance(entry.get("function_name"), str) else None,
+        "replica": entry.get("replica") if isinstance(entry.get("replica"), int) else None,
+        "batch_size": entry.get("batch_size") if _num(entry.get("batch_size")) else None,
+        "budget_bytes": _bytes_or_none(entry.get("budget_bytes")),
+        "persistent_bytes": _bytes_or_none(entry.get("persistent_bytes")),
+        "num_swaps": entry.get("num_swaps") if _num(entry.get("num_swaps")) else None,
+        "predicted_peak_bytes": predicted,
+        "calibrated_predicted_peak_bytes": _bytes_or_none(measured.get("calibrated_predicted_peak_bytes")),
+        "measured_peak_bytes": peak,
+        "measured_peak_bytes_in_use": _bytes_or_none(measured.get("peak_bytes_in_use")),
+        "measured_exact": exact if measured else None,
+        "outcome": outcome,
+        "error": error,
+        "calibration": None,
+    }
+    cal = entry.get("calibration")
+    if isinstance(cal, dict):
+        raw, got = _bytes_or_none(cal.get("predicted_peak_bytes")), _bytes_or_none(cal.get("measured_peak_bytes"))
+        out["calibration"] = {
+            "predicted_peak_bytes": raw, "measured_peak_bytes": got,
+            "error": (got - raw) / got if raw is not None and got else None,
+            "headroom": cal.get("headroom") if _num(cal.get("headroom")) else None,
+            "budget_bytes": _bytes_or_none(cal.get("budget_bytes")),
+            "persistent_bytes": _bytes_or_none(cal.get("persistent_bytes")),
+        }
+    return out
+
+
+def read_plans(path: str) -> tuple[list[dict], list[str]]:
+    """The plans of ``plans.jsonl`` (see :func:`plan_accuracy`) and notes about lines that were skipped."""
+    rows, bad, _ = _read_lines(path, PLANS_FILE, "index")
+    return [plan_accuracy(row) for row in rows], [_skipped_note(PLANS_FILE, bad)] if bad else []
 
 
 class TraceRow(NamedTuple):
@@ -552,7 +617,7 @@ def load_run(logdir: str, run: str) -> dict:
     """
     run_dir = resolve_run(logdir, run)
     pdir = plugin_dir(run_dir)
-    out: dict[str, Any] = {"run": run, "meta": {}, "plan": None, "timeline": None, "schedule": None,
+    out: dict[str, Any] = {"run": run, "meta": {}, "plan": None, "plans": [], "timeline": None, "schedule": None,
                            "steps": [], "pool": None, "tensors": None, "measured_timeline": None, "messages": []}
 
     def note(level: str, text: str, file: str) -> None:
@@ -589,6 +654,21 @@ def load_run(logdir: str, run: str) -> dict:
         out["steps"], notes = steps
         for text in notes:
             note("warning", text, STEPS_FILE)
+    plans = load(PLANS_FILE, read_plans, None)
+    if plans is not None:
+        out["plans"], notes = plans
+        for text in notes:
+            note("warning", text, PLANS_FILE)
+    elif plan is not None:
+        # a run written before plans.jsonl existed: its one plan, with what plan.json says it measured
+        predicted = plan.get("predicted") or {}
+        out["plans"] = [plan_accuracy({"index": 0, "stage": (plan.get("params") or {}).get("stage"),
+                                       "policy": plan.get("policy"), "batch_size": plan.get("batch_size"),
+                                       "budget_bytes": plan.get("budget_bytes"),
+                                       "persistent_bytes": plan.get("persistent_bytes"),
+                                       "num_swaps": len(plan["swaps"]),
+                                       "predicted_peak_bytes": predicted.get("peak_bytes"),
+                                       "measured": plan.get("measured"), "calibration": predicted.get("calibration")})]
     block_size = _block_size(out["meta"], out["steps"])
     # Only the analysis is cached: a trace's rows take far more memory than what the page draws from them.
     traced = load(TRACE_FILE, lambda path: analyse_trace(read_trace(path), block_size),
@@ -645,4 +725,7 @@ def _plan_summary(plan: dict) -> dict:
         "predicted": scalars,
         "peak_by_group": predicted.get("peak_by_group") if isinstance(predicted.get("peak_by_group"), dict) else {},
         "notes": [n for n in plan.get("notes", []) if isinstance(n, str)],
+        "stage": (plan.get("params") or {}).get("stage") if isinstance(plan.get("params"), dict) else None,
+        "measured": plan.get("measured") if isinstance(plan.get("measured"), dict) else {},
+        "calibration": predicted.get("calibration") if isinstance(predicted.get("calibration"), dict) else None,
     }

@@ -36,6 +36,50 @@ def test_an_overestimate_is_not_relied_on_and_the_headroom_is_bounded():
     assert first_step.calibrated_headroom(512 * MiB, 101 * MiB, 500 * MiB, 100 * MiB) == first_step.MAX_HEADROOM
 
 
+def test_the_calibrated_prediction_of_a_plan_at_the_headroom_is_the_margin():
+    """calibrated_prediction scales a prediction as calibrated_headroom assumes: a plan predicted at (1 - h) * B
+    is expected to measure (1 - margin) * B."""
+    cal = {"predicted_peak_bytes": 300 * MiB, "measured_peak_bytes": 350 * MiB, "persistent_bytes": 200 * MiB}
+    h = first_step.calibrated_headroom(512 * MiB, 300 * MiB, 350 * MiB, 200 * MiB, margin=0.05)
+    assert first_step.calibrated_prediction(cal, int((1 - h) * 512 * MiB)) == pytest.approx(0.95 * 512 * MiB, abs=2)
+    # an overestimate is not scaled down
+    assert first_step.calibrated_prediction({**cal, "measured_peak_bytes": 250 * MiB}, 400 * MiB) == 400 * MiB
+
+
+def test_a_measurement_is_exact_only_when_the_peaks_grew_in_the_step():
+    before = {"peak_bytes_in_use": 10 * MiB, "peak_bytes_reserved": 12 * MiB}
+    grew = first_step.measurement(before, {"peak_bytes_in_use": 30 * MiB, "peak_bytes_reserved": 32 * MiB}, 24 * MiB)
+    assert grew == {"outcome": "ran", "peak_bytes": 32 * MiB, "peak_bytes_reserved": 32 * MiB,
+                    "peak_bytes_in_use": 30 * MiB, "exact": True, "predicted_peak_bytes": 24 * MiB, "error": 0.25}
+    # an earlier step since the last reset peaked higher: this step's peak is only bounded
+    hidden = first_step.measurement(before, dict(before), 8 * MiB)
+    assert hidden["exact"] is False and hidden["peak_bytes"] == 12 * MiB
+    oom = first_step.measurement(before, {"peak_bytes_in_use": 40 * MiB, "peak_bytes_reserved": 48 * MiB}, 24 * MiB,
+                                 outcome="out_of_memory", steps=2)
+    assert oom["outcome"] == "out_of_memory" and "error" not in oom and oom["steps"] == 2
+
+
+def test_the_plan_summary_prints_predicted_and_measured_once_the_step_ran():
+    from dymem_tf.planning.plan import Plan
+
+    plan = Plan(policy="dymem", device="cpu", budget_bytes=64 * MiB, persistent_bytes=MiB, batch_size=8, num_layers=4,
+                predicted={"peak_bytes": 30 * MiB, "no_swap_peak_bytes": 40 * MiB})
+    assert "first step" not in plan.summary() and plan.measured_error is None
+    plan.measured = first_step.measurement({"peak_bytes_in_use": 0, "peak_bytes_reserved": 0},
+                                           {"peak_bytes_in_use": 29 * MiB, "peak_bytes_reserved": 32 * MiB},
+                                           30 * MiB)
+    line = "  first step      : predicted 30.0 MiB, measured 32.0 MiB (error +6.2%); in use 29.0 MiB"
+    assert line in plan.summary().splitlines()
+    assert plan.measured_error == pytest.approx(2 / 32)
+    assert Plan.from_json(plan.to_json()).measured == plan.measured  # plan.json keeps it
+    plan.measured["exact"] = False
+    assert plan.measured_summary() == "predicted 30.0 MiB, measured at most 32.0 MiB; in use at most 29.0 MiB"
+    plan.measured["outcome"] = "out_of_memory"
+    assert plan.measured_error is None
+    assert plan.measured_summary() == ("predicted 30.0 MiB, ran out of memory in its first step (pool reserved "
+                                       "32.0 MiB, in use 29.0 MiB)")
+
+
 def test_snapshot_restores_weights_and_optimizer_state():
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
@@ -151,3 +195,72 @@ def test_the_first_step_calibrates_and_every_step_stays_under_the_budget(budget_
     assert len(out["peaks"]) == 4 and out["warnings"] == []
     assert out["losses"] == out["plain"]  # the probe step and the calibrated steps both train bit-identically
     assert any("calibrated on the first step" in note for note in out["notes"])
+
+
+MEASURED_SCRIPT = r"""
+import json, sys
+import tensorflow as tf
+import dymem_tf
+import numpy as np, keras
+from tensorboard_plugin_dymem import logdata
+
+keras.utils.set_random_seed(0)
+inp = keras.Input((16, 16, 3))
+h = keras.layers.Conv2D(8, 3, padding="same", activation="relu")(inp)
+h = keras.layers.Conv2D(8, 3, padding="same", activation="relu")(h)
+model = keras.Model(inp, keras.layers.Dense(10)(keras.layers.GlobalAveragePooling2D()(h)))
+model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+x = np.random.default_rng(0).normal(size=(96, 16, 16, 3)).astype("float32")
+cb = dymem_tf.DymemCallback(memory_budget="auto", min_swap_bytes=0, log_dir=sys.argv[1], verbose=1)
+model.fit(x, np.arange(96) % 10, batch_size=16, epochs=1, verbose=0, callbacks=[cb])
+print("SUMMARY" + json.dumps(cb.plan.summary()))
+out = {"plans": [{"stage": r.plan.params.get("stage"), "predicted": r.plan.predicted["peak_bytes"],
+                  "measured": r.plan.measured, "calibration": r.plan.predicted.get("calibration")}
+                 for r in cb.records]}
+data = logdata.load_run(sys.argv[1], "dymem")
+out["logged"], out["steps"] = data["plans"], [(s["step"], s.get("plan")) for s in data["steps"]]
+print("RESULT" + json.dumps(out), flush=True)
+"""
+
+
+def test_a_budgeted_fit_records_predicted_and_measured_peaks_of_each_plan(tmp_path):
+    """A budgeted tiny fit: the probe's and the calibrated plan's first steps are measured, the verbose output and
+    the plan summary print predicted against measured, and the dashboard's data has both numbers per plan."""
+    env = {k: v for k, v in os.environ.items() if k not in ("DYMEM_GTBM", "TF_CPU_ALLOCATOR_USE_BFC")}
+    env.update(DYMEM_DEVICE_MEMORY_LIMIT="128MiB", TF_ENABLE_ONEDNN_OPTS="0", TF_CPP_MIN_LOG_LEVEL="2")
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(MEASURED_SCRIPT), str(tmp_path)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
+    assert proc.returncode == 0 and lines, f"rc={proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    out = json.loads(lines[-1][len("RESULT"):])
+    probe, calibrated = out["plans"]
+    assert (probe["stage"], calibrated["stage"]) == ("probe", "calibrated")
+    for plan in (probe, calibrated):
+        m = plan["measured"]
+        assert m["outcome"] == "ran" and m["exact"] is True and m["predicted_peak_bytes"] == plan["predicted"]
+        assert 0 < m["peak_bytes_in_use"] <= m["peak_bytes"] == m["peak_bytes_reserved"] <= 128 * MiB
+        assert m["error"] == pytest.approx((m["peak_bytes"] - plan["predicted"]) / m["peak_bytes"])
+        printed = (f"dymem_tf: first step of the {plan['stage']} plan: predicted {plan['predicted'] / MiB:.1f} MiB"
+                   f"{' (calibrated ' if plan['calibration'] else ''}")
+        line = next(l for l in proc.stdout.splitlines() if l.startswith(printed))
+        assert f"measured {m['peak_bytes'] / MiB:.1f} MiB (error {m['error']:+.1%}" in line, line
+    # the calibration of the second plan is the probe's measurement
+    cal = calibrated["calibration"]
+    assert cal["predicted_peak_bytes"] == probe["predicted"]
+    assert abs(cal["measured_peak_bytes"] - probe["measured"]["peak_bytes"]) <= 2 * MiB
+    summary = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("SUMMARY"))[len("SUMMARY"):])
+    m = calibrated["measured"]
+    assert f"  first step      : predicted {calibrated['predicted'] / MiB:.1f} MiB (calibrated " in summary
+    assert f"measured {m['peak_bytes'] / MiB:.1f} MiB (error {m['error']:+.1%}; calibrated " in summary
+    # the dashboard's data: both plans with both numbers, the calibration, and the plan each step ran
+    logged = out["logged"]
+    assert [(p["index"], p["stage"]) for p in logged] == [(0, "probe"), (1, "calibrated")]
+    for plan, row in zip((probe, calibrated), logged):
+        assert row["predicted_peak_bytes"] == plan["predicted"]
+        assert row["measured_peak_bytes"] == plan["measured"]["peak_bytes"]
+        assert row["measured_peak_bytes_in_use"] == plan["measured"]["peak_bytes_in_use"]
+        assert row["error"] == pytest.approx(plan["measured"]["error"])
+    assert logged[0]["calibration"] is None
+    assert logged[1]["calibration"]["measured_peak_bytes"] == cal["measured_peak_bytes"]
+    assert logged[1]["calibration"]["headroom"] == pytest.approx(cal["headroom"])
+    assert out["steps"] == [[0, 0]] + [[s, 1] for s in range(1, 6)]

@@ -84,3 +84,35 @@ def test_a_swap_in_whose_copy_ends_just_in_time_stalls_by_the_completion_latency
     assert simulate(sg, [swap], TOY).stall_s == pytest.approx(0.0, abs=1e-12)
     late = simulate(sg, [swap], get_profile(TOY, copy_completion_s=15e-6))
     assert late.stall_s == pytest.approx(15e-6)
+
+
+def test_device_memory_stats_read_the_gpus_when_the_step_trains_on_gpus(monkeypatch):
+    """With GPUs visible, the probe measures the GPUs' peak (TF's allocator), not GTBM's CPU pool, and the CPU pool
+    is not capped at the budget (faked device list: this machine has no GPU)."""
+    import tensorflow as tf
+
+    from dymem_tf.keras import callback
+
+    infos = {"GPU:0": {"current": 100, "peak": 700}, "GPU:1": {"current": 300, "peak": 500}}
+    resets = []
+    monkeypatch.setattr(callback, "training_gpus", lambda: list(infos))
+    monkeypatch.setattr(tf.config.experimental, "get_memory_info", lambda gpu: infos[gpu])
+    monkeypatch.setattr(tf.config.experimental, "reset_memory_stats", resets.append)
+    assert callback.device_memory_stats() == {"bytes_in_use": 300, "peak_bytes_in_use": 700,
+                                              "peak_bytes_reserved": 700}
+    callback.reset_device_peaks()
+    assert resets == ["GPU:0", "GPU:1"]
+    cb = callback.DymemCallback(memory_budget="1MiB", verbose=0)
+    cb._cap_device_at_budget()
+    assert cb._saved_limit is None  # the CPU pool keeps its limit
+
+
+def test_device_memory_stats_are_gtbms_on_the_cpu():
+    from dymem_tf.keras import callback
+    from dymem_tf.memory import allocator
+
+    assert callback.training_gpus() == []
+    stats = callback.device_memory_stats()
+    assert (stats is None) == (not allocator.is_active())
+    if stats is not None:
+        assert stats["peak_bytes_reserved"] >= stats["peak_bytes_in_use"] >= 0

@@ -416,3 +416,106 @@ def test_steps_written_before_reserved_overhead_had_its_name_are_read_under_it(t
     path.write_text('{"step": 0, "fragmentation": 0.25}\n{"step": 1, "reserved_overhead": 0.5}\n')
     rows, _ = logdata.read_steps(str(path))
     assert rows == [{"step": 0, "reserved_overhead": 0.25}, {"step": 1, "reserved_overhead": 0.5}]
+
+
+# ---------------------------------------------------------------------------------- predicted vs measured per plan
+def measured_record(budget, predicted_shift=0, calibration=None, measured=None):
+    """A record whose plan has been through its first step: ``measured`` as the callback keeps it."""
+    record, _ = make_record(budget=budget)
+    plan = record.plan
+    if calibration is not None:
+        plan.params["stage"] = "calibrated"
+        plan.predicted["calibration"] = calibration
+    if measured is not None:
+        plan.measured = measured
+    return record
+
+
+def test_each_plan_is_written_with_its_predicted_and_measured_peak(tmp_path):
+    """summaries -> plans.jsonl -> logdata: every plan of the run, predicted against measured, the calibration of a
+    calibrated plan, and each step row names the plan it ran."""
+    from dymem_tf.planning import first_step
+
+    probe = measured_record(None)
+    probe.plan.params["stage"] = "probe"
+    predicted = probe.plan.predicted["peak_bytes"]
+    probe.plan.measured = first_step.measurement(
+        {"peak_bytes_in_use": MiB, "peak_bytes_reserved": 2 * MiB},
+        {"peak_bytes_in_use": predicted + 2 * MiB, "peak_bytes_reserved": predicted + 3 * MiB}, predicted)
+    calibration = {"budget_bytes": 12 * MiB, "predicted_peak_bytes": predicted,
+                   "measured_peak_bytes": predicted + 3 * MiB, "persistent_bytes": MiB, "headroom": 0.25}
+    calibrated = measured_record(12 * MiB, calibration=calibration)
+    cal_predicted = calibrated.plan.predicted["peak_bytes"]
+    calibrated.plan.measured = first_step.measurement(
+        {"peak_bytes_in_use": 0, "peak_bytes_reserved": 0},
+        {"peak_bytes_in_use": cal_predicted, "peak_bytes_reserved": cal_predicted + MiB}, cal_predicted,
+        calibration)
+    with summaries.DymemSummaryWriter(str(tmp_path)) as writer:
+        writer.write_step(0, {"peak_bytes_reserved": 3 * MiB})  # before any plan: no plan index
+        writer.write_plan(probe)
+        writer.write_step(1, {"peak_bytes_reserved": predicted + 3 * MiB})
+        writer.write_plan(calibrated)
+        for step in (2, 3):
+            writer.write_step(step, {"peak_bytes_reserved": cal_predicted + MiB})
+    data = logdata.load_run(str(tmp_path), "dymem")
+    assert all(m["level"] == "info" for m in data["messages"]), data["messages"]
+    assert [s.get("plan") for s in data["steps"]] == [None, 0, 1, 1]
+    first, second = data["plans"]
+    assert (first["index"], first["stage"], first["function_name"]) == (0, "probe", "train_function")
+    assert first["predicted_peak_bytes"] == predicted
+    assert first["measured_peak_bytes"] == predicted + 3 * MiB and first["measured_peak_bytes_in_use"] == \
+        predicted + 2 * MiB
+    assert first["outcome"] == "ran" and first["measured_exact"] is True
+    assert first["error"] == pytest.approx(3 * MiB / (predicted + 3 * MiB))
+    assert first["calibration"] is None and first["budget_bytes"] is None
+    assert second["stage"] == "calibrated" and second["budget_bytes"] == 12 * MiB
+    assert second["error"] == pytest.approx(MiB / (cal_predicted + MiB))
+    assert second["calibration"] == {"predicted_peak_bytes": predicted, "measured_peak_bytes": predicted + 3 * MiB,
+                                     "error": pytest.approx(3 * MiB / (predicted + 3 * MiB)), "headroom": 0.25,
+                                     "budget_bytes": 12 * MiB, "persistent_bytes": MiB}
+    assert second["calibrated_predicted_peak_bytes"] == first_step.calibrated_prediction(calibration, cal_predicted)
+    # plan.json is the newest plan, measured included
+    assert data["plan"]["measured"] == calibrated.plan.measured and data["plan"]["stage"] == "calibrated"
+    assert data["plan"]["calibration"] == calibration
+    json.dumps(data, allow_nan=False)
+
+
+@pytest.mark.parametrize("measured, outcome, exact, error", [
+    ({}, None, None, None),  # written before its step ran
+    ({"outcome": "ran", "peak_bytes": 20 * MiB, "peak_bytes_in_use": 18 * MiB, "peak_bytes_reserved": 20 * MiB,
+      "exact": False}, "ran", False, None),  # an earlier step hid this one's peak: no error claimed
+    ({"outcome": "out_of_memory", "peak_bytes": 12 * MiB, "peak_bytes_in_use": 11 * MiB,
+      "peak_bytes_reserved": 12 * MiB, "exact": True}, "out_of_memory", True, None),
+])
+def test_plans_not_measured_bounded_or_out_of_memory_claim_no_error(tmp_path, measured, outcome, exact, error):
+    with summaries.DymemSummaryWriter(str(tmp_path)) as writer:
+        writer.write_plan(measured_record(12 * MiB, measured=measured))
+    (plan,) = logdata.load_run(str(tmp_path), "dymem")["plans"]
+    assert (plan["outcome"], plan["measured_exact"], plan["error"]) == (outcome, exact, error)
+    assert plan["measured_peak_bytes"] == measured.get("peak_bytes")
+
+
+def test_torn_and_garbage_plan_lines(tmp_path):
+    with summaries.DymemSummaryWriter(str(tmp_path)) as writer:
+        writer.write_plan(measured_record(12 * MiB))
+        writer.write_plan(measured_record(10 * MiB))
+    path = plugin_file(tmp_path, "plans.jsonl")
+    lines = path.read_text().splitlines()
+    path.write_text(lines[0] + '\n{"index": "one"}\n' + lines[1][:30])
+    data = logdata.load_run(str(tmp_path), "dymem")
+    assert [p["index"] for p in data["plans"]] == [0]
+    assert messages(tmp_path)[("plans.jsonl", "warning")] == "plans.jsonl: skipped 1 unreadable line(s) (line 2)"
+
+
+def test_a_run_without_plans_jsonl_shows_its_one_plan(written):
+    """Runs written before plans.jsonl existed: the plan of plan.json, with what it says it measured."""
+    log_dir, record = written
+    os.remove(plugin_file(log_dir, "plans.jsonl"))
+    (plan,) = logdata.load_run(str(log_dir), "dymem")["plans"]
+    assert plan["predicted_peak_bytes"] == record.plan.predicted["peak_bytes"] and plan["outcome"] is None
+    doc = json.loads(plugin_file(log_dir, "plan.json").read_text())
+    doc.pop("measured")  # as an older writer left it
+    doc["predicted"]["peak_bytes"] = 4 * MiB
+    plugin_file(log_dir, "plan.json").write_text(json.dumps(doc))
+    (plan,) = logdata.load_run(str(log_dir), "dymem")["plans"]
+    assert plan["predicted_peak_bytes"] == 4 * MiB and plan["measured_peak_bytes"] is None

@@ -267,7 +267,7 @@ def small_cnn(size):
     return keras.Model(inp, keras.layers.Dense(10)(keras.layers.GlobalAveragePooling2D()(e)))
 
 
-def train_run(log_dir, policy, device=None, budget=None, size=32, batch=16, steps=3):
+def train_run(log_dir, policy, device=None, budget=None, size=32, batch=16, steps=3, calibrate=False):
     """Three steps of a small CNN on random images with the Dymem callback, writing to ``log_dir`` with an
     allocator trace (``log_dir=None``: no summaries)."""
     import keras
@@ -283,16 +283,20 @@ def train_run(log_dir, policy, device=None, budget=None, size=32, batch=16, step
     y = rng.integers(0, 10, size=(batch * steps,))
     # calibrate=False: the planner alone decides (its refusal and its tightest plan are what the fixture needs)
     callback = dymem_tf.DymemCallback(memory_budget=budget, policy=policy, device=device, min_swap_bytes=4096,
-                                      calibrate=False, log_dir=log_dir and str(log_dir),
+                                      calibrate=calibrate, log_dir=log_dir and str(log_dir),
                                       trace_allocations=bool(log_dir), verbose=0)
     model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[callback])
     return callback
 
 
+CALIBRATED_BUDGET = 256 << 20
+
+
 @pytest.fixture(scope="module")
 def trained_logdir(tmp_path_factory):
     """Runs ``with/dymem`` (Dymem plan), ``without/dymem`` (policy none), ``slow-link/dymem`` (a budget that needs
-    more swaps than a 1 GB/s host link can hide, so some swap-ins stall) and ``corrupt/dymem`` (a damaged copy)."""
+    more swaps than a 1 GB/s host link can hide, so some swap-ins stall), ``calibrated/dymem`` (a budget with the
+    first-step calibration: a probe plan, then a calibrated one) and ``corrupt/dymem`` (a damaged copy)."""
     from dymem_tf.memory import allocator
     from dymem_tf.planning.device_profiles import get_profile
     from dymem_tf.planning.planner import BudgetTooSmallError
@@ -311,6 +315,8 @@ def trained_logdir(tmp_path_factory):
     tightest = math.ceil(too_small.value.min_peak_bytes / (1 - planner.DEFAULT_HEADROOM)) + 1
     slow = train_run(root / "slow-link", "dymem", budget=tightest, device=link)
     assert slow.plan.predicted["stall_s"] > 0, "the tightest budget over a 1 GB/s link should stall the step"
+    calibrated = train_run(root / "calibrated", "dymem", budget=CALIBRATED_BUDGET, calibrate=True)
+    assert [r.plan.params.get("stage") for r in calibrated.records] == ["probe", "calibrated"]
     shutil.copytree(root / "with" / "dymem" / "plugins", root / "corrupt" / "dymem" / "plugins")
     corrupt = root / "corrupt" / "dymem" / "plugins" / "dymem"
     (corrupt / "plan.json").write_text((corrupt / "plan.json").read_text()[:100])
@@ -409,7 +415,7 @@ def test_views_draw_the_training_run(dashboard, trained_logdir):
     url, driver = dashboard
     open_dymem(driver, url)
     runs = [o.get_attribute("value") for o in driver.find_elements(By.CSS_SELECTOR, "#dymem-run-a option")]
-    assert runs == ["corrupt/dymem", "slow-link/dymem", "with/dymem", "without/dymem"]
+    assert runs == ["calibrated/dymem", "corrupt/dymem", "slow-link/dymem", "with/dymem", "without/dymem"]
     select_runs(driver, "with/dymem")
     pdir = trained_logdir / "with" / "dymem" / "plugins" / "dymem"
     plan = json.loads((pdir / "plan.json").read_text())
@@ -494,6 +500,73 @@ def test_views_draw_the_training_run(dashboard, trained_logdir):
     assert driver.execute_script(
         "const ops = [...arguments[0].querySelectorAll('tr.dymem-tensor-row')].map((r) => r.dataset.op);"
         "return ops.every((op, i) => i === 0 || ops[i - 1].localeCompare(op) <= 0);", tensors)
+
+
+def plan_lines(run_dir):
+    return [json.loads(line) for line in (run_dir / "plugins" / "dymem" / "plans.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.browser
+def test_predicted_vs_measured_per_plan(dashboard, trained_logdir):
+    """The "Predicted vs measured" view: per plan the predicted and the measured device peak of its first step (and
+    for the calibrated plan the calibration), and the measured step peaks against the prediction and the budget."""
+    from selenium.webdriver.common.by import By
+
+    url, driver = dashboard
+    open_dymem(driver, url)
+    for run, stages in (("with/dymem", [None]), ("calibrated/dymem", ["probe", "calibrated"])):
+        select_runs(driver, run)
+        run_dir = trained_logdir / run
+        written = plan_lines(run_dir)
+        assert [p["stage"] for p in written] == stages
+        view = driver.find_element(By.ID, "dymem-measured-a")
+        assert not view.find_elements(By.CSS_SELECTOR, ".dymem-message-error")
+        rows = view.find_elements(By.CSS_SELECTOR, "tr.dymem-plan-row")
+        assert attr(view, "data-count", int) == attr(view, "data-measured", int) == len(rows) == len(written)
+        for row, plan in zip(rows, written):
+            m = plan["measured"]
+            assert m["outcome"] == "ran" and m["exact"] is True, m
+            assert attr(row, "data-stage") == (plan["stage"] or "")
+            assert attr(row, "data-predicted-bytes", int) == plan["predicted_peak_bytes"]
+            assert attr(row, "data-measured-bytes", int) == m["peak_bytes"]
+            assert attr(row, "data-in-use-bytes", int) == m["peak_bytes_in_use"]
+            assert attr(row, "data-error", float) == pytest.approx(m["error"])
+            assert_label(row.find_element(By.CSS_SELECTOR, "td[data-key=predicted_peak_bytes]").text,
+                         plan["predicted_peak_bytes"])
+            assert_label(row.find_element(By.CSS_SELECTOR, "td[data-key=measured_peak_bytes]").text, m["peak_bytes"])
+            assert row.find_element(By.CSS_SELECTOR, "td[data-key=error]").text.endswith(" %")
+        calibration_rows = view.find_elements(By.CSS_SELECTOR, "tr.dymem-calibration-row")
+        if run == "with/dymem":
+            assert calibration_rows == []
+            summary = driver.find_element(By.CSS_SELECTOR, "#dymem-summary-a [data-key=first_step_peak_bytes] dd")
+            assert attr(summary, "data-value", int) == written[0]["measured"]["peak_bytes"]
+        else:
+            (cal_row,) = calibration_rows
+            cal = written[1]["calibration"]
+            assert attr(cal_row, "data-index", int) == 1
+            assert attr(cal_row, "data-raw-predicted-bytes", int) == cal["predicted_peak_bytes"] == \
+                written[0]["predicted_peak_bytes"]
+            assert attr(cal_row, "data-measured-bytes", int) == cal["measured_peak_bytes"]
+            assert attr(cal_row, "data-headroom", float) == pytest.approx(cal["headroom"])
+            assert attr(cal_row, "data-calibrated-bytes", int) == written[1]["measured"]["calibrated_predicted_peak_bytes"]
+            assert "headroom" in cal_row.text
+        # the measured step peaks against the plan's prediction and the budget
+        steps = [json.loads(line) for line in
+                 (run_dir / "plugins" / "dymem" / "steps.jsonl").read_text().splitlines()]
+        chart = view.find_element(By.CSS_SELECTOR, "figure[data-source=steps]")
+        assert attr(chart, "data-points", int) == len(steps) == 3
+        assert attr(chart, "data-peak-bytes", int) == max(s["peak_bytes_reserved"] for s in steps)
+        assert len(chart.find_elements(By.CSS_SELECTOR, "circle.dymem-step-point")) == len(steps)
+        assert {l.get_attribute("data-line") for l in chart.find_elements(By.CSS_SELECTOR, "path.dymem-line")} >= \
+            {"reserved", "in_use", "predicted"}
+        assert [attr(m, "data-plan", int) for m in chart.find_elements(By.CSS_SELECTOR, "line.dymem-marker")] == \
+            list(range(len(written)))
+        if run == "calibrated/dymem":
+            assert attr(chart, "data-budget-bytes", int) == CALIBRATED_BUDGET
+            assert attr(chart, "data-over-budget", int) == 0
+            budget = chart.find_element(By.CSS_SELECTOR, "[data-line=budget]")
+            assert attr(budget, "data-bytes", int) == CALIBRATED_BUDGET
+            screenshot(driver, "tensorboard_dymem_measured")
 
 
 @pytest.mark.browser

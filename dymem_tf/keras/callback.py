@@ -135,10 +135,10 @@ class DymemCallback(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         if self._writer is not None:
             # Keras reports the last batch of each execution (steps_per_execution), and a retrace can come at any
-            # step: write the newest plan once, after the execution that traced it
-            if len(self.pass_.records) > self._plans_written:
-                self._plans_written = len(self.pass_.records)
-                self._writer.write_plan(self.pass_.records[-1])
+            # step: write each new plan once (with its measured first step), after the execution that traced it
+            while len(self.pass_.records) > self._plans_written:
+                self._plans_written += 1
+                self._writer.write_plan(self.pass_.records[self._plans_written - 1])
             self._writer.write_step(self._global_step(batch), _step_stats(self.pass_))
 
     def on_train_end(self, logs=None):
@@ -201,9 +201,15 @@ class DymemCallback(keras.callbacks.Callback):
             callback.pass_.refusal = None
             seen_records = len(callback.pass_.records)
             seen = seen_records + len(callback.pass_.skipped)
+            before = callback._peak_stats(reset=first)
             xla_off = compat.autoclustering_off() if compat.autoclustering_requested() else contextlib.nullcontext()
-            with graph_pass.armed(callback.pass_), xla_off:
-                outputs = train_function(iterator)
+            try:
+                with graph_pass.armed(callback.pass_), xla_off:
+                    outputs = train_function(iterator)
+            except tf.errors.ResourceExhaustedError:
+                callback._measure_first_step(seen_records, before, "out_of_memory")
+                raise
+            callback._measure_first_step(seen_records, before)
             if first and len(callback.pass_.records) + len(callback.pass_.skipped) == seen:
                 # the first call instantiated the step, and the pass saw no gradient ops in it
                 callback.pass_.skip(getattr(train_function, "__name__", "train_function"),
@@ -238,8 +244,7 @@ class DymemCallback(keras.callbacks.Callback):
         """Run a new train function's first step with the variables saved to host; after the probe, calibrate and
         install the budgeted train function; after a budgeted plan that fails, go back to the probe's."""
         snapshot = first_step.VariableSnapshot(self.model)
-        if allocator.is_active():
-            allocator.reset_peak_stats()
+        reset_device_peaks()
         probe = self.pass_.probe
         try:
             outputs = run(iterator)
@@ -260,7 +265,8 @@ class DymemCallback(keras.callbacks.Callback):
             self.model.train_function = fallback
             return fallback(iterator)
         if probe:
-            measured = allocator.memory_stats()["peak_bytes_reserved"] if allocator.is_active() else None
+            stats = device_memory_stats()
+            measured = stats["peak_bytes_reserved"] if stats is not None else None
             if measured is not None and measured > (1 - first_step.PROBE_SLACK) * self.budget_bytes:
                 snapshot.restore()
                 raise self._too_close(measured)
@@ -283,10 +289,35 @@ class DymemCallback(keras.callbacks.Callback):
         self.model.train_function = self._wrap_train_function(self.model.train_function, guard=True,
                                                                fallback=fallback)
 
+    def _peak_stats(self, reset: bool = False) -> dict | None:
+        """The training device's memory statistics before a call of the train function (None when nothing
+        measures it); ``reset``: its peaks are reset first (a fit's first step, so that they measure that step)."""
+        if reset:
+            reset_device_peaks()
+        return device_memory_stats()
+
+    def _measure_first_step(self, planned: int, before: dict | None, outcome: str = "ran") -> None:
+        """Keep what the allocator measured in the call that instantiated the step (its first step) in the plan
+        made for it (``Plan.measured``, see :func:`dymem_tf.planning.first_step.measurement`) and, with verbose,
+        print predicted against measured."""
+        new = self.pass_.records[planned:]
+        if before is None or len(new) != 1:  # nothing planned, or several replicas' plans that share the peak
+            return
+        plan = new[0].plan
+        steps = getattr(self.model, "steps_per_execution", 1)
+        plan.measured = first_step.measurement(before, device_memory_stats(), plan.predicted.get("peak_bytes"),
+                                               plan.predicted.get("calibration"), outcome,
+                                               steps if isinstance(steps, int) else 1)
+        stage = plan.params.get("stage")
+        self._say(f"dymem_tf: first step of the {stage + ' ' if stage else ''}plan: {plan.measured_summary()}")
+
     def _cap_device_at_budget(self) -> None:
         """On the CPU, cap the GTBM device at the budget for this ``fit`` (the budget is the device there), so that a
-        probe that needs more raises instead of succeeding over the budget; :meth:`_restore_device_limit` undoes it."""
+        probe that needs more raises instead of succeeding over the budget; :meth:`_restore_device_limit` undoes it.
+        On a GPU nothing is capped: GTBM serves the CPU device only, and TF's GPU allocator has a fixed limit."""
         self._saved_limit = None
+        if training_gpus():
+            return
         if allocator.is_active() and self.budget_bytes < allocator.get_memory_limit():
             self._saved_limit = allocator.get_memory_limit()
             allocator.set_memory_limit(self.budget_bytes)
@@ -486,6 +517,32 @@ def _safe_attr(obj, name):
 def _batch_hint(batch: int | None, suggested: int | None) -> str:
     return f"reduce the batch size from {batch} to about {suggested}" if suggested is not None else \
         "reduce the batch size"
+
+
+def training_gpus() -> list[str]:
+    """The logical GPUs (``"GPU:0"``, ...) when the step trains on GPUs, else []: GTBM then measures nothing of it."""
+    return [d.name.split("device:")[-1] for d in tf.config.list_logical_devices("GPU")]
+
+
+def reset_device_peaks() -> None:
+    """Reset the peak counters of the training device: every GPU's (TF's allocator), else GTBM's."""
+    gpus = training_gpus()
+    for gpu in gpus:
+        tf.config.experimental.reset_memory_stats(gpu)
+    if not gpus and allocator.is_active():
+        allocator.reset_peak_stats()
+
+
+def device_memory_stats() -> dict | None:
+    """The training device's memory, as GTBM names it (``bytes_in_use``, ``peak_bytes_in_use``,
+    ``peak_bytes_reserved``): GTBM's statistics on the CPU; on GPUs, TF's allocator's (``get_memory_info``: in use
+    and peak, taken as reserved too), the largest over the GPUs; None when neither is available."""
+    gpus = training_gpus()
+    if not gpus:
+        return allocator.memory_stats() if allocator.is_active() else None
+    infos = [tf.config.experimental.get_memory_info(gpu) for gpu in gpus]
+    peak, current = max(int(i["peak"]) for i in infos), max(int(i["current"]) for i in infos)
+    return {"bytes_in_use": current, "peak_bytes_in_use": peak, "peak_bytes_reserved": peak}
 
 
 def device_memory_capacity() -> int | None:

@@ -118,15 +118,19 @@ class DymemSummaryWriter:
         self._warned: set[str] = set()
         self._closed = False
         self._tracing = False
+        self._plans = 0  # plans written: each gets a line of plans.jsonl, each step the index of the newest
         self._save_meta()
 
     # ------------------------------------------------------------------------------------------------ public API
     def write_plan(self, record) -> None:
         """Write the plan of one traced step (a :class:`dymem_tf.passes.step_pass.TraceRecord`: ``function_name``,
-        ``plan``, ``step_graph``, ``report``), its simulated timeline and its swap schedule."""
+        ``plan``, ``step_graph``, ``report``), its simulated timeline and its swap schedule, and add it to the run's
+        plans (``plans.jsonl``: predicted against measured peak, calibration); the steps written after it run it."""
         self._check_open()
         plan, step_graph = record.plan, record.step_graph
         atomic_write_text(os.path.join(self.plugin_dir, logdata.PLAN_FILE), plan.to_json() + "\n")
+        self._append_line(logdata.PLANS_FILE, plan_entry(record, self._plans))
+        self._plans += 1
         report = getattr(record, "report", None)
         self._meta.update({
             "graph_name": getattr(record, "function_name", None), "batch_size": plan.batch_size,
@@ -169,6 +173,8 @@ class DymemSummaryWriter:
             self._meta["block_size"] = int(flat["block_size"])
             self._save_meta()
         row = {"step": int(step), "wall_time": round(time.time(), 3), **flat}
+        if self._plans:
+            row["plan"] = self._plans - 1  # the index in plans.jsonl of the plan this step ran
         if self._steps_fh is None:
             self._steps_fh = open(os.path.join(self.plugin_dir, logdata.STEPS_FILE), "a", encoding="utf-8")
         self._steps_fh.write(json.dumps(row, allow_nan=False) + "\n")  # one write per line: readers never see half
@@ -271,6 +277,11 @@ class DymemSummaryWriter:
             self._warned.add(key)
             warnings.warn(text, RuntimeWarning, stacklevel=3)
 
+    def _append_line(self, name: str, obj: Any) -> None:
+        """Append one JSON line to a data file in one write (readers never see half a line)."""
+        with open(os.path.join(self.plugin_dir, name), "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(obj, allow_nan=False) + "\n")
+
     def _scalars(self, step: int, values: Mapping[str, float]) -> None:
         if not values:
             return
@@ -302,6 +313,34 @@ def _writer_version() -> str:
 
 
 # ---------------------------------------------------------------------------------------- plan -> dashboard views
+def plan_entry(record, index: int) -> dict:
+    """One line of ``plans.jsonl``: what a plan predicted of the device peak, what its first step measured
+    (``Plan.measured``; empty when the plan was written before its step ran) and, for a plan made after the probe
+    step under a budget, the calibration it was made with."""
+    plan = record.plan
+    predicted = plan.predicted or {}
+    calibration = predicted.get("calibration")
+    entry = {
+        "index": int(index), "function_name": getattr(record, "function_name", None),
+        "replica": getattr(record, "replica", None), "stage": plan.params.get("stage"), "policy": plan.policy,
+        "batch_size": plan.batch_size, "budget_bytes": plan.budget_bytes, "persistent_bytes": plan.persistent_bytes,
+        "num_swaps": len(plan.swaps), "swapped_bytes": plan.swapped_bytes,
+        "predicted_peak_bytes": predicted.get("peak_bytes"),
+        "no_swap_peak_bytes": predicted.get("no_swap_peak_bytes"),
+        "measured": dict(getattr(plan, "measured", None) or {}),
+        "calibration": dict(calibration) if isinstance(calibration, Mapping) else None,
+    }
+    return json.loads(json.dumps(entry, default=_plain))  # NumPy numbers and the like as plain JSON
+
+
+def _plain(value):
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return str(value)
+
+
 def first_backward_layer(step_graph) -> int | None:
     """Where the backward pass begins: the layer after the last forward op whose output a gradient op reads (the
     loss). Gradient constants and shape ops that depend on no forward result sit in early layers and do not count.

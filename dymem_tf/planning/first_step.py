@@ -14,10 +14,15 @@ Under a ``memory_budget`` the callback runs the first step of every new input sh
    probe's plan, which is known to fit.
 
 A refusal is therefore based on a measurement: a budget is refused only when the least-memory plan did not fit.
+
+Every plan's first step is measured, budget or not (:func:`measurement`, kept in ``Plan.measured``): the plan
+summary and the dashboard show its predicted against its measured device peak.
 """
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -52,6 +57,40 @@ class Calibration:
         return (f"calibrated on the first step: measured peak {self.measured_peak_bytes / mib:.1f} MiB, predicted "
                 f"{self.predicted_peak_bytes / mib:.1f} MiB ({self.error:+.1%}); planning with {self.headroom:.1%} "
                 f"of the {self.budget_bytes / mib:.1f} MiB budget kept free")
+
+
+def calibrated_prediction(calibration: Mapping[str, Any], predicted_peak: int) -> int:
+    """``predicted_peak`` scaled as the calibration scales it: the step's own memory (above the persistent bytes)
+    times the measured / predicted ratio of the probe step (never below 1), as :func:`calibrated_headroom` assumes."""
+    persistent = max(int(calibration.get("persistent_bytes", 0)), 0)
+    ratio = max((int(calibration["measured_peak_bytes"]) - persistent)
+                / max(int(calibration["predicted_peak_bytes"]) - persistent, 1), 1.0)
+    return int(round(persistent + ratio * max(int(predicted_peak) - persistent, 0)))
+
+
+def measurement(before: Mapping[str, Any], after: Mapping[str, Any], predicted_peak: int | None = None,
+                calibration: Mapping[str, Any] | None = None, outcome: str = "ran", steps: int = 1) -> dict:
+    """What the allocator measured in a plan's first step, from its statistics (GTBM's ``memory_stats()``) just
+    before and just after the step: the dict a plan keeps as ``Plan.measured``.
+
+    The allocator's peaks are maxima since its last peak reset. When they grew during the step they are the
+    step's own peaks (``exact``); otherwise an earlier step reached more, and they bound this step's from above.
+    ``peak_bytes`` is the peak of reserved bytes (pageblocks: what the device budget holds, as the probe and the
+    calibration measure it); ``error`` is ``(measured - predicted) / measured`` of it."""
+    in_use, reserved = int(after["peak_bytes_in_use"]), int(after["peak_bytes_reserved"])
+    exact = (reserved > int(before.get("peak_bytes_reserved", -1))
+             and in_use > int(before.get("peak_bytes_in_use", -1)))
+    out: dict[str, Any] = {"outcome": outcome, "peak_bytes": reserved, "peak_bytes_reserved": reserved,
+                           "peak_bytes_in_use": in_use, "exact": exact}
+    if predicted_peak is not None:
+        out["predicted_peak_bytes"] = int(predicted_peak)
+        if outcome == "ran" and reserved > 0:
+            out["error"] = (reserved - int(predicted_peak)) / reserved
+        if calibration:
+            out["calibrated_predicted_peak_bytes"] = calibrated_prediction(calibration, int(predicted_peak))
+    if steps > 1:
+        out["steps"] = int(steps)  # the train function's call ran steps_per_execution steps
+    return out
 
 
 def calibrated_headroom(budget_bytes: int, predicted_peak: int, measured_peak: int, persistent_bytes: int = 0,

@@ -46,7 +46,14 @@ class SwapDecision:
 
 @dataclass
 class Plan:
-    """The planner's output; ``predicted`` holds the simulator's numbers for this plan and for no swapping."""
+    """The planner's output; ``predicted`` holds the simulator's numbers for this plan and for no swapping.
+
+    ``measured`` is empty until the plan's first step has run; then it holds what the allocator measured in that
+    step (see :func:`dymem_tf.planning.first_step.measurement`): ``peak_bytes`` (the device peak compared with
+    ``predicted["peak_bytes"]``: GTBM's peak reserved bytes), ``peak_bytes_in_use``, ``peak_bytes_reserved``,
+    ``exact`` (False: an earlier step since the allocator's last peak reset reached more, so ``peak_bytes`` is an
+    upper bound of this step's peak), ``outcome`` (``"ran"`` or ``"out_of_memory"``) and ``error``.
+    """
 
     policy: str
     device: str
@@ -59,6 +66,7 @@ class Plan:
     predicted: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     params: dict[str, Any] = field(default_factory=dict)
+    measured: dict[str, Any] = field(default_factory=dict)
 
     # ------------------------------------------------------------------------------------------------ queries
     @property
@@ -69,6 +77,38 @@ class Plan:
     @property
     def num_swap_ins(self) -> int:
         return sum(len(s.swap_ins) for s in self.swaps)
+
+    @property
+    def measured_error(self) -> float | None:
+        """(measured - predicted) / measured of the device peak of the plan's first step; None before it ran, when
+        it ran out of memory, or without a prediction."""
+        m, p = self.measured.get("peak_bytes"), self.predicted.get("peak_bytes")
+        if self.measured.get("outcome", "ran") != "ran" or not m or p is None:
+            return None
+        return (m - p) / m
+
+    def measured_summary(self) -> str | None:
+        """``predicted X, measured Y (error Z%)`` for the plan's first step, or None before it ran."""
+        m = self.measured
+        if not m:
+            return None
+        p = self.predicted.get("peak_bytes")
+        predicted = "predicted " + (mib(p) if p is not None else "–")
+        calibrated = m.get("calibrated_predicted_peak_bytes")
+        if calibrated is not None:
+            predicted += f" (calibrated {mib(calibrated)})"
+        if m.get("outcome", "ran") != "ran":
+            return (f"{predicted}, ran out of memory in its first step (pool reserved "
+                    f"{mib(m.get('peak_bytes_reserved', 0))}, in use {mib(m.get('peak_bytes_in_use', 0))})")
+        bound = "" if m.get("exact", True) else "at most "
+        error = self.measured_error
+        errors = [f"error {error:+.1%}"] if error is not None and bound == "" else []
+        if calibrated is not None and bound == "" and m.get("peak_bytes"):
+            errors.append(f"calibrated {(m['peak_bytes'] - calibrated) / m['peak_bytes']:+.1%}")
+        text = f"{predicted}, measured {bound}{mib(m.get('peak_bytes', 0))}"
+        if errors:
+            text += f" ({'; '.join(errors)})"
+        return text + f"; in use {bound}{mib(m.get('peak_bytes_in_use', 0))}"
 
     def swap_for(self, tensor: str) -> SwapDecision | None:
         """The decision for ``tensor`` or None."""
@@ -118,6 +158,9 @@ class Plan:
             lines.append(f"  predicted peak  : {mib(p['peak_bytes'])}  budget {budget}{fits}  "
                          f"(no swap {mib(p.get('no_swap_peak_bytes', 0))}, persistent "
                          f"{mib(self.persistent_bytes)})")
+            measured = self.measured_summary()
+            if measured is not None:  # once the plan's first step has run
+                lines.append(f"  first step      : {measured}")
             groups = p.get("peak_by_group") or {}
             if groups:
                 lines.append("  peak by group   : " + ", ".join(f"{k} {mib(v)}" for k, v in groups.items()))

@@ -3,6 +3,7 @@
 //
 // Views, per selected run (one run, or two side by side):
 //   summary   key figures of the plan and the measured steps
+//   measured  per plan: predicted vs measured device peak of its first step, the calibration; measured step peaks
 //   timeline  device bytes in use by mobility group (modelled per dependency layer; measured per allocator event)
 //   pool      the pool at the peak: live blocks by group, free gaps, fragmentation
 //   schedule  per swapped tensor: swap-out, host residency, swap-in trigger, consumer; stalls in red
@@ -24,6 +25,7 @@ let sharedScale = {};
 // The files each view reads (messages about a file are shown in these views).
 const VIEW_FILES = {
   summary: ['meta.json', 'plan.json', 'steps.jsonl'],
+  measured: ['plans.jsonl'],
   timeline: ['timeline.json'],
   pool: ['trace.csv'],
   schedule: ['schedule.json'],
@@ -50,6 +52,12 @@ function formatSeconds(s) {
 
 function formatPercent(f) {
   return f === null || f === undefined || !isFinite(f) ? '–' : `${(100 * f).toFixed(1)} %`;
+}
+
+// (measured - predicted) / measured, signed: + when the plan predicted less than was measured.
+function formatError(e) {
+  if (e === null || e === undefined || !isFinite(e)) return '–';
+  return `${e < 0 ? '−' : '+'}${Math.abs(100 * e).toFixed(1)} %`;
 }
 
 function formatNumber(x) {
@@ -253,6 +261,7 @@ function renderPane(result, key) {
   }
   const views = [
     ['summary', 'Summary', renderSummary],
+    ['measured', 'Predicted vs measured', renderMeasured],
     ['timeline', 'Memory timeline', renderTimeline],
     ['pool', 'Pool at the peak', renderPool],
     ['schedule', 'Swap schedule', renderSchedule],
@@ -309,6 +318,10 @@ function renderSummary(section, data) {
     ['no_swap_peak_bytes', 'Modelled peak without swapping', p.no_swap_peak_bytes, formatBytes],
     ['stall_s', 'Modelled stall per step', p.stall_s, formatSeconds],
     ['step_time_s', 'Modelled step time', p.step_time_s, formatSeconds],
+    ['first_step_peak_bytes', 'Measured peak, first step of this plan',
+      (plan.measured || {}).outcome === 'ran' ? (plan.measured || {}).peak_bytes : null, formatBytes],
+    ['first_step_error', 'Error of the modelled peak, first step ((measured − modelled) / measured)',
+      (plan.measured || {}).exact !== false ? (plan.measured || {}).error : null, formatError],
     ['steps', 'Steps recorded', steps.length || null, formatNumber],
     ['peak_bytes_in_use', 'Measured device peak', maxOf(steps, 'peak_bytes_in_use'), formatBytes],
     ['peak_bytes_reserved', 'Measured pool reserved (peak)', maxOf(steps, 'peak_bytes_reserved'), formatBytes],
@@ -333,6 +346,187 @@ function renderSummary(section, data) {
   for (const note of [...(plan.notes || []), ...(meta.notes || [])]) {
     section.append(el('p', {class: 'dymem-note'}, note));
   }
+}
+
+// ------------------------------------------------------------------------------------------------ predicted vs measured
+function runBudget(data) {
+  const plans = data.plans || [];
+  for (let i = plans.length - 1; i >= 0; i--) {
+    if (plans[i].budget_bytes) return plans[i].budget_bytes;
+  }
+  return (data.plan && data.plan.budget_bytes) || (data.meta && data.meta.budget_bytes) || null;
+}
+
+function measuredText(p) {
+  if (p.outcome === 'out_of_memory') return 'out of memory';
+  if (p.measured_peak_bytes === null || p.measured_peak_bytes === undefined) return 'not measured';
+  return `${p.measured_exact === false ? '≤ ' : ''}${formatBytes(p.measured_peak_bytes)}`;
+}
+
+const PLAN_COLUMNS = [
+  {key: 'index', label: '#', fmt: (v) => String(v)},
+  {key: 'stage', label: 'Stage', fmt: (v) => v || '–'},
+  {key: 'batch_size', label: 'Batch', num: true, fmt: formatNumber},
+  {key: 'num_swaps', label: 'Swaps', num: true, fmt: formatNumber},
+  {key: 'predicted_peak_bytes', label: 'Predicted peak', num: true, fmt: formatBytes},
+  {key: 'measured_peak_bytes', label: 'Measured peak (reserved)', num: true, text: measuredText},
+  {key: 'measured_peak_bytes_in_use', label: 'In use', num: true, fmt: formatBytes},
+  {key: 'error', label: 'Error', num: true, fmt: formatError},
+];
+
+function renderMeasured(section, data) {
+  const plans = data.plans || [];
+  section.dataset.count = String(plans.length);
+  if (!plans.length) {
+    showMissing(section, data, 'plans.jsonl', 'No plan in this run yet: each plan is written after its first step.');
+    return;
+  }
+  section.dataset.measured = String(plans.filter((p) => p.outcome === 'ran' &&
+    typeof p.measured_peak_bytes === 'number').length);
+  section.append(el('p', {class: 'dymem-caption'},
+      'The device peak each plan predicted, and what the allocator (GTBM) measured in the plan\'s first step: the ' +
+      'peak of reserved pageblocks, what the budget holds (the peak in use is below it). Error = (measured − ' +
+      'predicted) / measured; ≤ marks a step whose own peak an earlier step hid.'));
+  const table = el('table', {class: 'dymem-plans-table'});
+  table.append(el('thead', {}, el('tr', {}, PLAN_COLUMNS.map((c) => el('th', {'data-key': c.key,
+    class: c.num ? 'dymem-num' : null}, c.label)))));
+  const tbody = el('tbody');
+  for (const p of plans) {
+    tbody.append(el('tr', {class: `dymem-plan-row${p.outcome === 'out_of_memory' ? ' dymem-oom' : ''}`,
+      'data-index': p.index, 'data-stage': p.stage || '', 'data-outcome': p.outcome || '',
+      'data-exact': p.measured_exact === null || p.measured_exact === undefined ? '' : String(p.measured_exact),
+      'data-predicted-bytes': p.predicted_peak_bytes ?? '', 'data-measured-bytes': p.measured_peak_bytes ?? '',
+      'data-in-use-bytes': p.measured_peak_bytes_in_use ?? '', 'data-error': p.error ?? ''},
+    PLAN_COLUMNS.map((c) => {
+      const v = p[c.key];
+      return el('td', {'data-key': c.key, 'data-value': v ?? '', class: c.num ? 'dymem-num' : null,
+        title: c.key === 'stage' && p.function_name ? p.function_name : null}, c.text ? c.text(p) : c.fmt(v));
+    })));
+    const cal = p.calibration;
+    if (cal) {
+      const scaled = p.calibrated_predicted_peak_bytes;
+      const budget = cal.budget_bytes ? ` of the ${formatBytes(cal.budget_bytes)} budget` : '';
+      tbody.append(el('tr', {class: 'dymem-calibration-row', 'data-index': p.index,
+        'data-raw-predicted-bytes': cal.predicted_peak_bytes ?? '', 'data-measured-bytes': cal.measured_peak_bytes ?? '',
+        'data-headroom': cal.headroom ?? '', 'data-calibrated-bytes': scaled ?? ''},
+      el('td', {}), el('td', {colspan: PLAN_COLUMNS.length - 1},
+          `calibrated on the probe step: raw prediction ${formatBytes(cal.predicted_peak_bytes)}, measured ` +
+          `${formatBytes(cal.measured_peak_bytes)} (error ${formatError(cal.error)}); headroom ` +
+          `${formatPercent(cal.headroom)}${budget} kept free` +
+          (typeof scaled === 'number' ? `; this plan's prediction scaled the same way: ${formatBytes(scaled)}` : '') +
+          '.')));
+    }
+  }
+  table.append(tbody);
+  section.append(el('div', {class: 'dymem-scroll dymem-table-scroll'}, table));
+  const chart = stepPeaksChart(data, plans);
+  if (chart) section.append(chart);
+  else section.append(message('No measured step peaks in this run (steps.jsonl has none: GTBM not active?).', 'info',
+      'empty'));
+}
+
+// Per recorded step: the allocator's peaks against the predicted peak of the plan the step ran, and the budget.
+function stepPeaksChart(data, plans) {
+  const steps = (data.steps || []).filter((s) => typeof s.peak_bytes_reserved === 'number' ||
+    typeof s.peak_bytes_in_use === 'number');
+  if (!steps.length) return null;
+  const byIndex = new Map(plans.map((p) => [p.index, p]));
+  const planOf = (s) => (typeof s.plan === 'number' ? byIndex.get(s.plan) :
+    (plans.length === 1 ? plans[0] : undefined));
+  const points = steps.map((s) => {
+    const p = planOf(s);
+    return {x: s.step, reserved: s.peak_bytes_reserved, in_use: s.peak_bytes_in_use,
+      predicted: p ? p.predicted_peak_bytes : null, calibrated: p ? p.calibrated_predicted_peak_bytes : null,
+      plan: p ? p.index : null};
+  });
+  const budget = runBudget(data);
+  const lines = [
+    {key: 'reserved', label: 'measured peak reserved', cls: 'dymem-line-measured'},
+    {key: 'in_use', label: 'measured peak in use', cls: 'dymem-line-inuse'},
+    {key: 'predicted', label: 'predicted peak of the plan the step ran', cls: 'dymem-line-predicted'},
+    {key: 'calibrated', label: 'predicted peak scaled by the calibration', cls: 'dymem-line-calibrated'},
+  ].filter((l) => points.some((p) => typeof p[l.key] === 'number'));
+  const values = points.flatMap((p) => lines.map((l) => p[l.key])).filter((v) => typeof v === 'number');
+  // a budget far above every step would flatten the chart: it is then named above the scale, not drawn
+  const budgetOnScale = budget && budget <= 4 * Math.max(1, ...values);
+  const top = Math.max(1, ...values, budgetOnScale ? budget : 0);
+  const yMax = Math.max(top, (sharedScale.steps || 0) / 1.08) * 1.08;
+  const W = chartWidth;
+  const H = Math.round(Math.min(260, Math.max(180, W * 0.2)));
+  const m = {l: 72, r: 16, t: 14, b: 38};
+  const x0 = points[0].x;
+  const x1 = points[points.length - 1].x + 1;
+  const sx = (x) => m.l + ((x - x0) / (x1 - x0)) * (W - m.l - m.r);
+  const sy = (y) => H - m.b - (y / yMax) * (H - m.t - m.b);
+  const chart = svg('svg', {viewBox: `0 0 ${W} ${H}`, class: 'dymem-svg dymem-steps-chart', role: 'img',
+    'aria-label': 'measured step peaks against the predicted peak and the budget'});
+  for (const v of byteTicks(yMax / 1.08)) {
+    chart.append(svg('line', {x1: m.l, x2: W - m.r, y1: sy(v), y2: sy(v), class: 'dymem-grid'}));
+    chart.append(svg('text', {x: m.l - 6, y: sy(v) + 4, class: 'dymem-tick', 'text-anchor': 'end'},
+        formatBytes(v)));
+  }
+  const xTicks = niceTicks(x1 - x0, 8).filter((v) => Number.isInteger(v));
+  for (const v of xTicks) {
+    chart.append(svg('text', {x: sx(x0 + v + 0.5), y: H - m.b + 16, class: 'dymem-tick', 'text-anchor': 'middle'},
+        String(x0 + v)));
+  }
+  chart.append(svg('text', {x: (m.l + W - m.r) / 2, y: H - 4, class: 'dymem-axis-label', 'text-anchor': 'middle'},
+      'training step'));
+  // where each plan takes over
+  let previous = null;
+  for (const p of points) {
+    if (p.plan === null || p.plan === previous) continue;
+    previous = p.plan;
+    const plan = byIndex.get(p.plan);
+    const x = sx(p.x);
+    chart.append(svg('line', {x1: x, x2: x, y1: m.t, y2: H - m.b, class: 'dymem-marker', 'data-plan': p.plan}));
+    chart.append(svg('text', {x: x + 4, y: m.t + 10, class: 'dymem-marker-label'},
+        `plan #${p.plan}${plan && plan.stage ? ` (${plan.stage})` : ''}`));
+  }
+  const xs = points.map((p) => p.x);
+  for (const line of lines) {
+    chart.append(svg('path', {d: stepLine(xs, points.map((p) => p[line.key]), x1, sx, sy),
+      class: `dymem-line ${line.cls}`, 'data-line': line.key}, tooltip(line.label)));
+  }
+  if (budgetOnScale) {
+    chart.append(svg('line', {x1: m.l, x2: W - m.r, y1: sy(budget), y2: sy(budget),
+      class: 'dymem-line dymem-line-budget', 'data-line': 'budget', 'data-bytes': budget},
+    tooltip(`budget ${formatBytes(budget)}`)));
+    chart.append(svg('text', {x: W - m.r - 4, y: sy(budget) - 4, class: 'dymem-budget-label',
+      'text-anchor': 'end'}, `budget ${formatBytes(budget)}`));
+  } else if (budget) {
+    chart.append(svg('text', {x: W - m.r - 4, y: m.t + 10, class: 'dymem-budget-label', 'text-anchor': 'end',
+      'data-line': 'budget', 'data-bytes': budget}, `budget ${formatBytes(budget)} ↑ (above the scale)`));
+  }
+  if (points.length <= 200) {
+    for (const p of points) {
+      if (typeof p.reserved !== 'number') continue;
+      const over = budget && p.reserved > budget;
+      chart.append(svg('circle', {cx: sx(p.x + 0.5), cy: sy(p.reserved), r: 2.5,
+        class: `dymem-step-point${over ? ' dymem-over-budget' : ''}`, 'data-step': p.x, 'data-bytes': p.reserved},
+      tooltip(`step ${p.x}: peak reserved ${formatBytes(p.reserved)}, in use ${formatBytes(p.in_use)}` +
+        (typeof p.predicted === 'number' ? `; predicted ${formatBytes(p.predicted)}` : '') +
+        (p.plan !== null ? ` (plan #${p.plan})` : ''))));
+    }
+  }
+  const maxReserved = Math.max(0, ...points.map((p) => p.reserved || 0));
+  const over = budget ? points.filter((p) => p.reserved > budget).length : 0;
+  const figure = el('figure', {class: 'dymem-chart', 'data-source': 'steps', 'data-points': points.length,
+    'data-peak-bytes': maxReserved, 'data-budget-bytes': budget ?? '', 'data-over-budget': over,
+    'data-y-max': yMax});
+  figure.append(el('figcaption', {}, 'Measured step peaks against the plan\'s predicted peak and the budget',
+      el('span', {class: 'dymem-caption-figure'}, ` · highest ${formatBytes(maxReserved)}` +
+        (budget ? `, ${over} step${over === 1 ? '' : 's'} over the budget` : ''))));
+  figure.append(chart);
+  figure.append(el('div', {class: 'dymem-legend'},
+      lines.map((l) => el('span', {class: 'dymem-legend-item', 'data-line': l.key},
+          el('i', {class: `dymem-swatch-line ${l.cls}`}), l.label)),
+      budget ? el('span', {class: 'dymem-legend-item', 'data-line': 'budget'},
+          el('i', {class: 'dymem-swatch-line dymem-line-budget'}), 'budget') : null));
+  figure.append(el('p', {class: 'dymem-caption'},
+      'The allocator\'s peaks are maxima since its last reset, which the callback makes when a fit, or a train ' +
+      'function it re-planned, takes its first step: a later step shows the highest use up to it.'));
+  return figure;
 }
 
 // ------------------------------------------------------------------------------------------------ timeline
