@@ -1,6 +1,7 @@
 """``DymemCallback``: the one-line entry point, ``model.fit(..., callbacks=[dymem_tf.DymemCallback()])``."""
 from __future__ import annotations
 
+import numbers
 import os
 import sys
 
@@ -105,6 +106,7 @@ class DymemCallback(keras.callbacks.Callback):
                 f"({_fmt(weights)}); raise the budget or use a smaller model.")
         _warn_onednn_out_of_memory_crash()
         self.pass_.default_batch_size = _fit_batch_size(model)
+        self.pass_.observed_batch_size = _observed_batch_size(model)
         self.pass_.persistent_bytes = weights
         # A new train function: its first call instantiates it, and the graph pass plans that instantiation. Under
         # a budget that first step is the probe (dymem_tf.first_step): least memory, measured, variables guarded.
@@ -430,17 +432,62 @@ def _fit_batch_size(model) -> int | None:
     needs the largest batch the step will see. Keras hands callbacks no batch size, so this reads the ``fit`` frame
     that called ``on_train_begin``: its data adapter's batch size, or the ``batch`` call of a ``tf.data`` pipeline.
     """
+    loc = _fit_locals(model)
+    if loc is None:
+        return None
+    adapter = getattr(loc.get("epoch_iterator"), "data_adapter", None)
+    for candidate in (_safe_attr(adapter, "batch_size"), loc.get("batch_size"),
+                      _dataset_batch_size(getattr(adapter, "_dataset", None))):
+        if isinstance(candidate, int) and not isinstance(candidate, bool) and candidate > 0:
+            return candidate
+    return None
+
+
+def _observed_batch_size(model) -> int | None:
+    """The batch size of the first batches of a Python generator, as Keras's ``GeneratorDataAdapter`` peeked them
+    (``_first_batches``, to build the dataset's signature), or None.
+
+    An observation, not a bound: a later batch may be larger, so the pass plans with it only without a
+    ``memory_budget`` (:attr:`dymem_tf.step_pass.StepPass.observed_batch_size`). None when the peeked batches do not
+    tell one batch size: a leaf without a leading dimension, or leaves whose leading dimensions differ. The
+    ``PyDataset`` adapter keeps no batch; reading one again would call the user's ``__getitem__`` once more (and
+    advance any random state it draws from), so its batch size stays unknown.
+    """
+    loc = _fit_locals(model)
+    adapter = getattr(loc.get("epoch_iterator"), "data_adapter", None) if loc is not None else None
+    batches = getattr(adapter, "_first_batches", None) if adapter is not None else None
+    if not isinstance(batches, (list, tuple)) or not batches:
+        return None
+    sizes = [_leading_dim(batch) for batch in batches]
+    if any(size is None for size in sizes):
+        return None
+    return max(sizes)
+
+
+def _leading_dim(batch) -> int | None:
+    """The leading dimension shared by every array of one batch (``None`` entries aside), or None."""
+    dims = set()
+    for leaf in tf.nest.flatten(batch):
+        if leaf is None:
+            continue
+        shape = _safe_attr(leaf, "shape")
+        try:
+            first = tuple(shape)[0] if shape is not None else None
+        except (TypeError, ValueError, IndexError):  # unknown rank, or a scalar
+            return None
+        if isinstance(first, bool) or not isinstance(first, numbers.Integral) or first <= 0:
+            return None
+        dims.add(int(first))
+    return dims.pop() if len(dims) == 1 else None
+
+
+def _fit_locals(model) -> dict | None:
+    """The local variables of the Keras ``fit`` of ``model`` that is running (found up the call stack), or None."""
     frame = sys._getframe(1)  # pylint: disable=protected-access
     try:
         while frame is not None:
             if frame.f_code.co_name == "fit" and frame.f_locals.get("self") is model:
-                loc = frame.f_locals
-                adapter = getattr(loc.get("epoch_iterator"), "data_adapter", None)
-                for candidate in (_safe_attr(adapter, "batch_size"), loc.get("batch_size"),
-                                  _dataset_batch_size(getattr(adapter, "_dataset", None))):
-                    if isinstance(candidate, int) and not isinstance(candidate, bool) and candidate > 0:
-                        return candidate
-                return None
+                return frame.f_locals
             frame = frame.f_back
     finally:
         del frame
