@@ -166,8 +166,10 @@ class DymemCallback(keras.callbacks.Callback):
             seen = len(callback.pass_.records) + len(callback.pass_.skipped)
             with graph_pass.armed(callback.pass_):
                 outputs = train_function(iterator)
-            if first and len(callback.pass_.records) + len(callback.pass_.skipped) == seen:
-                # the first call instantiated the step, and the pass saw no gradient ops in it
+            if (first and not getattr(callback.model, "run_eagerly", False)
+                    and len(callback.pass_.records) + len(callback.pass_.skipped) == seen):
+                # the first call instantiated the step, and the pass saw no gradient ops in it (a step run eagerly
+                # has no graph: the pass is never offered one)
                 callback.pass_.skip(getattr(train_function, "__name__", "train_function"), "no-gradients", "",
                                     step_pass.NO_GRADIENTS, None)
             return outputs
@@ -541,9 +543,18 @@ def default_device_profile() -> str:
 def _build_optimizer(model) -> None:
     """Create the optimizer's slot variables now, as its first ``apply`` would (zeros, under the model's strategy),
     so that the persistent bytes the planner works with include them: Keras builds Adam's ``m`` and ``v`` lazily,
-    and without them a ResNet-50 step was planned with a third of its persistent memory."""
+    and without them a ResNet-50 step was planned with a third of its persistent memory.
+
+    Only when every layer of the model is built, as Keras's own symbolic build requires: an optimizer is built for
+    a fixed set of variables, and a subclassed model whose layers create theirs at its first call (a ``Dense`` in
+    ``call``) would otherwise get an optimizer that rejects them (Keras's ``test_callbacks_can_update_state_at_
+    batch_boundary``: weights made in ``__init__`` plus such a layer)."""
     optimizer = getattr(model, "optimizer", None)
     if optimizer is None or getattr(optimizer, "built", True) or not model.trainable_variables:
+        return
+    flatten = getattr(model, "_flatten_layers", None)
+    layers = flatten() if callable(flatten) else [model]
+    if not all(getattr(layer, "built", False) for layer in layers):
         return
     try:
         with model.distribute_strategy.scope():

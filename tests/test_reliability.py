@@ -139,6 +139,35 @@ def test_train_steps_inlined_into_a_loop_are_left_unmodified_with_one_warning():
     assert not passes.records and passes.skipped[0].kind in ("control-flow", "unknown-shape")
 
 
+class CounterModel(keras.Model):
+    """Weights made in ``__init__`` plus a layer that makes its own at the first call (Keras's
+    ``test_callbacks_can_update_state_at_batch_boundary``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counter = self.add_weight(shape=(), initializer="zeros")
+        self.flatten, self.dense = keras.layers.Flatten(), keras.layers.Dense(10)
+
+    def call(self, x):
+        return self.dense(self.flatten(x))
+
+
+@pytest.mark.parametrize("run_eagerly", [False, True])
+def test_a_partly_built_model_and_an_eager_step(run_eagerly):
+    """The callback builds the optimizer early only for a fully built model (an optimizer built for the counter
+    alone rejects the Dense weights), and a step run eagerly, which has no graph, is not recorded as a trace
+    without gradients."""
+    x, y = data(16)
+    kwargs = dict(compile_kwargs={"run_eagerly": run_eagerly})
+    base, base_w, _ = fit(CounterModel, [], x, y, **kwargs)
+    cb = dymem_tf.DymemCallback(min_swap_bytes=0, verbose=0)
+    hist, weights, _ = fit(CounterModel, [cb], x, y, **kwargs)
+    assert hist == base
+    assert_same_weights(weights, base_w)
+    assert not cb.skipped
+    assert bool(cb.records) is not run_eagerly
+
+
 def test_validation_data_and_evaluate_predict_are_unaffected():
     x, y = data(24)
     vx, vy = data(16, seed=2)
