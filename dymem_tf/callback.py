@@ -467,11 +467,19 @@ def _observed_batch_size(model) -> int | None:
 
 
 def _leading_dim(batch) -> int | None:
-    """The leading dimension shared by every array of one batch (``None`` entries aside), or None."""
+    """The leading dimension shared by every array of one batch (``None`` entries aside), or None.
+
+    None too when the batch holds a sparse or ragged array: the step's tensors of unknown leading dimension then
+    include value counts (a sparse input's values, ``embedding_lookup_sparse``'s ids) that the batch size, which
+    the pass puts in every unknown leading dimension, does not bound."""
     dims = set()
     for leaf in tf.nest.flatten(batch):
         if leaf is None:
             continue
+        kind = type(leaf)
+        if (kind.__name__ in ("SparseTensor", "RaggedTensor", "SparseTensorValue", "RaggedTensorValue")
+                or kind.__module__.startswith(("scipy.sparse", "jax.experimental.sparse"))):
+            return None
         shape = _safe_attr(leaf, "shape")
         try:
             first = tuple(shape)[0] if shape is not None else None
