@@ -16,6 +16,8 @@ level.
 | ``keras.src.callbacks.callback_list.CallbackList`` | the list whose hook is calling a callback |
 | the ``fit`` frame's locals (``epoch_iterator``, ``batch_size``) | the batch size of the running ``fit`` |
 | ``Model._jit_compile`` | put the user's XLA flag back without the setter's re-check |
+| ``GeneratorDataAdapter._first_batches`` | the batch size of a generator's first batches |
+| ``Layer._flatten_layers`` | whether every layer is built (the optimizer may be built early) |
 | ``tf.data`` datasets' ``_batch_size`` / ``_input_dataset`` | the static batch size of a pipeline |
 """
 from __future__ import annotations
@@ -275,6 +277,20 @@ def running_callback_list(callback, max_depth: int = 8):
     finally:
         del frame
     return None
+
+
+def peeked_batches(adapter) -> list | None:
+    """The first batches Keras's ``GeneratorDataAdapter`` peeked from a Python generator (``_first_batches``, to
+    build the dataset's signature), or None for other adapters."""
+    batches = getattr(adapter, "_first_batches", None) if adapter is not None else None
+    return list(batches) if isinstance(batches, (list, tuple)) and batches else None
+
+
+def all_layers_built(model) -> bool:
+    """Whether every layer of ``model`` (``Layer._flatten_layers``, the model included) is built."""
+    flatten = getattr(model, "_flatten_layers", None)
+    layers = flatten() if callable(flatten) else [model]
+    return all(getattr(layer, "built", False) for layer in layers)
 
 
 def build_without_jit(model, build) -> None:

@@ -140,6 +140,35 @@ def test_train_steps_inlined_into_a_loop_are_left_unmodified_with_one_warning():
     assert not passes.records and passes.skipped[0].kind in ("control-flow", "unknown-shape")
 
 
+class CounterModel(keras.Model):
+    """Weights made in ``__init__`` plus a layer that makes its own at the first call (Keras's
+    ``test_callbacks_can_update_state_at_batch_boundary``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counter = self.add_weight(shape=(), initializer="zeros")
+        self.flatten, self.dense = keras.layers.Flatten(), keras.layers.Dense(10)
+
+    def call(self, x):
+        return self.dense(self.flatten(x))
+
+
+@pytest.mark.parametrize("run_eagerly", [False, True])
+def test_a_partly_built_model_and_an_eager_step(run_eagerly):
+    """The callback builds the optimizer early only for a fully built model (an optimizer built for the counter
+    alone rejects the Dense weights), and a step run eagerly, which has no graph, is not recorded as a trace
+    without gradients."""
+    x, y = data(16)
+    kwargs = dict(compile_kwargs={"run_eagerly": run_eagerly})
+    base, base_w, _ = fit(CounterModel, [], x, y, **kwargs)
+    cb = dymem_tf.DymemCallback(min_swap_bytes=0, verbose=0)
+    hist, weights, _ = fit(CounterModel, [cb], x, y, **kwargs)
+    assert hist == base
+    assert_same_weights(weights, base_w)
+    assert not cb.skipped
+    assert bool(cb.records) is not run_eagerly
+
+
 def test_validation_data_and_evaluate_predict_are_unaffected():
     x, y = data(24)
     vx, vy = data(16, seed=2)
@@ -229,6 +258,66 @@ def test_partial_last_batch_and_tf_data_plan_for_the_full_batch():
     assert hist_ds == base
     assert_same_weights(weights_ds, base_w)
     assert cb_ds.records and all(r.batch_size == 4 and covers(r.plan, full.plan) for r in cb_ds.records)
+
+
+def batches(x, y, size, epochs=1):
+    """A Python generator of ``(x, y)`` batches (the last one partial), ``epochs`` passes over the data."""
+    for _ in range(epochs):
+        for i in range(0, len(x), size):
+            yield x[i:i + size], y[i:i + size]
+
+
+def test_generator_data_is_planned_with_the_batch_size_of_its_first_batches():
+    x, y = data(10)  # batches of 4, 4, 2: Keras traces with an unknown batch dimension, and its generator adapter
+    #                  reports no batch size; it peeked the first two batches (4 and 4) to build the signature
+    kwargs = dict(batch_size=None, steps_per_epoch=3, epochs=2)
+    base, base_w, _ = fit(net, [], batches(x, y, 4, epochs=2), None, **kwargs)
+    cb = dymem_tf.DymemCallback(min_swap_bytes=0, verbose=0)
+    swaps_before = host_pool.host_pool_stats()["num_swap_outs"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hist, weights, _ = fit(net, [cb], batches(x, y, 4, epochs=2), None, **kwargs)
+    assert hist == base
+    assert_same_weights(weights, base_w)
+    assert not dymem_warnings(caught) and cb.records and not cb.skipped
+    assert host_pool.host_pool_stats()["num_swap_outs"] > swaps_before  # the swaps really ran
+    full = dymem_tf.DymemCallback(min_swap_bytes=0, verbose=0)
+    fit(net, [full], *data(8), batch_size=4)  # static batch 4: the reference plan
+    for record in cb.records:
+        assert record.batch_size == 4 and record.step_graph.meta["unknown_shape_tensors"] == 0
+        assert covers(record.plan, full.plan)
+        assert any("as seen in the first batches of the data" in note for note in record.plan.notes)
+
+
+def test_generator_data_under_a_budget_is_left_unmodified():
+    """The first batches do not bound the later ones (a generator may yield a larger batch at any time), so a
+    budget is not planned with the batch size seen in them."""
+    x, y = data(8)
+    base, base_w, _ = fit(net, [], batches(x, y, 4), None, batch_size=None, steps_per_epoch=2)
+    cb = dymem_tf.DymemCallback(memory_budget="1GiB", min_swap_bytes=0, verbose=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hist, weights, _ = fit(net, [cb], batches(x, y, 4), None, batch_size=None, steps_per_epoch=2)
+    assert hist == base
+    assert_same_weights(weights, base_w)
+    texts = dymem_warnings(caught)
+    assert len(texts) == 1 and "known only from the first batches of the data (4)" in texts[0], texts
+    assert not cb.records and {s.kind for s in cb.skipped} == {"unknown-shape"}
+
+
+@pytest.mark.parametrize("batch, size", [
+    ((np.zeros((4, 3)), np.zeros((4,))), 4),
+    (({"a": np.zeros((5, 2)), "b": None}, tf.zeros((5, 1))), 5),  # an optional input given as None
+    ((np.zeros((4, 3)), np.zeros((2,))), None),  # leaves disagree: which dimension is the batch is not certain
+    ((np.zeros((4, 3)), 1.0), None),  # a leaf without a leading dimension
+    # sparse or ragged: the step's unknown leading dimensions include value counts that the batch does not bound
+    ((tf.sparse.from_dense(np.eye(3, dtype="float32")), np.zeros((3,))), None),
+    ((tf.ragged.constant([[1], [2, 3]]), np.zeros((2,))), None),
+])
+def test_leading_dimension_of_a_peeked_batch(batch, size):
+    from dymem_tf.keras import callback
+
+    assert callback._leading_dim(batch) == size  # pylint: disable=protected-access
 
 
 def covers(plan, reference) -> bool:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import numbers
 import os
 
 import keras
@@ -113,6 +114,7 @@ class DymemCallback(keras.callbacks.Callback):
         _warn_onednn_out_of_memory_crash()
         self.pass_.default_batch_size = _fit_batch_size(model)
         self.pass_.last_skipped = None  # an earlier fit's step is not this one's
+        self.pass_.observed_batch_size = _observed_batch_size(model)
         self.pass_.persistent_bytes = weights
         # A new train function: its first call instantiates it, and the graph pass plans that instantiation. Under
         # a budget that first step is the probe (dymem_tf.planning.first_step): least memory, measured, variables guarded.
@@ -210,8 +212,10 @@ class DymemCallback(keras.callbacks.Callback):
                 callback._measure_first_step(seen_records, before, "out_of_memory")
                 raise
             callback._measure_first_step(seen_records, before)
-            if first and len(callback.pass_.records) + len(callback.pass_.skipped) == seen:
-                # the first call instantiated the step, and the pass saw no gradient ops in it
+            if (first and not getattr(callback.model, "run_eagerly", False)
+                    and len(callback.pass_.records) + len(callback.pass_.skipped) == seen):
+                # the first call instantiated the step, and the pass saw no gradient ops in it (a step run eagerly
+                # has no graph: the pass is never offered one)
                 callback.pass_.skip(getattr(train_function, "__name__", "train_function"),
                                     step_pass.Unsupported(step_pass.SkipKind.NO_GRADIENTS, "", step_pass.NO_GRADIENTS),
                                     None)
@@ -507,6 +511,52 @@ def _fit_batch_size(model) -> int | None:
     return None
 
 
+def _observed_batch_size(model) -> int | None:
+    """The batch size of the first batches of a Python generator, as Keras's ``GeneratorDataAdapter`` peeked them
+    (``_first_batches``, to build the dataset's signature), or None.
+
+    An observation, not a bound: a later batch may be larger, so the pass plans with it only without a
+    ``memory_budget`` (:attr:`dymem_tf.passes.step_pass.StepPass.observed_batch_size`). None when the peeked batches do not
+    tell one batch size: a leaf without a leading dimension, or leaves whose leading dimensions differ. The
+    ``PyDataset`` adapter keeps no batch; reading one again would call the user's ``__getitem__`` once more (and
+    advance any random state it draws from), so its batch size stays unknown.
+    """
+    loc = compat.fit_frame_locals(model)
+    adapter = getattr(loc.get("epoch_iterator"), "data_adapter", None) if loc is not None else None
+    batches = compat.peeked_batches(adapter)
+    if not isinstance(batches, (list, tuple)) or not batches:
+        return None
+    sizes = [_leading_dim(batch) for batch in batches]
+    if any(size is None for size in sizes):
+        return None
+    return max(sizes)
+
+
+def _leading_dim(batch) -> int | None:
+    """The leading dimension shared by every array of one batch (``None`` entries aside), or None.
+
+    None too when the batch holds a sparse or ragged array: the step's tensors of unknown leading dimension then
+    include value counts (a sparse input's values, ``embedding_lookup_sparse``'s ids) that the batch size, which
+    the pass puts in every unknown leading dimension, does not bound."""
+    dims = set()
+    for leaf in tf.nest.flatten(batch):
+        if leaf is None:
+            continue
+        kind = type(leaf)
+        if (kind.__name__ in ("SparseTensor", "RaggedTensor", "SparseTensorValue", "RaggedTensorValue")
+                or kind.__module__.startswith(("scipy.sparse", "jax.experimental.sparse"))):
+            return None
+        shape = _safe_attr(leaf, "shape")
+        try:
+            first = tuple(shape)[0] if shape is not None else None
+        except (TypeError, ValueError, IndexError):  # unknown rank, or a scalar
+            return None
+        if isinstance(first, bool) or not isinstance(first, numbers.Integral) or first <= 0:
+            return None
+        dims.add(int(first))
+    return dims.pop() if len(dims) == 1 else None
+
+
 def _safe_attr(obj, name):
     try:
         return getattr(obj, name, None)
@@ -572,9 +622,16 @@ def default_device_profile() -> str:
 def _build_optimizer(model) -> None:
     """Create the optimizer's slot variables now, as its first ``apply`` would (zeros, under the model's strategy),
     so that the persistent bytes the planner works with include them: Keras builds Adam's ``m`` and ``v`` lazily,
-    and without them a ResNet-50 step was planned with a third of its persistent memory."""
+    and without them a ResNet-50 step was planned with a third of its persistent memory.
+
+    Only when every layer of the model is built, as Keras's own symbolic build requires: an optimizer is built for
+    a fixed set of variables, and a subclassed model whose layers create theirs at its first call (a ``Dense`` in
+    ``call``) would otherwise get an optimizer that rejects them (Keras's ``test_callbacks_can_update_state_at_
+    batch_boundary``: weights made in ``__init__`` plus such a layer)."""
     optimizer = getattr(model, "optimizer", None)
     if optimizer is None or getattr(optimizer, "built", True) or not model.trainable_variables:
+        return
+    if not compat.all_layers_built(model):
         return
     try:
         with model.distribute_strategy.scope():

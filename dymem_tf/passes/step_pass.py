@@ -22,7 +22,6 @@ import enum
 import functools
 import logging
 import re
-import warnings
 from collections import Counter
 
 import numpy as np
@@ -139,6 +138,12 @@ NO_GRADIENTS = ("the step has no gradient ops (no GradientTape.gradient in train
                 "so no feature map is kept for a backward pass and there is nothing to swap.")
 
 
+OBSERVED_NOTE = ("batch size {} as seen in the first batches of the data (its adapter reports no batch size): a "
+                 "later batch of another size runs the same swaps; only the plan's predicted sizes and times differ")
+OBSERVED_UNDER_BUDGET = ("; the batch size is known only from the first batches of the data ({}), which do not "
+                         "bound the later ones, so a memory_budget cannot be planned with it")
+
+
 class StepPass:
     """The listener the graph pass calls with each instantiated train-step graph; keeps the plans it made."""
 
@@ -148,6 +153,9 @@ class StepPass:
         self.skipped: list[SkippedTrace] = []
         #: batch size to plan with when the graph's batch dimension is unknown (set by the callback from ``fit``)
         self.default_batch_size: int | None = None
+        #: batch size seen in the first batches of data whose adapter reports none (a Python generator): not a
+        #: bound on later batches, so it is planned with only without a budget (set by the callback from ``fit``)
+        self.observed_batch_size: int | None = None
         #: bytes of weights and optimizer slots (set by the callback)
         self.persistent_bytes: int = 0
         #: the error that made the pass cancel the last instantiation (the callback raises it)
@@ -188,7 +196,14 @@ class StepPass:
         """The planned step for one device's ops, or None when they are left unmodified."""
         batch = graph_batch_size(ops) or (-(-self.default_batch_size // replicas) if self.default_batch_size
                                           else None)
-        step_graph, problem = capture(ops, batch)
+        observed = None
+        if batch is None and self.observed_batch_size:
+            observed = -(-self.observed_batch_size // replicas)
+            # Without a budget the batch size only scales the model of the step (sizes, times): the swaps compute
+            # the same values for any batch. A budget needs the largest batch, which the first ones do not bound.
+            if self.config.budget_bytes is None and not self.probe:
+                batch = observed
+        step_graph, problem = capture(ops, batch, observed if batch is None else None)
         if problem is not None:
             self.skip(function_name, problem, replica)
             return None
@@ -206,6 +221,8 @@ class StepPass:
             plan.params["stage"] = "calibrated"
             plan.predicted["calibration"] = dataclasses.asdict(self.calibration)
             plan.notes.append(self.calibration.summary())
+        if batch is not None and batch == observed:
+            plan.notes.append(OBSERVED_NOTE.format(observed))
         return planned
 
     def _apply(self, call: graph_pass.PassCall, planned: list) -> None:
@@ -289,17 +306,18 @@ def graph_batch_size(ops) -> int | None:
     return None
 
 
-def capture(ops: list, batch_size: int | None):
+def capture(ops: list, batch_size: int | None, observed_batch: int | None = None):
     """``(step_graph, None)`` for the step's ops, or ``(step_graph or None, Unsupported)`` when the pass would
-    leave the step unmodified (see :func:`unsupported_construct`)."""
+    leave the step unmodified (see :func:`unsupported_construct`; ``observed_batch``: the batch size seen in the
+    first batches, not planned with)."""
     try:
         step_graph = graph_capture.capture_step_graph(ops, batch_size=batch_size)
     except graph_capture.UnsupportedGraphError as err:
         return None, Unsupported(SkipKind.UNSUPPORTED_GRAPH, "", f"{err}")
-    return step_graph, unsupported_construct(step_graph, batch_size)
+    return step_graph, unsupported_construct(step_graph, batch_size, observed_batch)
 
 
-def unsupported_construct(sg, batch_size: int | None = None) -> Unsupported | None:
+def unsupported_construct(sg, batch_size: int | None = None, observed_batch: int | None = None) -> Unsupported | None:
     """The first construct in the step that the pass cannot plan, or None.
 
     * a loop (``While``: ``tf.while_loop``, a Keras RNN on the TensorFlow backend) in the backward pass, or in the
@@ -338,7 +356,8 @@ def unsupported_construct(sg, batch_size: int | None = None) -> Unsupported | No
             if first.shape else "unknown rank"
         more = f" and {len(unknown) - 1} more" if len(unknown) > 1 else ""
         batch_note = ("" if batch_size is not None else
-                      "; the batch size is unknown too (batch the dataset with drop_remainder=True)")
+                      "; the batch size is unknown too (batch the dataset with drop_remainder=True)"
+                      if observed_batch is None else OBSERVED_UNDER_BUDGET.format(observed_batch))
         return Unsupported(SkipKind.UNKNOWN_SHAPE, first.name,
                 f"tensor {first.name!r}{more}, kept for the backward pass, has an unknown static shape ({shape}), "
                 f"so its size cannot be planned{batch_note}.")

@@ -6,8 +6,9 @@ Runs the chosen test modules that the keras wheel ships (``keras/src/**/*_test.p
 twice, one pytest process each way, one after the other: plain Keras, then with the plugin
 :mod:`tools.keras_conformance.inject_dymem` that appends ``DymemCallback(min_swap_bytes=0, verbose=0)`` to every
 ``fit``. Exits 1 when a test passes without the callback and fails with it (or when a run produces no results),
-else 0. Prints the counts: tests run and passed each way, injected fits, fits that swapped, and the traces the pass
-left unmodified by reason.
+else 0. Prints the counts: tests run and passed each way, injected fits, fits that swapped, the traces the pass
+left unmodified by reason (those without gradient ops, which have nothing to plan, apart), and those traces per test
+(``traces_unmodified_by_test`` in the JSON summary).
 """
 from __future__ import annotations
 
@@ -99,9 +100,17 @@ def fits_of(rows: list[dict]) -> list[dict]:
     return [row for row in rows if "test" in row]
 
 
+#: kinds of ``callback.skipped`` where the step has nothing to plan: without gradient ops no feature map is kept for
+#: a backward pass, so the best plan is empty (counted apart from the steps the pass could not plan)
+NOTHING_TO_PLAN = frozenset({"no-gradients"})
+
+
 def summarize(plain: dict, injected: dict, fits: list[dict]) -> dict:
     regressions = sorted(t for t, o in plain.items() if o == "passed" and injected.get(t, "missing") != "passed")
-    skipped_reasons = collections.Counter(kind for row in fits for kind in row["skipped"])
+    skipped_reasons = collections.Counter(kind for row in fits for kind in row["skipped"]
+                                          if kind not in NOTHING_TO_PLAN)
+    nothing = collections.Counter(kind for row in fits for kind in row["skipped"] if kind in NOTHING_TO_PLAN)
+    by_test = collections.Counter((kind, row["test"]) for row in fits for kind in row["skipped"])
     unmodified = [row for row in fits if not row["swapped"]]
     why = collections.Counter(_why_not_swapped(row) for row in unmodified)
     return {
@@ -119,16 +128,28 @@ def summarize(plain: dict, injected: dict, fits: list[dict]) -> dict:
                  "raised": sum(bool(row["raised"]) for row in fits)},
         "fits_not_swapped_by_cause": dict(why.most_common()),
         "traces_unmodified_by_reason": dict(skipped_reasons.most_common()),
+        "traces_nothing_to_plan": dict(nothing.most_common()),
+        # one row per (reason, test): the traces of that test's injected fits the pass left unmodified
+        "traces_unmodified_by_test": [{"reason": kind, "test": test, "traces": n}
+                                      for (kind, test), n in sorted(by_test.items(), key=_by_reason_and_test)],
         "fits_not_swapped": [{"test": row["test"], "cause": _why_not_swapped(row),
                               "reasons": row.get("skipped_reasons", [])} for row in unmodified],
     }
 
 
+def _by_reason_and_test(item) -> tuple:
+    (kind, test), _ = item
+    return (kind in NOTHING_TO_PLAN, kind, test or "")
+
+
 def _why_not_swapped(row: dict) -> str:
     if row["eager"]:
         return "run_eagerly (no graph to rewrite)"
+    unplanned = sorted(set(row["skipped"]) - NOTHING_TO_PLAN)
+    if unplanned:
+        return "left unmodified: " + ", ".join(unplanned)
     if row["skipped"]:
-        return "left unmodified: " + ", ".join(sorted(set(row["skipped"])))
+        return "nothing to plan: " + ", ".join(sorted(set(row["skipped"]))) + " (no backward pass)"
     if row["traces"]:
         return "planned, no swap worth making"
     if row["raised"]:
@@ -149,9 +170,15 @@ def report(summary: dict, seconds: dict) -> str:
     if summary["fits_not_swapped_by_cause"]:
         lines.append("fits that did not swap, by cause:")
         lines += [f"  {n:4d}  {cause}" for cause, n in summary["fits_not_swapped_by_cause"].items()]
-    reasons = summary["traces_unmodified_by_reason"]
+    reasons, nothing = summary["traces_unmodified_by_reason"], summary["traces_nothing_to_plan"]
     lines.append("traces left unmodified, by reason: "
-                 + (", ".join(f"{kind} {n}" for kind, n in reasons.items()) if reasons else "none"))
+                 + (", ".join(f"{kind} {n}" for kind, n in reasons.items()) if reasons else "none")
+                 + "; with nothing to plan: "
+                 + (", ".join(f"{kind} {n}" for kind, n in nothing.items()) if nothing else "none"))
+    if summary["traces_unmodified_by_test"]:
+        lines.append("traces left unmodified (or with nothing to plan), by test:")
+        lines += [f"  {row['reason']:<14} {row['traces']:2d}  {row['test']}"
+                  for row in summary["traces_unmodified_by_test"]]
     if summary["fail_both_ways"]:
         lines.append(f"failing both ways (not the callback's doing): {len(summary['fail_both_ways'])}")
         lines += [f"  {t}" for t in summary["fail_both_ways"]]
