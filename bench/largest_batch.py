@@ -1,7 +1,8 @@
 """Largest batch under a device budget, trials that last: ResNet-50 at 64x64 under 512 MiB, SGD and Adam.
 
-    python bench/largest_batch.py                      # both optimizers, modes plain, none, auto; writes the docs
-    python bench/largest_batch.py --optimizers sgd --modes plain,auto --steps 5 --samples 500   # quicker, no write
+    python bench/largest_batch.py --write                    # both optimizers, modes plain, none, auto
+    python bench/largest_batch.py --optimizers adam --modes auto --write    # one cell; adds to the saved runs
+    python bench/largest_batch.py --optimizers sgd --steps 5 --samples 500  # quicker, writes nothing
 
 Each trial is a fresh interpreter (Keras keeps every model it built alive until exit) with the GTBM device capped at
 ``--budget`` (oneDNN off, so running out of memory raises instead of crashing) that trains ``--steps`` steps on a
@@ -13,8 +14,9 @@ step's measured device peak (GTBM ``peak_bytes_reserved``) stayed under the budg
 * ``none``: ``DymemCallback(memory_budget=None)``: every eligible tensor swapped, no budget;
 * ``auto``: ``DymemCallback(memory_budget="auto")``: the budget is the device (the product's promise).
 
-The search doubles from ``--start`` until a batch fails, then bisects to within ~3% of the answer. The default run
-writes the "Largest batch" section of docs/benchmarks.md (between its markers) and docs/largest_batch.json.
+The search doubles from ``--start`` until a batch fails, then bisects to within ~3% of the answer. With ``--write``
+the results are added to docs/largest_batch.json (per optimizer and mode) and the "Largest batch" section of
+docs/benchmarks.md (between its markers) is written from everything saved there.
 """
 from __future__ import annotations
 
@@ -83,10 +85,10 @@ def largest(optimizer: str, mode: str, args, budget_bytes: int, log) -> tuple[in
 
 def report(results: dict, args, seconds: float) -> str:
     """The Markdown section for docs/benchmarks.md."""
-    cmd = "python bench/largest_batch.py" + ("" if _defaults(args) else " " + " ".join(sys.argv[1:]))
+    cmd = "python bench/largest_batch.py --optimizers O --modes M --start 24 --write"
     lines = [BEGIN, "## Largest batch under a 512 MiB device: trials that last", "",
-             f"`{cmd}` ({seconds / 60:.0f} min on this 2-core CPU machine; GTBM is the emulated device, oneDNN "
-             f"off). ResNet-50 at {args.image_size}x{args.image_size}, device capped at {args.budget}; every trial "
+             f"`{cmd}`, run per optimizer and mode (the last run took {seconds / 60:.0f} min on this 2-core CPU "
+             f"machine; GTBM is the emulated device, oneDNN off). ResNet-50 at {args.image_size}x{args.image_size}, device capped at {args.budget}; every trial "
              f"is a fresh process that trains {args.steps} steps on max({args.samples}, batch x {args.steps}) "
              "samples and fits when every step trained with its measured peak under the budget. *plain*: no "
              "callback; *none*: `DymemCallback(memory_budget=None)`; *auto*: `DymemCallback(memory_budget=\"auto\")`.",
@@ -102,8 +104,16 @@ def report(results: dict, args, seconds: float) -> str:
     return "\n".join(lines)
 
 
-def _defaults(args) -> bool:
-    return (args.steps, args.samples, args.image_size, args.budget) == (20, 2000, 64, "512MiB")
+def merged_results(results: dict, path: str) -> dict:
+    """``results`` on top of those saved at ``path`` (per optimizer and mode), so that runs of a few modes each add
+    up to one table."""
+    saved = {}
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as fh:
+            saved = json.load(fh)
+    for optimizer, by_mode in results.items():
+        saved.setdefault(optimizer, {}).update(by_mode)
+    return saved
 
 
 def write_docs(section: str, results: dict) -> None:
@@ -129,7 +139,8 @@ def main(argv=None) -> int:
     parser.add_argument("--samples", type=int, default=2000)
     parser.add_argument("--start", type=int, default=16, help="first batch tried")
     parser.add_argument("--limit", type=int, default=1024, help="largest batch tried")
-    parser.add_argument("--write", action="store_true", help="write docs even when not the default run")
+    parser.add_argument("--write", action="store_true",
+                        help="add the results to docs/largest_batch.json and write the docs section from all saved")
     # one trial (internal)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
@@ -156,9 +167,12 @@ def main(argv=None) -> int:
             print(f"ResNet-50 {args.image_size}px, {optimizer}, mode {mode}, device {args.budget}:", flush=True)
             best, trials = largest(optimizer, mode, args, budget_bytes, lambda s: print(s, flush=True))
             results[optimizer][mode] = {"largest": best, "trials": trials}
-    section = report(results, args, time.perf_counter() - t0)
+    seconds = time.perf_counter() - t0
+    if args.write:  # add to the saved runs (same settings), then render them all
+        results = merged_results(results, os.path.join(REPO, "docs", "largest_batch.json"))
+    section = report(results, args, seconds)
     print(section)
-    if _defaults(args) and modes == list(MODES) and optimizers == list(OPTIMIZERS) or args.write:
+    if args.write:
         write_docs(section, results)
     return 0
 

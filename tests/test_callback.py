@@ -222,3 +222,25 @@ def test_each_plan_reaches_the_dashboard_once(tmp_path, monkeypatch, steps_per_e
     assert [id(r) for r in written] == [id(r) for r in cb.records]
     with open(tmp_path / "dymem" / "plugins" / "dymem" / "plan.json", encoding="utf-8") as fh:
         assert fh.read() == cb.plan.to_json() + "\n"
+
+
+def test_a_budget_is_this_fits_when_the_process_holds_other_models():
+    """Memory the device holds besides the model (another model, a large tensor) is not this fit's to budget: the
+    device is capped at the budget plus that, and the probe measures the fit's own peak."""
+    from dymem_tf.memory import allocator
+
+    if not allocator.is_active():
+        pytest.skip("GTBM is not active")
+    other = tf.zeros([64, 1024, 1024])  # 256 MiB held elsewhere in the process, more than the budget
+    keras.utils.set_random_seed(1)
+    model = small_cnn("sequential")
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    limit = allocator.get_memory_limit()
+    x = np.random.default_rng(1).normal(size=(16, 16, 16, 3)).astype("float32")
+    cb = dymem_tf.DymemCallback(memory_budget="64MiB", min_swap_bytes=0, verbose=0)
+    model.fit(x, np.arange(16) % 10, batch_size=8, epochs=1, verbose=0, callbacks=[cb])
+    assert [r.plan.params.get("stage") for r in cb.records] == ["probe", "calibrated"]
+    calibration = cb.pass_.calibration
+    assert calibration is not None and calibration.measured_peak_bytes < 64 << 20
+    assert allocator.get_memory_limit() == limit  # restored after fit
+    del other

@@ -116,6 +116,9 @@ class DymemCallback(keras.callbacks.Callback):
         self.pass_.last_skipped = None  # an earlier fit's step is not this one's
         self.pass_.observed_batch_size = _observed_batch_size(model)
         self.pass_.persistent_bytes = weights
+        # what the device holds besides this model (other models of the process): not this fit's to budget
+        stats = device_memory_stats()
+        self._others_bytes = max(int(stats["bytes_in_use"]) - weights, 0) if stats is not None else 0
         # A new train function: its first call instantiates it, and the graph pass plans that instantiation. Under
         # a budget that first step is the probe (dymem_tf.planning.first_step): least memory, measured, variables guarded.
         guard = self.budget_bytes is not None and self.policy != "none" and self.calibrate
@@ -269,7 +272,7 @@ class DymemCallback(keras.callbacks.Callback):
             self.model.train_function = fallback
             return fallback(iterator)
         if probe:
-            stats = device_memory_stats()
+            stats = self._own(device_memory_stats())
             measured = stats["peak_bytes_reserved"] if stats is not None else None
             if measured is not None and measured > (1 - first_step.PROBE_SLACK) * self.budget_bytes:
                 snapshot.restore()
@@ -298,7 +301,17 @@ class DymemCallback(keras.callbacks.Callback):
         measures it); ``reset``: its peaks are reset first (a fit's first step, so that they measure that step)."""
         if reset:
             reset_device_peaks()
-        return device_memory_stats()
+        return self._own(device_memory_stats())
+
+    def _own(self, stats: dict | None) -> dict | None:
+        """``stats`` less what the device held besides this model when ``fit`` began (the budget is this fit's)."""
+        others = getattr(self, "_others_bytes", 0)
+        if stats is None or not others:
+            return stats
+        own = dict(stats)
+        for key in ("bytes_in_use", "peak_bytes_in_use", "peak_bytes_reserved"):
+            own[key] = max(int(stats[key]) - others, 0)
+        return own
 
     def _measure_first_step(self, planned: int, before: dict | None, outcome: str = "ran") -> None:
         """Keep what the allocator measured in the call that instantiated the step (its first step) in the plan
@@ -309,7 +322,8 @@ class DymemCallback(keras.callbacks.Callback):
             return
         plan = new[0].plan
         steps = getattr(self.model, "steps_per_execution", 1)
-        plan.measured = first_step.measurement(before, device_memory_stats(), plan.predicted.get("peak_bytes"),
+        after = self._own(device_memory_stats())
+        plan.measured = first_step.measurement(before, after, plan.predicted.get("peak_bytes"),
                                                plan.predicted.get("calibration"), outcome,
                                                steps if isinstance(steps, int) else 1)
         stage = plan.params.get("stage")
@@ -318,13 +332,15 @@ class DymemCallback(keras.callbacks.Callback):
     def _cap_device_at_budget(self) -> None:
         """On the CPU, cap the GTBM device at the budget for this ``fit`` (the budget is the device there), so that a
         probe that needs more raises instead of succeeding over the budget; :meth:`_restore_device_limit` undoes it.
-        On a GPU nothing is capped: GTBM serves the CPU device only, and TF's GPU allocator has a fixed limit."""
+        On a GPU nothing is capped: GTBM serves the CPU device only, and TF's GPU allocator has a fixed limit. What
+        the device held besides this model when ``fit`` began (other models of the process) is added to the cap."""
         self._saved_limit = None
-        if training_gpus():
+        if training_gpus() or not allocator.is_active():
             return
-        if allocator.is_active() and self.budget_bytes < allocator.get_memory_limit():
+        cap = self.budget_bytes + self._others_bytes  # other models the process holds keep their memory
+        if cap < allocator.get_memory_limit():
             self._saved_limit = allocator.get_memory_limit()
-            allocator.set_memory_limit(self.budget_bytes)
+            allocator.set_memory_limit(cap)
 
     def _restore_device_limit(self) -> None:
         saved, self._saved_limit = getattr(self, "_saved_limit", None), None
