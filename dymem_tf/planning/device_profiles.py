@@ -13,7 +13,7 @@ terms, per copy, from TensorFlow 2.21's source (not measured on a GPU: none has 
 * ``link_latency_s``: issuing the copy (``cudaMemcpyAsync`` on TF's host-to-device or device-to-host stream, after a
   cross-stream event wait) until the DMA moves data: a few microseconds over PCIe, ~2 us over NVLink-C2C.
 * ``copy_completion_s``: the DMA has ended, but the swap op finishes only when TF notices. The GPU kernels
-  (``cc/swap_ops.cc``) copy through ``GPUDeviceContext``, whose ``done`` callback runs from TF's ``EventMgr``
+  (``cc/ops/swap_ops.cc``) copy through ``GPUDeviceContext``, whose ``done`` callback runs from TF's ``EventMgr``
   (``core/common_runtime/device/device_event_mgr.cc``): one polling thread queries the stream's events, sleeps
   ``polling_active_delay_usecs`` between rounds (default 10 us, ``GPUOptions.Experimental`` can change it), and hands
   each completed callback to a two-thread pool, from which the executor schedules the consumer. Worst case: one
