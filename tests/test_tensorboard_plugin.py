@@ -525,7 +525,10 @@ def test_predicted_vs_measured_per_plan(dashboard, trained_logdir):
         assert attr(view, "data-count", int) == attr(view, "data-measured", int) == len(rows) == len(written)
         for row, plan in zip(rows, written):
             m = plan["measured"]
-            assert m["outcome"] == "ran" and m["exact"] is True, m
+            # exact unless memory other objects of this test process freed during the step hid the step's own peak
+            # (then the row shows an upper bound, "≤")
+            assert m["outcome"] == "ran", m
+            assert attr(row, "data-exact") == str(m["exact"]).lower()
             assert attr(row, "data-stage") == (plan["stage"] or "")
             assert attr(row, "data-predicted-bytes", int) == plan["predicted_peak_bytes"]
             assert attr(row, "data-measured-bytes", int) == m["peak_bytes"]
@@ -534,7 +537,10 @@ def test_predicted_vs_measured_per_plan(dashboard, trained_logdir):
             assert_label(row.find_element(By.CSS_SELECTOR, "td[data-key=predicted_peak_bytes]").text,
                          plan["predicted_peak_bytes"])
             assert_label(row.find_element(By.CSS_SELECTOR, "td[data-key=measured_peak_bytes]").text, m["peak_bytes"])
-            assert row.find_element(By.CSS_SELECTOR, "td[data-key=error]").text.endswith(" %")
+            if m["exact"]:
+                assert row.find_element(By.CSS_SELECTOR, "td[data-key=error]").text.endswith(" %")
+            else:
+                assert "≤" in row.find_element(By.CSS_SELECTOR, "td[data-key=measured_peak_bytes]").text
         calibration_rows = view.find_elements(By.CSS_SELECTOR, "tr.dymem-calibration-row")
         if run == "with/dymem":
             assert calibration_rows == []
