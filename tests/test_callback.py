@@ -224,9 +224,11 @@ def test_each_plan_reaches_the_dashboard_once(tmp_path, monkeypatch, steps_per_e
         assert fh.read() == cb.plan.to_json() + "\n"
 
 
-def test_a_budget_is_this_fits_when_the_process_holds_other_models():
+def test_a_budget_is_this_fits_when_the_process_holds_other_models(tmp_path):
     """Memory the device holds besides the model (another model, a large tensor) is not this fit's to budget: the
-    device is capped at the budget plus that, and the probe measures the fit's own peak."""
+    device is capped at the budget plus that, and the probe and the dashboard's step rows measure the fit's own."""
+    import json
+
     from dymem_tf.memory import allocator
 
     if not allocator.is_active():
@@ -237,9 +239,12 @@ def test_a_budget_is_this_fits_when_the_process_holds_other_models():
     model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     limit = allocator.get_memory_limit()
     x = np.random.default_rng(1).normal(size=(16, 16, 16, 3)).astype("float32")
-    cb = dymem_tf.DymemCallback(memory_budget="64MiB", min_swap_bytes=0, verbose=0)
+    cb = dymem_tf.DymemCallback(memory_budget="64MiB", min_swap_bytes=0, verbose=0, log_dir=str(tmp_path))
     model.fit(x, np.arange(16) % 10, batch_size=8, epochs=1, verbose=0, callbacks=[cb])
     assert [r.plan.params.get("stage") for r in cb.records] == ["probe", "calibrated"]
+    steps = [json.loads(line) for line in
+             (tmp_path / "dymem" / "plugins" / "dymem" / "steps.jsonl").read_text().splitlines()]
+    assert steps and all(0 < s["peak_bytes_reserved"] <= 64 << 20 for s in steps), steps
     calibration = cb.pass_.calibration
     assert calibration is not None and calibration.measured_peak_bytes < 64 << 20
     assert allocator.get_memory_limit() == limit  # restored after fit

@@ -144,7 +144,7 @@ class DymemCallback(keras.callbacks.Callback):
             while len(self.pass_.records) > self._plans_written:
                 self._plans_written += 1
                 self._writer.write_plan(self.pass_.records[self._plans_written - 1])
-            self._writer.write_step(self._global_step(batch), _step_stats(self.pass_))
+            self._writer.write_step(self._global_step(batch), _step_stats(self.pass_, self._own))
 
     def on_train_end(self, logs=None):
         self._end_fit()
@@ -309,8 +309,9 @@ class DymemCallback(keras.callbacks.Callback):
         if stats is None or not others:
             return stats
         own = dict(stats)
-        for key in ("bytes_in_use", "peak_bytes_in_use", "peak_bytes_reserved"):
-            own[key] = max(int(stats[key]) - others, 0)
+        for key in ("bytes_in_use", "peak_bytes_in_use", "peak_bytes_reserved", "bytes_reserved"):
+            if key in own:
+                own[key] = max(int(stats[key]) - others, 0)
         return own
 
     def _measure_first_step(self, planned: int, before: dict | None, outcome: str = "ran") -> None:
@@ -670,10 +671,12 @@ def _make_train_function_without_xla(model) -> bool:
     return True
 
 
-def _step_stats(pass_) -> dict:
+def _step_stats(pass_, own) -> dict:
+    """One step's row for the dashboard: the device's statistics as ``own`` makes them this fit's (less what the
+    device held besides the model when fit began), the host pool's, and the plan's swap figures."""
     stats = {}
     if allocator.is_active():
-        stats.update(allocator.memory_stats())
+        stats.update(own(allocator.memory_stats()))
     try:
         from dymem_tf.memory import host_pool
 
