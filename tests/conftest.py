@@ -14,6 +14,30 @@ import dymem_tf  # noqa: E402,F401
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def tf_functions(fn, depth=0, seen=None) -> list:
+    """The ``tf.function`` objects a Keras train/test/predict function calls (through closures and wrappers)."""
+    seen = set() if seen is None else seen
+    if fn is None or id(fn) in seen or depth > 8:
+        return []
+    seen.add(id(fn))
+    fn = getattr(fn, "__wrapped__", fn)
+    found = [fn] if hasattr(fn, "_jit_compile") and hasattr(fn, "get_concrete_function") else []
+    fn = getattr(fn, "_python_function", fn)
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:
+            continue
+        if callable(value):
+            found += tf_functions(value, depth + 1, seen)
+    return found
+
+
+def xla(fn) -> set:
+    """The ``jit_compile`` settings of the per-step ``tf.function`` under a Keras function."""
+    return {f._jit_compile for f in tf_functions(fn) if f.__name__ == "one_step_on_data"}  # noqa: SLF001
+
+
 def run_python(code: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh interpreter (for allocator set-ups that must happen before TF starts)."""
     full_env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **(env or {}))

@@ -23,6 +23,8 @@ import dymem_tf
 from dymem_tf.keras import fit_guard
 from dymem_tf.memory import allocator, host_pool
 
+from conftest import xla  # the tests folder is on sys.path (pytest's default import mode)
+
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
@@ -48,30 +50,6 @@ def model_and_data(n=16, poisoned_batch=None, jit_compile=False, batch=8):
     if poisoned_batch is not None:
         x[poisoned_batch * batch] = 1e6
     return model, x, np.arange(n) % 10
-
-
-def tf_functions(fn, depth=0, seen=None) -> list:
-    """The ``tf.function`` objects a Keras train/test/predict function calls (through closures and wrappers)."""
-    seen = set() if seen is None else seen
-    if fn is None or id(fn) in seen or depth > 8:
-        return []
-    seen.add(id(fn))
-    fn = getattr(fn, "__wrapped__", fn)
-    found = [fn] if hasattr(fn, "_jit_compile") and hasattr(fn, "get_concrete_function") else []
-    fn = getattr(fn, "_python_function", fn)
-    for cell in getattr(fn, "__closure__", None) or ():
-        try:
-            value = cell.cell_contents
-        except ValueError:
-            continue
-        if callable(value):
-            found += tf_functions(value, depth + 1, seen)
-    return found
-
-
-def xla(fn) -> set:
-    """The ``jit_compile`` settings of the per-step ``tf.function`` under a Keras function."""
-    return {f._jit_compile for f in tf_functions(fn) if f.__name__ == "one_step_on_data"}  # noqa: SLF001
 
 
 def assert_left_nothing_behind(model, cb, jit_compile=False):

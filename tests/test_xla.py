@@ -16,6 +16,8 @@ import pytest
 import dymem_tf
 from dymem_tf import compat
 
+from conftest import xla  # the tests folder is on sys.path (pytest's default import mode)
+
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
@@ -44,29 +46,9 @@ def model_and_data(jit_compile=True, n=32):
     return model, rng.normal(size=(n, 16, 16, 3)).astype("float32"), np.arange(n) % 10
 
 
-def tf_functions(fn, depth=0, seen=None) -> list:
-    """The ``tf.function`` objects a Keras train function calls (through closures and wrappers)."""
-    seen = set() if seen is None else seen
-    if fn is None or id(fn) in seen or depth > 8:
-        return []
-    seen.add(id(fn))
-    fn = getattr(fn, "__wrapped__", fn)
-    found = [fn] if hasattr(fn, "_jit_compile") and hasattr(fn, "get_concrete_function") else []
-    fn = getattr(fn, "_python_function", fn)
-    for cell in getattr(fn, "__closure__", None) or ():
-        try:
-            value = cell.cell_contents
-        except ValueError:
-            continue
-        if callable(value):
-            found += tf_functions(value, depth + 1, seen)
-    return found
-
-
 def xla_of(model) -> bool:
     """Whether the model's current train function compiles its step with XLA (``jit_compile``)."""
-    (value,) = {f._jit_compile for f in tf_functions(model.train_function)  # noqa: SLF001
-                if f.__name__ == "one_step_on_data"}
+    (value,) = xla(model.train_function)
     return value
 
 
