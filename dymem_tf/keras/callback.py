@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import numbers
 import os
 
@@ -112,9 +113,10 @@ class DymemCallback(keras.callbacks.Callback):
                 f"memory_budget {_fmt(self.budget_bytes)} is smaller than the model's weights alone "
                 f"({_fmt(weights)}); raise the budget or use a smaller model.")
         _warn_onednn_out_of_memory_crash()
-        self.pass_.default_batch_size = _fit_batch_size(model)
+        fit_locals = compat.fit_frame_locals(model)  # the running fit's locals: its data adapter, its batch_size
+        self.pass_.default_batch_size = _fit_batch_size(fit_locals)
         self.pass_.last_skipped = None  # an earlier fit's step is not this one's
-        self.pass_.observed_batch_size = _observed_batch_size(model)
+        self.pass_.observed_batch_size = _observed_batch_size(fit_locals)
         self.pass_.persistent_bytes = weights
         # what the device holds besides this model (other models of the process): not this fit's to budget
         stats = device_memory_stats()
@@ -509,15 +511,15 @@ def _resolve_min_swap_bytes(value) -> int:
     return value
 
 
-def _fit_batch_size(model) -> int | None:
+def _fit_batch_size(loc: dict | None) -> int | None:
     """The batch size of the ``fit`` call that is running (global, over all replicas), or None when unknown.
 
     A traced step's batch dimension is unknown when the data has a partial last batch (NumPy data whose length is
     not a multiple of the batch size) or comes from a dataset batched without ``drop_remainder``; the planner then
-    needs the largest batch the step will see. Keras hands callbacks no batch size, so this reads the ``fit`` frame
-    that called ``on_train_begin``: its data adapter's batch size, or the ``batch`` call of a ``tf.data`` pipeline.
+    needs the largest batch the step will see. Keras hands callbacks no batch size, so this reads the locals ``loc``
+    of the ``fit`` frame that called ``on_train_begin`` (:func:`dymem_tf.compat.fit_frame_locals`): its data
+    adapter's batch size, or the ``batch`` call of a ``tf.data`` pipeline.
     """
-    loc = compat.fit_frame_locals(model)
     if loc is None:
         return None
     adapter = getattr(loc.get("epoch_iterator"), "data_adapter", None)
@@ -528,7 +530,7 @@ def _fit_batch_size(model) -> int | None:
     return None
 
 
-def _observed_batch_size(model) -> int | None:
+def _observed_batch_size(loc: dict | None) -> int | None:
     """The batch size of the first batches of a Python generator, as Keras's ``GeneratorDataAdapter`` peeked them
     (``_first_batches``, to build the dataset's signature), or None.
 
@@ -538,7 +540,6 @@ def _observed_batch_size(model) -> int | None:
     ``PyDataset`` adapter keeps no batch; reading one again would call the user's ``__getitem__`` once more (and
     advance any random state it draws from), so its batch size stays unknown.
     """
-    loc = compat.fit_frame_locals(model)
     adapter = getattr(loc.get("epoch_iterator"), "data_adapter", None) if loc is not None else None
     batches = compat.peeked_batches(adapter)
     if not isinstance(batches, (list, tuple)) or not batches:
@@ -588,7 +589,13 @@ def _batch_hint(batch: int | None, suggested: int | None) -> str:
 
 def training_gpus() -> list[str]:
     """The logical GPUs (``"GPU:0"``, ...) when the step trains on GPUs, else []: GTBM then measures nothing of it."""
-    return [d.name.split("device:")[-1] for d in tf.config.list_logical_devices("GPU")]
+    return list(_logical_gpus())
+
+
+@functools.lru_cache(maxsize=1)
+def _logical_gpus() -> tuple[str, ...]:
+    """TF's logical GPUs, listed once: they are fixed once its runtime exists (the step reads them every call)."""
+    return tuple(d.name.split("device:")[-1] for d in tf.config.list_logical_devices("GPU"))
 
 
 def reset_device_peaks() -> None:
