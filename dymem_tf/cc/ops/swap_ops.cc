@@ -8,8 +8,6 @@
 // MOBILE for GTBM. GPU device: asynchronous copies through the device context into TF's pinned host memory, modelled
 // on tensorflow/core/grappler/optimizers/gpu_swapping_kernels.cc.
 
-#include <dlfcn.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -17,6 +15,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "host_pool.h"
+#include "mobility.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -24,10 +23,6 @@
 #include "tensorflow/core/framework/types.h"
 #include "tensorflow/core/platform/errors.h"
 #include "tensorflow/core/util/work_sharder.h"
-
-#if defined(__linux__)
-#include <link.h>
-#endif
 
 #if GOOGLE_CUDA || TENSORFLOW_USE_ROCM || DYMEM_GPU_KERNELS
 #define DYMEM_WITH_GPU_KERNELS 1
@@ -65,76 +60,6 @@ REGISTER_OP("DymemSwapIn")
     .SetIsStateful()
     .SetShapeFn(tensorflow::shape_inference::UnchangedShape);
 // Copies a swapped-out tensor back into device memory, allocated as a MOBILE tensor when GTBM is the allocator.
-
-// ---------------------------------------------------------------------------------------------------------------
-// Mobility tagging for GTBM. The allocator lives in another library (_dymem_gtbm) that may not be loaded, so its
-// hooks are looked up at run time instead of being linked.
-
-constexpr int kMobilityMobile = 2;  // GTBM group ids: 0 PERSISTENT, 1 TRANSIENT, 2 MOBILE
-
-struct MobilityHooks {
-  void (*push)(int) = nullptr;
-  void (*pop)() = nullptr;
-};
-
-#if defined(__linux__)
-// tf.load_op_library opens libraries RTLD_LOCAL, which hides their symbols from RTLD_DEFAULT; find the GTBM library
-// among the loaded objects and ask it directly.
-int FindGtbmLibrary(struct dl_phdr_info* info, size_t /*size*/, void* data) {
-  if (info->dlpi_name != nullptr && std::strstr(info->dlpi_name, "_dymem_gtbm") != nullptr) {
-    *static_cast<std::string*>(data) = info->dlpi_name;
-    return 1;
-  }
-  return 0;
-}
-#endif
-
-// GTBM's dymem_gtbm_push/pop_mobility from the loaded libraries, both or neither.
-MobilityHooks ResolveMobilityHooks() {
-  MobilityHooks hooks;
-  void* push = dlsym(RTLD_DEFAULT, "dymem_gtbm_push_mobility");
-  void* pop = dlsym(RTLD_DEFAULT, "dymem_gtbm_pop_mobility");
-#if defined(__linux__)
-  if (push == nullptr || pop == nullptr) {
-    std::string path;
-    dl_iterate_phdr(FindGtbmLibrary, &path);
-    // RTLD_NOLOAD: only a library that is already loaded; the handle is kept for the life of the process.
-    void* handle = path.empty() ? nullptr : dlopen(path.c_str(), RTLD_NOW | RTLD_NOLOAD);
-    if (handle != nullptr) {
-      push = dlsym(handle, "dymem_gtbm_push_mobility");
-      pop = dlsym(handle, "dymem_gtbm_pop_mobility");
-    }
-  }
-#endif
-  if (push != nullptr && pop != nullptr) {  // both or neither: an unbalanced push would leak a tag
-    hooks.push = reinterpret_cast<void (*)(int)>(push);
-    hooks.pop = reinterpret_cast<void (*)()>(pop);
-  }
-  return hooks;
-}
-
-// Resolved once per process, at the first DymemSwapIn kernel's construction. GTBM can only be loaded before TF's
-// first allocation, hence before any kernel exists, so a later look-up could not find anything new.
-const MobilityHooks& GetMobilityHooks() {
-  static const MobilityHooks hooks = ResolveMobilityHooks();
-  return hooks;
-}
-
-// Tags the allocations made on this thread while it lives (GTBM keeps the tag in a thread-local stack).
-class ScopedMobility {
- public:
-  explicit ScopedMobility(int group) : hooks_(GetMobilityHooks()) {
-    if (hooks_.push != nullptr) hooks_.push(group);
-  }
-  ~ScopedMobility() {
-    if (hooks_.pop != nullptr) hooks_.pop();
-  }
-  ScopedMobility(const ScopedMobility&) = delete;
-  ScopedMobility& operator=(const ScopedMobility&) = delete;
-
- private:
-  const MobilityHooks& hooks_;
-};
 
 // ---------------------------------------------------------------------------------------------------------------
 // CPU kernels.
