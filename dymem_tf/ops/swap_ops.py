@@ -1,7 +1,9 @@
-"""Python wrappers of the ``DymemSwapOut`` / ``DymemSwapIn`` ops.
+"""Python wrappers of the ``DymemSwapOut`` / ``DymemSwapIn`` ops and of the variable offloading ops.
 
 ``swap_out(x)`` copies ``x`` to host memory and ``swap_in(host)`` copies it back to the device; the pair is an
-identity in value. Both ops are stateful, so Grappler keeps them where the graph rewrite put them.
+identity in value. ``offload_variable`` / ``bring_back_variable`` move a resource variable's value to host memory
+and back (``DymemVariableSwapOut`` / ``DymemVariableSwapIn``, which the graph rewrite inserts around optimizer
+state). Both ops are stateful, so Grappler keeps them where the graph rewrite put them.
 """
 from __future__ import annotations
 
@@ -43,6 +45,38 @@ def swap_in(host, name: str | None = None) -> tf.Tensor:
     host = tf.convert_to_tensor(host)
     _check_dtype("DymemSwapIn", host)
     return load_ops_library().dymem_swap_in(host, name=name)
+
+
+def variable_is_offloaded(variable) -> bool:
+    """Whether ``variable``'s value currently lives in host memory (offloaded by a plan between its uses)."""
+    return bool(load_ops_library().dymem_variable_is_offloaded(_handle(variable)).numpy())
+
+
+def offload_variable(variable) -> None:
+    """Move ``variable``'s value to host memory (``DymemVariableSwapOut``; CPU device); reads still see it."""
+    load_ops_library().dymem_variable_swap_out(_handle(variable))
+
+
+def bring_back_variable(variable) -> bool:
+    """Move an offloaded ``variable``'s value back into device memory (``DymemVariableSwapIn``); returns whether
+    it was offloaded."""
+    was = variable_is_offloaded(variable)
+    if was:
+        load_ops_library().dymem_variable_swap_in(_handle(variable))
+    return was
+
+
+def bring_back_variables(variables) -> int:
+    """:func:`bring_back_variable` for each of ``variables`` on the CPU device; returns how many were offloaded."""
+    return sum(bring_back_variable(v) for v in variables if "GPU" not in (_handle(v).device or "").upper())
+
+
+def _handle(variable):
+    """The resource handle of a ``tf.Variable`` or a Keras variable."""
+    handle = getattr(variable, "handle", None)  # tf.Variable; Keras 3's TF-backend variables forward it
+    if handle is None:
+        raise TypeError(f"expected a resource variable, got {type(variable).__name__}")
+    return handle
 
 
 def _identity_gradient(op, grad):  # pylint: disable=unused-argument

@@ -42,6 +42,8 @@ struct UndoLog {
 // Splits one line into tab-separated fields (empty fields kept).
 std::vector<std::string> Fields(const std::string& line) { return absl::StrSplit(line, '\t'); }
 
+std::vector<int> InputsReading(const Node* consumer, const Node* src, int port);
+
 // Parses one `out` record; false on a malformed one.
 bool ParseOut(const std::vector<std::string>& f, StepPlan* plan) {
   int port = 0;
@@ -65,6 +67,18 @@ bool ParseCtrl(const std::vector<std::string>& f, StepPlan* plan) {
   return true;
 }
 
+// Parses one `var` record; false on a malformed one.
+bool ParseVar(const std::vector<std::string>& f, StepPlan* plan) {
+  int port = 0;
+  if (f.size() != 8 || f[1].empty() || f[3].empty() || f[4].empty() || f[5].empty() || f[7].empty() ||
+      !absl::SimpleAtoi(f[2], &port) || port < 0) {
+    return false;
+  }
+  std::vector<std::string> consumers = absl::StrSplit(f[7], ',', absl::SkipEmpty());
+  plan->variables.push_back({f[1], port, f[3], f[4], f[5], f[6], std::move(consumers)});
+  return true;
+}
+
 // The node called `name`, or null (with `error` set).
 Node* Find(const NodeIndex& index, const std::string& name, std::string* error) {
   auto it = index.find(name);
@@ -76,6 +90,33 @@ Node* Find(const NodeIndex& index, const std::string& name, std::string* error) 
 // Whether a tensor of this type can be swapped (plain bytes, not a reference).
 bool Swappable(tensorflow::DataType dtype) {
   return !tensorflow::IsRefType(dtype) && tensorflow::DataTypeCanUseMemcpy(dtype);
+}
+
+// Checks one `var` record: a resource output, consumers that read it, untaken new names (added to `taken`).
+bool ValidateVariable(const VariableRecord& r, const NodeIndex& index, std::unordered_set<std::string>* taken,
+                      std::string* error) {
+  Node* resource = Find(index, r.resource, error);
+  if (resource == nullptr) return false;
+  if (r.port >= resource->num_outputs() || resource->output_type(r.port) != tensorflow::DT_RESOURCE) {
+    *error = absl::StrCat("output ", r.port, " of '", r.resource, "' is not a resource");
+    return false;
+  }
+  for (const std::string* name : {&r.evict, &r.swap_in, &r.swap_out}) {
+    if (index.count(*name) || !taken->insert(*name).second) {
+      *error = absl::StrCat("variable swap name '", *name, "' is already taken");
+      return false;
+    }
+  }
+  if (!r.trigger.empty() && Find(index, r.trigger, error) == nullptr) return false;
+  for (const std::string& c : r.consumers) {
+    Node* consumer = Find(index, c, error);
+    if (consumer == nullptr) return false;
+    if (InputsReading(consumer, resource, r.port).empty()) {
+      *error = absl::StrCat("'", c, "' does not read ", r.resource, ":", r.port);
+      return false;
+    }
+  }
+  return true;
 }
 
 // Checks that every name the plan uses exists (and every new name does not); false with `error` otherwise.
@@ -106,6 +147,11 @@ bool Validate(const StepPlan& plan, const NodeIndex& index, std::string* error) 
   }
   for (const ControlEdgeRecord& r : plan.control_edges) {
     if (Find(index, r.from, error) == nullptr || Find(index, r.to, error) == nullptr) return false;
+  }
+  std::unordered_set<std::string> taken(outs);
+  taken.insert(ins.begin(), ins.end());
+  for (const VariableRecord& r : plan.variables) {
+    if (!ValidateVariable(r, index, &taken, error)) return false;
   }
   return true;
 }
@@ -214,6 +260,49 @@ bool AddSwapIns(const StepPlan& plan, const NodeIndex& index, Graph* graph, Node
   return true;
 }
 
+// Adds one variable op named `name` of `type` reading `resource:port` (no outputs); null with `error` on failure.
+Node* AddVariableNode(Graph* graph, const std::string& name, const char* type, Node* resource, int port,
+                      std::string* error) {
+  Node* node = nullptr;
+  absl::Status s = tensorflow::NodeBuilder(name, type)
+                       .Input(tensorflow::NodeBuilder::NodeOut(resource, port))
+                       .Device(resource->assigned_device_name())
+                       .Finalize(graph, &node, /*consume=*/true);
+  if (!s.ok()) {
+    *error = absl::StrCat("could not add ", type, " '", name, "': ", s.message());
+    return nullptr;
+  }
+  node->set_assigned_device_name(resource->assigned_device_name());
+  return node;
+}
+
+// Adds a control edge `from` -> `to`, logged for undo.
+void AddLoggedControlEdge(Graph* graph, Node* from, Node* to, UndoLog* log) {
+  const Edge* e = graph->AddControlEdge(from, to);
+  if (e != nullptr) log->added_control_edges.push_back(e);
+}
+
+// Adds each variable's evict, swap-in and swap-out with their control edges; false with `error` on failure.
+bool AddVariableSwaps(const StepPlan& plan, const NodeIndex& index, Graph* graph, UndoLog* log, std::string* error) {
+  for (const VariableRecord& r : plan.variables) {
+    Node* resource = index.at(r.resource);
+    Node* evict = AddVariableNode(graph, r.evict, "DymemVariableSwapOut", resource, r.port, error);
+    if (evict != nullptr) log->added_nodes.push_back(evict);
+    Node* in = evict ? AddVariableNode(graph, r.swap_in, "DymemVariableSwapIn", resource, r.port, error) : nullptr;
+    if (in != nullptr) log->added_nodes.push_back(in);
+    Node* out = in ? AddVariableNode(graph, r.swap_out, "DymemVariableSwapOut", resource, r.port, error) : nullptr;
+    if (out == nullptr) return false;
+    log->added_nodes.push_back(out);
+    AddLoggedControlEdge(graph, evict, in, log);
+    if (!r.trigger.empty()) AddLoggedControlEdge(graph, index.at(r.trigger), in, log);
+    for (const std::string& c : r.consumers) {
+      AddLoggedControlEdge(graph, in, index.at(c), log);
+      AddLoggedControlEdge(graph, index.at(c), out, log);
+    }
+  }
+  return true;
+}
+
 // Adds the plan's control edges.
 void AddControlEdges(const StepPlan& plan, const NodeIndex& index, Graph* graph, UndoLog* log) {
   for (const ControlEdgeRecord& r : plan.control_edges) {
@@ -231,7 +320,7 @@ bool ParseStepPlan(const std::string& text, StepPlan* plan, std::string* error) 
     if (line.empty()) continue;
     std::vector<std::string> f = Fields(line);
     bool ok = (f[0] == "out" && ParseOut(f, plan)) || (f[0] == "in" && ParseIn(f, plan)) ||
-              (f[0] == "ctrl" && ParseCtrl(f, plan));
+              (f[0] == "ctrl" && ParseCtrl(f, plan)) || (f[0] == "var" && ParseVar(f, plan));
     if (!ok) {
       *error = absl::StrCat("plan line ", lineno, " is malformed: '", line, "'");
       return false;
@@ -247,7 +336,8 @@ bool ApplyStepPlan(const StepPlan& plan, Graph* graph, std::string* error) {
   UndoLog log;
   NodeIndex added;
   bool ok = AddSwapOuts(plan, index, graph, &added, &log, error) &&
-            AddSwapIns(plan, index, graph, &added, &log, error);
+            AddSwapIns(plan, index, graph, &added, &log, error) &&
+            AddVariableSwaps(plan, index, graph, &log, error);
   if (ok) AddControlEdges(plan, index, graph, &log);
   if (ok && !Acyclic(*graph)) {
     *error = "the plan would make the graph cyclic";

@@ -4,8 +4,14 @@
 //   out   <producer node> <output port> <swap-out node name>
 //   in    <swap-out node name> <swap-in node name> <trigger node or empty> <consumer>[,<consumer>...]
 //   ctrl  <from node> <to node>
+//   var   <resource node> <output port> <evict name> <swap-in name> <swap-out name> <trigger node or empty>
+//         <consumer>[,<consumer>...]
 // `out` copies a tensor to host memory; `in` brings it back for the listed consumers (their data inputs from the
-// tensor are rerouted to the swap-in), after the trigger node ran; `ctrl` adds a control edge (no numeric change).
+// tensor are rerouted to the swap-in), after the trigger node ran; `ctrl` adds a control edge (no numeric change);
+// `var` offloads a resource variable between its uses: an evict (DymemVariableSwapOut, a no-op once the variable is
+// in host memory) at the step's start, a swap-in (DymemVariableSwapIn) after the evict and the trigger and before
+// every listed consumer, and a swap-out (DymemVariableSwapOut) after every consumer. The consumers must be all the
+// ops that read the resource (control edges only: no data input changes).
 #ifndef DYMEM_TF_CC_PASS_STEP_PLAN_H_
 #define DYMEM_TF_CC_PASS_STEP_PLAN_H_
 
@@ -34,10 +40,21 @@ struct ControlEdgeRecord {
   std::string to;
 };
 
+struct VariableRecord {
+  std::string resource;
+  int port = 0;
+  std::string evict;
+  std::string swap_in;
+  std::string swap_out;
+  std::string trigger;  // empty: the swap-in may start as soon as the evict is done
+  std::vector<std::string> consumers;
+};
+
 struct StepPlan {
   std::vector<SwapOutRecord> swap_outs;
   std::vector<SwapInRecord> swap_ins;
   std::vector<ControlEdgeRecord> control_edges;
+  std::vector<VariableRecord> variables;
 };
 
 // Parses the text form above into `plan`; false with `error` set on a malformed line.

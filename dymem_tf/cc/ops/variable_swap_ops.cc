@@ -1,0 +1,179 @@
+// DymemVariableSwapOut / DymemVariableSwapIn / DymemVariableIsOffloaded: a resource variable's storage off the
+// device between its uses, and back before them.
+//
+// The graph rewrite offloads optimizer state (Adam's m and v, momentum, ...): variables the step reads only after
+// the gradients exist. For each such variable it inserts
+//   evict:    DymemVariableSwapOut at the step's start (a no-op once the variable lives in host memory),
+//   swap-in:  DymemVariableSwapIn after a trigger op in the backward pass, before every op using the variable,
+//   swap-out: DymemVariableSwapOut after every op using the variable,
+// so between steps, and during the forward and most of the backward pass, the variable's value is a tensor in host
+// memory (dymem's host pool), and on the device only while its update runs. The value is copied byte for byte:
+// training is bit-identical.
+//
+// While offloaded, the variable's tensor *is* the host tensor. On the CPU device (the emulated accelerator) any
+// kernel can read it, so a read between steps (a checkpoint, get_weights) sees the right value. The kernels are
+// registered for the CPU device only; the planner does not offload variables of other devices.
+//
+// A process-wide table remembers which variables are offloaded, holding a reference to each host tensor: a swap-in
+// acts only when the variable still holds exactly that tensor (a variable assigned in between already holds a new
+// value, and the entry is dropped).
+
+#include <cstring>
+#include <iterator>
+#include <mutex>
+#include <unordered_map>
+
+#include "host_pool.h"
+#include "mobility.h"
+#include "absl/strings/str_cat.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/resource_mgr.h"
+#include "tensorflow/core/framework/resource_var.h"
+#include "tensorflow/core/framework/shape_inference.h"
+#include "tensorflow/core/framework/tensor.h"
+
+namespace dymem {
+namespace {
+
+using tensorflow::OpKernel;
+using tensorflow::OpKernelConstruction;
+using tensorflow::OpKernelContext;
+using tensorflow::Tensor;
+using tensorflow::Var;
+
+REGISTER_OP("DymemVariableSwapOut")
+    .Input("resource: resource")
+    .SetIsStateful()
+    .SetShapeFn(tensorflow::shape_inference::NoOutputs);
+// Moves the variable's value to host memory (no-op when it is there already or the variable is uninitialized).
+
+REGISTER_OP("DymemVariableSwapIn")
+    .Input("resource: resource")
+    .SetIsStateful()
+    .SetShapeFn(tensorflow::shape_inference::NoOutputs);
+// Moves an offloaded variable's value back into device memory (no-op when it is not offloaded).
+
+REGISTER_OP("DymemVariableIsOffloaded")
+    .Input("resource: resource")
+    .Output("offloaded: bool")
+    .SetIsStateful()
+    .SetShapeFn(tensorflow::shape_inference::ScalarShape);
+// Whether the variable's value currently lives in host memory (offloaded by DymemVariableSwapOut).
+
+// The offloaded variables and their host tensors. Guarded by OffloadMutex(); locked after a variable's own mutex.
+std::unordered_map<const Var*, Tensor>& OffloadTable() {
+  static auto* table = new std::unordered_map<const Var*, Tensor>();  // leaked: tensors may outlive statics
+  return *table;
+}
+
+std::mutex& OffloadMutex() {
+  static auto* mu = new std::mutex();
+  return *mu;
+}
+
+// Whether `var` (its mutex held) holds the host tensor recorded for it.
+bool IsOffloadedLocked(Var* var) {
+  std::lock_guard<std::mutex> lock(OffloadMutex());
+  auto it = OffloadTable().find(var);
+  return it != OffloadTable().end() && it->second.data() == var->tensor()->data();
+}
+
+// Records `host` as `var`'s offloaded value and drops entries whose variable is gone or was reassigned.
+void RecordOffloaded(Var* var, const Tensor& host) {
+  std::lock_guard<std::mutex> lock(OffloadMutex());
+  auto& table = OffloadTable();
+  for (auto it = table.begin(); it != table.end();) {
+    it = it->second.RefCountIsOne() ? table.erase(it) : std::next(it);  // only the table holds it
+  }
+  table[var] = host;
+}
+
+// Forgets `var`'s entry, if any.
+void ForgetOffloaded(Var* var) {
+  std::lock_guard<std::mutex> lock(OffloadMutex());
+  OffloadTable().erase(var);
+}
+
+// The variable behind input 0.
+absl::Status LookupVariable(OpKernelContext* ctx, tensorflow::core::RefCountPtr<Var>* var) {
+  return tensorflow::LookupResource(ctx, tensorflow::HandleFromInput(ctx, 0), var);
+}
+
+// OK when the variable's dtype is plain bytes (DataTypeCanUseMemcpy), else InvalidArgument naming `op`.
+absl::Status CheckVariableSwappable(const char* op, const Tensor& value) {
+  if (tensorflow::DataTypeCanUseMemcpy(value.dtype())) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(op, " cannot move a variable of dtype ",
+                                                 tensorflow::DataTypeString(value.dtype()),
+                                                 ": only numeric and bool variables are supported"));
+}
+
+class DymemVariableSwapOutOp : public OpKernel {
+ public:
+  explicit DymemVariableSwapOutOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    tensorflow::core::RefCountPtr<Var> var;
+    OP_REQUIRES_OK(ctx, LookupVariable(ctx, &var));
+    tensorflow::mutex_lock ml(*var->mu());
+    if (!var->is_initialized || IsOffloadedLocked(var.get())) return;
+    const Tensor& value = *var->tensor();
+    OP_REQUIRES_OK(ctx, CheckVariableSwappable("DymemVariableSwapOut", value));
+    Tensor host;
+    OP_REQUIRES_OK(ctx, AllocateHostPoolTensor(value.dtype(), value.shape(), &host));
+    const absl::string_view src = value.tensor_data();
+    std::memcpy(host.data(), src.data(), src.size());
+    *var->tensor() = host;  // the device buffer is freed once no read of it is alive
+    RecordOffloaded(var.get(), host);
+    HostPool::Global()->RecordSwapOut(static_cast<int64_t>(src.size()));
+  }
+};
+
+class DymemVariableSwapInOp : public OpKernel {
+ public:
+  explicit DymemVariableSwapInOp(OpKernelConstruction* ctx) : OpKernel(ctx) { GetMobilityHooks(); }
+
+  void Compute(OpKernelContext* ctx) override {
+    tensorflow::core::RefCountPtr<Var> var;
+    OP_REQUIRES_OK(ctx, LookupVariable(ctx, &var));
+    tensorflow::mutex_lock ml(*var->mu());
+    if (!IsOffloadedLocked(var.get())) {
+      ForgetOffloaded(var.get());
+      return;
+    }
+    const Tensor host = *var->tensor();
+    Tensor device;
+    absl::Status s;
+    {
+      ScopedMobility mobile(kMobilityMobile);
+      s = ctx->allocate_temp(host.dtype(), host.shape(), &device);
+    }
+    OP_REQUIRES_OK(ctx, s);  // out of memory: the variable stays offloaded, its value intact
+    const absl::string_view src = host.tensor_data();
+    std::memcpy(device.data(), src.data(), src.size());
+    *var->tensor() = device;
+    ForgetOffloaded(var.get());
+    HostPool::Global()->RecordSwapIn(static_cast<int64_t>(src.size()));
+  }
+};
+
+class DymemVariableIsOffloadedOp : public OpKernel {
+ public:
+  explicit DymemVariableIsOffloadedOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    tensorflow::core::RefCountPtr<Var> var;
+    OP_REQUIRES_OK(ctx, LookupVariable(ctx, &var));
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, tensorflow::TensorShape({}), &out));
+    tensorflow::mutex_lock ml(*var->mu());
+    out->scalar<bool>()() = IsOffloadedLocked(var.get());
+  }
+};
+
+REGISTER_KERNEL_BUILDER(Name("DymemVariableSwapOut").Device(tensorflow::DEVICE_CPU), DymemVariableSwapOutOp);
+REGISTER_KERNEL_BUILDER(Name("DymemVariableSwapIn").Device(tensorflow::DEVICE_CPU), DymemVariableSwapInOp);
+REGISTER_KERNEL_BUILDER(Name("DymemVariableIsOffloaded").Device(tensorflow::DEVICE_CPU), DymemVariableIsOffloadedOp);
+
+}  // namespace
+}  // namespace dymem
