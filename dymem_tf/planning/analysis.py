@@ -61,6 +61,10 @@ class TensorInfo:
     persistent: bool = False  # variable reads/handles: aliases of persistent memory, never swapped
     shape_known: bool = True
     alias_of: str | None = None  # tensor whose buffer this one shares (Identity, Reshape ...): allocates nothing
+    #: a resource variable's storage modelled as a tensor (:mod:`dymem_tf.planning.offload`): on the device for the
+    #: whole step unless swapped, when it is there only from its swap-in until its last use (it lives in host memory
+    #: between steps); ``producer`` is the op giving the resource
+    variable: bool = False
 
 
 @dataclass
@@ -129,7 +133,7 @@ class StepGraph:
         ``spec`` maps op names, in program order, to dicts with optional keys: ``inputs`` (op names, meaning output
         0, or ``"op:k"``), ``control`` (op names), ``bytes`` (int or list of ints: one output each; default one
         output of 0 bytes, ``[]`` for none), ``shape`` (output 0's shape; default ``(bytes // 4,)``), ``dtype``,
-        ``backward`` (bool), ``type``, ``keras_layer``, ``flops``, ``bytes_accessed`` (default: bytes of inputs
+        ``backward`` (bool), ``phase`` (``"update"`` for optimizer ops; default from ``backward``), ``type``, ``keras_layer``, ``flops``, ``bytes_accessed`` (default: bytes of inputs
         and outputs), ``persistent`` (outputs are variable reads) and ``alias`` (output k shares input k's buffer,
         like Identity; default True for :data:`ALIAS_OP_TYPES`).
         """
@@ -152,10 +156,11 @@ class StepGraph:
                         tensors[tname].alias_of = inputs[k]
             ops.append(OpInfo(
                 name=name, type=d.get("type", "Op"), inputs=inputs, outputs=outs,
-                control_inputs=list(d.get("control", [])), is_backward=bool(d.get("backward", False)),
+                control_inputs=list(d.get("control", [])),
+                is_backward=bool(d.get("backward", False)) or d.get("phase") == "update",
                 keras_layer=d.get("keras_layer"), flops=float(d.get("flops", 0.0)),
                 bytes_accessed=int(d.get("bytes_accessed", -1)),
-                phase="backward" if d.get("backward") else "forward"))
+                phase=d.get("phase", "backward" if d.get("backward") else "forward")))
         sg = cls(ops, tensors.values())
         for op in sg.ops.values():
             if op.bytes_accessed < 0:

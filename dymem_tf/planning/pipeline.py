@@ -1,4 +1,5 @@
-"""The planning pipeline, one function for the callback's pass and the dry run: defer ▶ plan ▶ check triggers.
+"""The planning pipeline, one function for the callback's pass and the dry run: find offloadable state ▶ defer ▶
+model the state ▶ plan ▶ check triggers.
 
 :func:`plan_step` takes a captured :class:`~dymem_tf.planning.analysis.StepGraph` and the settings of one plan
 (:class:`PlanSettings`) and returns a :class:`PlannedStep`: the graph planned on (with the deferral edges added),
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from dymem_tf.planning import planner, update_deferral
+from dymem_tf.planning import offload, planner, update_deferral
 from dymem_tf.planning.analysis import StepGraph
 from dymem_tf.planning.cost_model import CostModel
 from dymem_tf.planning.device_profiles import DeviceProfile
@@ -28,6 +29,10 @@ class PlanSettings:
     swapin_ahead: int | None = 1  # TFLMS' level distance; for dymem a cap on how late a trigger may sit
     headroom: float = planner.DEFAULT_HEADROOM  # share of the budget kept free
     defer_updates: bool = True  # see dymem_tf.planning.update_deferral
+    #: let the dymem policy offload optimizer state between its uses (dymem_tf.planning.offload); the pass enables
+    #: it under a budget only
+    offload_variables: bool = False
+    least_memory: bool = False  # without a budget: the least-memory plan (the first step's probe)
 
 
 @dataclasses.dataclass
@@ -39,12 +44,22 @@ class PlannedStep:
     deferrals: list[tuple[str, str]]
 
 
-def deferrals_for(step_graph: StepGraph, settings: PlanSettings) -> list[tuple[str, str]]:
-    """The deferral edges the rewrite will add: none for the "none" policy, none into or out of a conditional."""
+def deferrals_for(step_graph: StepGraph, settings: PlanSettings, always: set[str] | frozenset[str] = frozenset()
+                  ) -> list[tuple[str, str]]:
+    """The deferral edges the rewrite will add: none for the "none" policy, none into or out of a conditional;
+    ``always``: ops deferred whatever they own (reads of offloadable optimizer state)."""
     if not settings.defer_updates or settings.policy == "none":
         return []
-    return [(a, b) for a, b in update_deferral.find_deferrals(step_graph)
+    return [(a, b) for a, b in update_deferral.find_deferrals(step_graph, always=always)
             if not (step_graph.ops[a].conditional or step_graph.ops[b].conditional)]
+
+
+def offloadable_for(step_graph: StepGraph, settings: PlanSettings) -> list[offload.OffloadableVariable]:
+    """The variables the plan may offload: only for the dymem policy with ``offload_variables`` and deferral on
+    (without it their reads run at the step's start)."""
+    if not (settings.offload_variables and settings.defer_updates and settings.policy == "dymem"):
+        return []
+    return offload.find_offloadable(step_graph)
 
 
 def drop_conditional_triggers(plan: Plan, step_graph: StepGraph) -> int:
@@ -64,18 +79,29 @@ def drop_conditional_triggers(plan: Plan, step_graph: StepGraph) -> int:
 def plan_step(step_graph: StepGraph, settings: PlanSettings, copy: bool = False) -> PlannedStep:
     """Defer gradient-independent optimizer ops, plan the swaps, and clear triggers the rewrite cannot place.
 
+    With ``offload_variables`` the optimizer state used only in the update is modelled as tensors the planner may
+    swap (:mod:`dymem_tf.planning.offload`); their bytes leave ``persistent_bytes``.
+
     ``copy=True`` leaves ``step_graph`` untouched (the dry run plans one graph under several policies); otherwise
     the deferral edges are added to it in place. Raises :class:`~dymem_tf.planning.planner.BudgetTooSmallError`
     (a ValueError) when no plan fits the budget.
     """
-    deferrals = deferrals_for(step_graph, settings)
+    variables = offloadable_for(step_graph, settings)
+    deferrals = deferrals_for(step_graph, settings, always=offload.early_reads(step_graph, variables))
     graph = update_deferral.defer(step_graph, deferrals, copy=copy) if deferrals or copy else step_graph
+    modelled = offload.mark(graph, variables)
     plan = planner.make_plan(
         graph, policy=settings.policy, budget_bytes=settings.budget_bytes,
-        persistent_bytes=settings.persistent_bytes, profile=settings.profile, batch_size=settings.batch_size,
-        min_swap_bytes=settings.min_swap_bytes, swapin_ahead=settings.swapin_ahead, headroom=settings.headroom)
+        persistent_bytes=max(settings.persistent_bytes - modelled, 0), profile=settings.profile,
+        batch_size=settings.batch_size,
+        min_swap_bytes=settings.min_swap_bytes, swapin_ahead=settings.swapin_ahead, headroom=settings.headroom,
+        least_memory=settings.least_memory)
     if deferrals:
         plan.notes.append(f"{len(deferrals)} gradient-independent optimizer ops deferred to their gradients")
+    if variables:
+        plan.params["offloadable_variable_bytes"] = modelled
+        plan.notes.append(f"{len(variables)} optimizer variables ({modelled / 2**20:.1f} MiB) may be offloaded "
+                          f"between their uses; {len(plan.offloaded_variables)} are")
     untriggered = drop_conditional_triggers(plan, graph)
     if untriggered:
         plan.notes.append(f"{untriggered} swap-ins start without a trigger: their layers run only inside "

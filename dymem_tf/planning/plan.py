@@ -33,6 +33,10 @@ class SwapDecision:
     ``forward_consumers`` keep reading the original device tensor (forward ops, metadata ops such as ``Shape``
     and early backward ops that run before the tensor is released); ``backward_consumers`` are rerouted to the
     outputs of ``swap_ins``.
+
+    ``kind="variable"``: ``tensor`` is a resource variable (optimizer state) offloaded between its uses
+    (:mod:`dymem_tf.planning.offload`): it lives in host memory between steps, its one swap-in brings it back
+    before ``backward_consumers`` (every op using it) and it goes back to host memory after them.
     """
 
     tensor: str
@@ -42,6 +46,7 @@ class SwapDecision:
     forward_consumers: list[str]
     backward_consumers: list[str]
     swap_ins: list[SwapIn]
+    kind: str = "tensor"  # "tensor" (a feature map) or "variable" (optimizer state offloaded between its uses)
 
 
 @dataclass
@@ -73,6 +78,11 @@ class Plan:
     def swapped_bytes(self) -> int:
         """Total bytes of the swapped tensors."""
         return sum(s.bytes for s in self.swaps)
+
+    @property
+    def offloaded_variables(self) -> list[SwapDecision]:
+        """The decisions that offload a variable (optimizer state) rather than swap a feature map."""
+        return [s for s in self.swaps if s.kind == "variable"]
 
     @property
     def num_swap_ins(self) -> int:
@@ -149,8 +159,13 @@ class Plan:
         p = self.predicted
         lines = [f"dymem_tf plan: policy={self.policy} device={self.device} batch={self.batch_size} "
                  f"dependency_layers={self.num_layers}"]
-        lines.append(f"  swapped tensors : {len(self.swaps)} ({mib(self.swapped_bytes)}), "
-                     f"{self.num_swap_ins} swap-ins")
+        offloaded = self.offloaded_variables
+        maps = len(self.swaps) - len(offloaded)
+        lines.append(f"  swapped tensors : {maps} ({mib(self.swapped_bytes - sum(s.bytes for s in offloaded))}), "
+                     f"{self.num_swap_ins - len(offloaded)} swap-ins")
+        if offloaded:
+            lines.append(f"  offloaded state : {len(offloaded)} optimizer variables "
+                         f"({mib(sum(s.bytes for s in offloaded))}) in host memory between their uses")
         if "peak_bytes" in p:
             budget = "none" if self.budget_bytes is None else mib(self.budget_bytes)
             fits = "" if self.budget_bytes is None else (

@@ -156,7 +156,7 @@ class _Planner:
         for t in sg.tensors.values():
             if t.persistent or t.alias_of is not None or not t.shape_known or t.bytes < min_bytes or len(t.shape) == 0:
                 continue
-            if sg.ops[t.producer].is_backward:
+            if sg.ops[t.producer].is_backward and not t.variable:
                 continue
             frame = sg.ops[t.producer].frame
             if any(sg.ops[c].frame != frame for c in t.consumers):
@@ -239,7 +239,11 @@ class _Planner:
             if split is None:
                 continue
             orig2, swapped, min_trig = split
-            if policy == "vdnn":
+            if t.variable:
+                if policy != "dymem" or orig2:
+                    continue  # an offloaded variable needs one swap-in before all of its uses
+                groups = [swapped]
+            elif policy == "vdnn":
                 groups = self._group_by_keras_layer(swapped)
             else:
                 groups = self._group_by_gap(swapped, t.bytes)
@@ -301,7 +305,9 @@ class _Planner:
                 op, lay = triggers[(ci, gi)]
                 sis.append(SwapIn(op, lay, list(group), self.layer[self.pos[group[0]]]))
             bwd = [c for g in cand.groups for c in g]
-            out.append(SwapDecision(cand.tensor, cand.producer, cand.bytes, cand.prod_layer, list(cand.orig), bwd, sis))
+            kind = "variable" if self.sg.tensors[cand.tensor].variable else "tensor"
+            out.append(SwapDecision(cand.tensor, cand.producer, cand.bytes, cand.prod_layer, list(cand.orig), bwd, sis,
+                                    kind))
         return out
 
     def _latest_hiding_layer(self, consumer_pos: int, nbytes: int, slot_end: float = math.inf) -> int:
@@ -480,7 +486,7 @@ def make_plan(step_graph: StepGraph, policy: str = "dymem", budget_bytes: int | 
               persistent_bytes: int = 0, profile: str | DeviceProfile | CostModel = "cpu",
               batch_size: int | None = None, min_swap_bytes: int = DEFAULT_MIN_SWAP_BYTES,
               swapin_ahead: int | None = None, group_gap_layers: int = 3,
-              headroom: float = 0.0) -> Plan:
+              headroom: float = 0.0, least_memory: bool = False) -> Plan:
     """Plan swaps for one training step.
 
     ``budget_bytes`` caps the predicted device peak (persistent bytes included); None swaps every candidate.
@@ -491,6 +497,8 @@ def make_plan(step_graph: StepGraph, policy: str = "dymem", budget_bytes: int | 
     ``headroom``: the swap set is chosen so the predicted peak stays under ``(1 - headroom) * budget_bytes``,
     leaving room for the allocator's fragmentation and the simulator's error (the callback uses the headroom it
     calibrates on the first step under a budget, else :data:`DEFAULT_HEADROOM`; 0 plans to the byte).
+    ``least_memory`` (without a budget): every candidate, hideable or not, with dymem's latest triggers ("jit"):
+    the plan the callback's first step under a budget measures (:mod:`dymem_tf.planning.first_step`).
 
     Raises ValueError for an unknown policy or a budget below the persistent bytes, and
     :class:`BudgetTooSmallError` when no swap set of the policy fits the budget.
@@ -526,7 +534,7 @@ def make_plan(step_graph: StepGraph, policy: str = "dymem", budget_bytes: int | 
     mode: TriggerMode = "queue"
     if policy != "none":
         try:
-            chosen, mode = _choose(pl, policy, target, persistent_bytes, base, batch_size, notes)
+            chosen, mode = _choose(pl, policy, target, persistent_bytes, base, batch_size, notes, least_memory)
         except BudgetTooSmallError as err:
             if not headroom:
                 raise
@@ -554,12 +562,16 @@ def make_plan(step_graph: StepGraph, policy: str = "dymem", budget_bytes: int | 
 
 
 def _choose(pl: _Planner, policy: str, budget: int | None, persistent: int, base: SimResult,
-            batch_size: int | None, notes: list[str]) -> tuple[list[_Candidate], TriggerMode]:
+            batch_size: int | None, notes: list[str], least_memory: bool = False
+            ) -> tuple[list[_Candidate], TriggerMode]:
     """The swap set and dymem trigger mode: every candidate without a budget, else a greedy fit in stages that
     trade speed for memory (hidden copies first; then any eligible tensor; for dymem then later triggers) and, unless
     that plan is as fast as no swapping, a pruned whole pool of the first stage that fits -- the faster plan wins."""
     cands = pl.candidates(policy)
     notes.append(f"{len(cands)} candidates for policy {policy}")
+    if least_memory and budget is None:
+        notes.append("least-memory plan: every candidate, swap-ins triggered one layer ahead")
+        return cands, "jit" if policy == "dymem" else "queue"
     if policy == "dymem":
         hidden = pl.hideable(cands)
         if len(hidden) < len(cands):
@@ -649,7 +661,7 @@ def _mobility(sg: StepGraph, swaps: list[SwapDecision]) -> dict[str, str]:
     variable's buffer (``AssignVariableOp``): the op producing it, and the element-wise ops forwarding their
     buffer into it, allocate persistent memory.
     """
-    mobile = {s.producer for s in swaps}
+    mobile = {s.producer for s in swaps if s.kind == "tensor"}
     new_values = set()
     for name, op in sg.ops.items():
         if op.type in VARIABLE_WRITE_OP_TYPES:

@@ -117,7 +117,10 @@ class Simulator:
             p = self.pos[t.producer]
             names.append(t.name)
             prod.append(p)
-            last.append(max([p] + [self.pos[c] for c in self._buffer_users(t.name)]))
+            if t.variable:  # a variable's storage: on the device to the step's end
+                last.append(len(self.order) - 1)
+            else:
+                last.append(max([p] + [self.pos[c] for c in self._buffer_users(t.name)]))
             size.append(t.bytes)
         self.chain: dict[str, list[str]] = {}  # buffer owner -> tensors that reuse its buffer (itself first)
         self.buffer_root: dict[str, str] = {}  # forwarded tensor -> owner of the buffer it reuses
@@ -199,6 +202,11 @@ class Simulator:
                 raise ValueError(f"plan swaps unknown tensor {s.tensor!r}")
             if t.persistent:
                 raise ValueError(f"plan swaps persistent tensor {s.tensor!r}")
+            if t.variable != (s.kind == "variable"):
+                raise ValueError(f"plan swaps {s.tensor!r} as a {s.kind}, but it is "
+                                 f"{'a variable' if t.variable else 'a feature map'}")
+            if t.variable and (len(s.swap_ins) != 1 or set(s.swap_ins[0].consumers) != set(t.consumers)):
+                raise ValueError(f"variable {s.tensor!r} needs one swap-in before all of its uses")
             if t.alias_of is not None:
                 raise ValueError(f"plan swaps {s.tensor!r}, an alias of {t.alias_of!r}: swap the buffer's owner")
             for si in s.swap_ins:
@@ -227,8 +235,12 @@ class Simulator:
         # The last field orders swap-ins sharing a trigger by their first consumer (earliest deadline first).
         events: list[tuple[int, int, int, int]] = []
         swap_ins = []  # (swap index, k, bytes, trigger pos, first consumer pos, last consumer pos)
+        variable = [self.sg.tensors[s.tensor].variable for s in swaps]
         for i, s in enumerate(swaps):
-            events.append((self.pos[s.producer], 1, i, i))
+            # a variable goes back to host memory after its last use (it comes from there: no swap-out before)
+            out_pos = max(self.pos[c] for si in s.swap_ins for c in si.consumers) if variable[i] else \
+                self.pos[s.producer]
+            events.append((out_pos, 1, i, i))
             for k, si in enumerate(s.swap_ins):
                 cpos = [self.pos[c] for c in si.consumers]
                 j = len(swap_ins)
@@ -265,7 +277,7 @@ class Simulator:
             else:
                 i, _k, nbytes, _tp, _c0, _c1 = swap_ins[j]
                 end = self.base_end[pos] + offset
-                st = max(end, h2d_free, out_end[i])
+                st = max(end, h2d_free, 0.0 if variable[i] else out_end[i])
                 in_start[j] = st
                 in_end[j] = h2d_free = st + cost.copy_time(nbytes, "h2d")
         # Offsets apply from each stalled op on: piecewise-constant shift of the base schedule.
@@ -288,6 +300,8 @@ class Simulator:
             if ti is None:  # zero-byte tensor: nothing to account
                 continue
             swapped[ti] = True
+            if variable[i]:
+                continue  # in host memory from the step's start: no device buffer before its swap-in
             mob_idx.append(ti)
             # The original serves every consumer that no swap-in feeds (forward_consumers in a consistent plan);
             # a forwarded buffer lives on for the consumers of every tensor written into it.
@@ -318,7 +332,9 @@ class Simulator:
             parts_g += [np.full(len(mi), _MOBILE)] * 2
         if n_in:
             sw = np.array([(x[3], x[5], x[2]) for x in swap_ins], dtype=np.int64)
-            parts_t += [np.array(in_start), end[sw[:, 1]]]
+            # a variable's swap-in lives until its swap-out after the last use has copied it back
+            in_free = np.array([max(end[x[5]], out_end[x[0]]) if variable[x[0]] else end[x[5]] for x in swap_ins])
+            parts_t += [np.array(in_start), in_free]
             parts_k1 += [sw[:, 0], sw[:, 1]]
             parts_k2 += [np.full(n_in, 3), np.full(n_in, 2)]
             parts_d += [sw[:, 2], -sw[:, 2]]
@@ -369,6 +385,7 @@ class Simulator:
                                        in_end[j], cons_start[j], stall_of[j]))
         compute = float(self.dur.sum())
         step = float(end[-1]) if len(end) else 0.0
+        step = max([step] + [out_end[i] for i in range(len(swaps)) if variable[i]])  # copies back after updates
         return SimResult(peak, by_group, group_peaks, step, compute, float(sum(stall_of)), peak_time, peak_op,
                          rows, sw_events, self.order, start, end, live)
 

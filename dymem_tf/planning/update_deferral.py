@@ -18,9 +18,11 @@ MIN_DEFER_BYTES = 4096
 
 
 @no_autograph
-def find_deferrals(sg: StepGraph, min_bytes: int = MIN_DEFER_BYTES) -> list[tuple[str, str]]:
+def find_deferrals(sg: StepGraph, min_bytes: int = MIN_DEFER_BYTES, always: frozenset[str] | set[str] = frozenset()
+                   ) -> list[tuple[str, str]]:
     """``(anchor, op)`` pairs: ``op`` (update arithmetic that depends on no gradient) should run after ``anchor``
-    (the op producing the gradient-derived operand it is combined with)."""
+    (the op producing the gradient-derived operand it is combined with). Ops in ``always`` (reads of offloaded
+    optimizer state, :mod:`dymem_tf.planning.offload`) are deferred whatever they own."""
     g = sg.graph
     order = list(nx.topological_sort(g))
     derived: dict[str, bool] = {}
@@ -45,7 +47,7 @@ def find_deferrals(sg: StepGraph, min_bytes: int = MIN_DEFER_BYTES) -> list[tupl
     for name, anc in anchor.items():
         owned = sum(sg.tensors[t].bytes for t in sg.ops[name].outputs
                     if not sg.tensors[t].persistent and sg.tensors[t].alias_of is None)
-        if owned >= min_bytes and not nx.has_path(g, name, anc):
+        if (owned >= min_bytes or name in always) and not nx.has_path(g, name, anc):
             pairs.append((anc, name))
     pairs.sort(key=lambda p: program[p[1]])
     return pairs
