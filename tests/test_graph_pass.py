@@ -189,3 +189,87 @@ def test_tensors_a_gpu_keeps_in_host_memory_are_never_swapped():
     assert any(t.bytes > 0 and not t.persistent for t in int32(cpu))  # device memory on the CPU
     assert int32(gpu) and all(t.bytes == 0 and t.persistent for t in int32(gpu))  # host memory on a GPU
     assert gpu_plan.swaps and not [s for s in gpu_plan.swaps if gpu.tensors[s.tensor].dtype == "int32"]
+
+
+def _momentum_step():
+    """A tf.function whose update reads and writes ``m`` after the gradient (optimizer state), and the variables."""
+    w = tf.Variable(np.linspace(-1, 1, 64, dtype=np.float32).reshape(8, 8))
+    m = tf.Variable(np.full((8, 8), 0.5, np.float32))
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.nn.relu(tf.matmul(x, w)))
+        g = tape.gradient(loss, w)
+        m.assign(0.9 * m + g)
+        w.assign_sub(0.1 * m)
+        return loss
+
+    return step, w, m
+
+
+def _state_arg(view):
+    """The resource argument of ``m``: the one whose readers and writers all run after the gradient."""
+    args = [op for op in view.get_operations() if op.type == "_Arg" and op.outputs[0].dtype == tf.resource]
+    for arg in args:
+        users = arg.outputs[0].consumers()
+        if any(u.type == "AssignVariableOp" for u in users) and not any(u.type == "AssignSubVariableOp"
+                                                                         for u in users):
+            return arg, [u.name for u in users]
+    raise AssertionError("no state argument")
+
+
+def _run_momentum(listener, steps=3):
+    from dymem_tf.ops import swap_ops
+
+    step, w, m = _momentum_step()
+    losses, offloaded = [], []
+    for _ in range(steps):
+        with graph_pass.armed(listener):
+            losses.append(float(step(tf.constant(X))))
+        offloaded.append(swap_ops.variable_is_offloaded(m))
+    return losses, w.numpy(), m.numpy(), offloaded
+
+
+def test_a_var_record_keeps_the_state_in_host_memory_between_its_uses():
+    base = _run_momentum(lambda call: None)
+    rewritten = []
+
+    def apply(call):
+        view = graph_def_view.GraphView(call.graph_def_bytes)
+        arg, users = _state_arg(view)
+        n = arg.name
+        plan = (f"var\t{n}\t0\t{n}/dymem_var_evict_0\t{n}/dymem_var_swap_in_0\t{n}/dymem_var_swap_out_0\t\t"
+                + ",".join(users) + "\n")
+        rewritten.append(graph_def_view.GraphView(call.apply(plan)))
+
+    losses, w, m, offloaded = _run_momentum(apply)
+    assert losses == base[0]
+    np.testing.assert_array_equal(w, base[1])
+    np.testing.assert_array_equal(m, base[2])  # read while offloaded: the host copy
+    assert offloaded == [True, True, True] and base[3] == [False, False, False]
+    types = [op.type for op in rewritten[0].get_operations()]
+    assert types.count("DymemVariableSwapOut") == 2 and types.count("DymemVariableSwapIn") == 1
+
+
+@pytest.mark.parametrize("record, fragment", [
+    ("var\t{x}\t0\ta\tb\tc\t\t{users}\n", "is not a resource"),
+    ("var\t{arg}\t0\ta\tb\tc\t\t{x}\n", "does not read"),
+    ("var\t{arg}\t0\ta\ta\tc\t\t{users}\n", "already taken"),
+    ("var\t{arg}\t0\ta\tb\tc\n", "malformed"),
+])
+def test_a_var_record_that_does_not_fit_is_refused(record, fragment):
+    errors = []
+
+    def apply(call):
+        view = graph_def_view.GraphView(call.graph_def_bytes)
+        arg, users = _state_arg(view)
+        x = [op.name for op in view.get_operations() if op.type == "MatMul"][0]
+        try:
+            call.apply(record.format(arg=arg.name, users=",".join(users), x=x))
+        except graph_pass.PlanApplyError as err:
+            errors.append(str(err))
+
+    losses, *_ = _run_momentum(apply, steps=1)
+    assert len(errors) == 1 and fragment in errors[0]
+    assert losses == _run_momentum(lambda call: None, steps=1)[0]

@@ -7,6 +7,7 @@ import numbers
 import os
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from dymem_tf import compat, units
@@ -40,6 +41,10 @@ class DymemCallback(keras.callbacks.Callback):
             the run (the dashboard's pool map and tensors at the peak need them).
         defer_updates: run optimizer arithmetic that needs no gradient next to its gradient (saves about one
             weight-sized temporary per optimizer slot, see :mod:`dymem_tf.planning.update_deferral`).
+        offload_optimizer_state: with a ``memory_budget``, let the planner keep optimizer state (Adam's ``m`` and
+            ``v``, momentum, ...) in host memory between its uses where the budget needs it: each such variable
+            comes to the device before its update and goes back after it (see :mod:`dymem_tf.planning.offload`;
+            CPU device only for now). Training is bit-identical; the copies cost a round trip per step.
         calibrate: with a ``memory_budget``, run the first step as a measured probe (least memory, variables
             guarded) and plan again from what it measured (see :mod:`dymem_tf.planning.first_step`); on the CPU the GTBM
             device is capped at the budget for the ``fit``. ``False`` plans for the budget from the model alone,
@@ -49,7 +54,8 @@ class DymemCallback(keras.callbacks.Callback):
 
     def __init__(self, memory_budget=None, policy: str = "dymem", device=None, swapin_ahead: int = 1,
                  min_swap_bytes: int = 1 << 16, log_dir: str | None = None, trace_allocations: bool = False,
-                 defer_updates: bool = True, calibrate: bool = True, verbose: int = 1):
+                 defer_updates: bool = True, calibrate: bool = True, offload_optimizer_state: bool = True,
+                 verbose: int = 1):
         super().__init__()
         compat.check_versions()  # a clear error now, not a missing attribute inside fit
         if not isinstance(policy, str) or policy not in POLICIES:
@@ -68,6 +74,8 @@ class DymemCallback(keras.callbacks.Callback):
             raise TypeError(f"defer_updates must be True or False, got {defer_updates!r}")
         if not isinstance(trace_allocations, bool):
             raise TypeError(f"trace_allocations must be True or False, got {trace_allocations!r}")
+        if not isinstance(offload_optimizer_state, bool):
+            raise TypeError(f"offload_optimizer_state must be True or False, got {offload_optimizer_state!r}")
         if not isinstance(calibrate, bool):
             raise TypeError(f"calibrate must be True or False, got {calibrate!r}")
         if isinstance(verbose, bool):
@@ -84,10 +92,12 @@ class DymemCallback(keras.callbacks.Callback):
         self.log_dir = log_dir
         self.trace_allocations = trace_allocations
         self.calibrate = calibrate
+        self.offload_optimizer_state = offload_optimizer_state
         self.verbose = verbose
         self.pass_ = step_pass.StepPass(step_pass.PassConfig(
             policy=policy, budget_bytes=self.budget_bytes, device=self.profile, swapin_ahead=swapin_ahead,
-            min_swap_bytes=min_swap_bytes, defer_updates=defer_updates, verbose=verbose))
+            min_swap_bytes=min_swap_bytes, defer_updates=defer_updates, offload_variables=offload_optimizer_state,
+            verbose=verbose))
         self._writer = None
         self._headroom = self.pass_.config.headroom
         self._exit_guard = None
@@ -108,10 +118,13 @@ class DymemCallback(keras.callbacks.Callback):
         model = self.model
         _build_optimizer(model)
         weights = step_pass.persistent_bytes(model)
-        if self.budget_bytes is not None and weights > self.budget_bytes:
+        offload = self._offloads_state()
+        resident = step_pass.persistent_bytes(model, optimizer=not offload)  # what must stay on the device
+        if self.budget_bytes is not None and resident > self.budget_bytes:
+            what = "the model's weights alone" if offload else "the model's weights and optimizer state"
             raise planner.BudgetTooSmallError(
-                f"memory_budget {_fmt(self.budget_bytes)} is smaller than the model's weights alone "
-                f"({_fmt(weights)}); raise the budget or use a smaller model.")
+                f"memory_budget {_fmt(self.budget_bytes)} is smaller than {what} ({_fmt(resident)}); raise the "
+                "budget or use a smaller model.")
         _warn_onednn_out_of_memory_crash()
         fit_locals = compat.fit_frame_locals(model)  # the running fit's locals: its data adapter, its batch_size
         self.pass_.default_batch_size = _fit_batch_size(fit_locals)
@@ -121,6 +134,8 @@ class DymemCallback(keras.callbacks.Callback):
         # what the device holds besides this model (other models of the process): not this fit's to budget
         stats = device_memory_stats()
         self._others_bytes = max(int(stats["bytes_in_use"]) - weights, 0) if stats is not None else 0
+        if offload:  # the state starts in host memory: each plan brings back only what it needs, when it needs it
+            _offload_optimizer_state(model, self.pass_.config.min_swap_bytes)
         # A new train function: its first call instantiates it, and the graph pass plans that instantiation. Under
         # a budget that first step is the probe (dymem_tf.planning.first_step): least memory, measured, variables guarded.
         guard = self.budget_bytes is not None and self.policy != "none" and self.calibrate
@@ -157,11 +172,18 @@ class DymemCallback(keras.callbacks.Callback):
             self._exit_guard.release()
             self._exit_guard = None
         self._restore_device_limit()
+        _bring_back_offloaded(self.model)  # the device holds the whole optimizer state again after fit
         # Later fit() calls without this callback must trace the plain step again.
         self.model.train_function = None
         if self._writer is not None:
             writer, self._writer = self._writer, None
             writer.close()  # also stops and saves an allocator trace
+
+    def _offloads_state(self) -> bool:
+        """Whether this fit's plans may keep optimizer state in host memory between its uses: a budget, the dymem
+        policy, ``offload_optimizer_state``, and the CPU device (see :mod:`dymem_tf.planning.offload`)."""
+        return (self.budget_bytes is not None and self.policy == "dymem" and self.offload_optimizer_state
+                and not training_gpus())
 
     def _turn_off_xla(self, model) -> list[str]:
         """Build the train function without XLA and note which XLA settings the user asked for (they come back
@@ -281,7 +303,22 @@ class DymemCallback(keras.callbacks.Callback):
                 raise self._too_close(measured)
             self.pass_.probe = False
             self._install_calibrated(measured, fallback=self.model.train_function)
+        elif fallback is not None:
+            self._keep_calibrated_if_it_leaves_slack(fallback)
         return outputs
+
+    def _keep_calibrated_if_it_leaves_slack(self, fallback) -> None:
+        """After the budgeted plan's first step: when it measured within PROBE_SLACK of the budget, later steps
+        could run out of memory (steps of one plan vary by several %), so training goes on with the probe's
+        least-memory plan, which left that slack (no batch is lost: the step trained)."""
+        stats = self._own(device_memory_stats())
+        measured = stats["peak_bytes_reserved"] if stats is not None else None
+        if measured is None or measured <= (1 - first_step.PROBE_SLACK) * self.budget_bytes:
+            return
+        self._say(f"dymem_tf: the plan made for memory_budget {_fmt(self.budget_bytes)} measured {_fmt(measured)} "
+                  f"in its first step, within {first_step.PROBE_SLACK:.0%} of the budget; training goes on with the "
+                  "first step's least-memory plan, which leaves that slack.")
+        self.model.train_function = fallback
 
     def _install_calibrated(self, measured: int | None, fallback) -> None:
         """Calibrate the planner from the probe step just run (its ``measured`` peak; None without GTBM) and make the
@@ -455,6 +492,31 @@ class DymemCallback(keras.callbacks.Callback):
     def _say(self, text: str) -> None:
         if self.verbose:
             print(text)
+
+
+def _offload_optimizer_state(model, min_bytes: int) -> int:
+    """Move the optimizer's non-scalar variables of at least ``min_bytes`` to host memory before the first step
+    (their updates bring back what a plan does not offload); returns how many moved."""
+    from dymem_tf.ops import swap_ops
+
+    moved = 0
+    for var in getattr(getattr(model, "optimizer", None), "variables", []):
+        shape = [d or 0 for d in var.shape]
+        if len(shape) and int(np.prod(shape)) * tf.as_dtype(var.dtype).size >= min_bytes:
+            swap_ops.offload_variable(var)
+            moved += 1
+    return moved
+
+
+def _bring_back_offloaded(model) -> int:
+    """Swap every optimizer variable that a plan left in host memory back onto the device; returns how many."""
+    optimizer = getattr(model, "optimizer", None)
+    variables = list(getattr(optimizer, "variables", [])) if optimizer is not None else []
+    if not variables:
+        return 0
+    from dymem_tf.ops import swap_ops
+
+    return swap_ops.bring_back_variables(variables)
 
 
 _ONEDNN_WARNED = []

@@ -136,11 +136,19 @@ def encode_plan(swaps, control_edges=()) -> str:
     """The pass's text form of a plan: ``swaps`` are :class:`~dymem_tf.planning.plan.SwapDecision`-like records
     (``tensor``, ``swap_ins`` with ``consumers`` and ``trigger_op``), ``control_edges`` ``(from, to)`` op pairs.
 
-    Swap-out ``x:k`` is named ``x/dymem_swap_out_k``, its i-th swap-in ``x/dymem_swap_in_k_i``.
+    Swap-out ``x:k`` is named ``x/dymem_swap_out_k``, its i-th swap-in ``x/dymem_swap_in_k_i``. A decision with
+    ``kind == "variable"`` (optimizer state offloaded between its uses) becomes one ``var`` record, its ops named by
+    :func:`variable_op_names`.
     """
     lines = []
     for decision in swaps:
         producer, port = split_tensor_name(decision.tensor)
+        if getattr(decision, "kind", "tensor") == "variable":
+            swap_in = decision.swap_ins[0]
+            evict, in_name, out_name = variable_op_names(decision.tensor)
+            lines.append(f"var\t{producer}\t{port}\t{evict}\t{in_name}\t{out_name}\t{swap_in.trigger_op or ''}\t"
+                         + ",".join(swap_in.consumers))
+            continue
         out = swap_out_name(decision.tensor)
         lines.append(f"out\t{producer}\t{port}\t{out}")
         for i, swap_in in enumerate(decision.swap_ins):
@@ -167,3 +175,10 @@ def swap_in_name(tensor: str, index: int) -> str:
     """Node name of the ``index``-th swap-in of ``tensor``."""
     op, port = split_tensor_name(tensor)
     return f"{op}/dymem_swap_in_{port}_{index}"
+
+
+def variable_op_names(tensor: str) -> tuple[str, str, str]:
+    """Node names of the evict, the swap-in and the swap-out of the offloaded variable whose resource is
+    ``tensor``."""
+    op, port = split_tensor_name(tensor)
+    return f"{op}/dymem_var_evict_{port}", f"{op}/dymem_var_swap_in_{port}", f"{op}/dymem_var_swap_out_{port}"

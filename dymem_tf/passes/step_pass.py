@@ -44,6 +44,7 @@ class PassConfig:
     device: DeviceProfile | str = "cpu"  # cost-model profile (or its name)
     swapin_ahead: int = 1
     min_swap_bytes: int = 1 << 16
+    offload_variables: bool = True  # optimizer state off the device between its uses, under a budget (CPU only)
     defer_updates: bool = True  # see dymem_tf.planning.update_deferral and DymemCallback(defer_updates=...)
     headroom: float = planner.DEFAULT_HEADROOM  # share of the budget the planner leaves free
     verbose: int = 1
@@ -58,10 +59,14 @@ class RewriteReport:
     swap_in_ops: list = dataclasses.field(default_factory=list)
     rerouted_inputs: int = 0
     deferral_edges: int = 0
+    offloaded_variables: int = 0  # optimizer variables offloaded between their uses (part of swapped_tensors)
 
     def summary(self) -> str:
-        return (f"{self.swapped_tensors} tensors swapped: {len(self.swap_out_ops)} swap-outs, "
+        text = (f"{self.swapped_tensors} tensors swapped: {len(self.swap_out_ops)} swap-outs, "
                 f"{len(self.swap_in_ops)} swap-ins, {self.rerouted_inputs} consumer inputs rerouted")
+        if self.offloaded_variables:
+            text += f"; {self.offloaded_variables} of them optimizer variables offloaded between their uses"
+        return text
 
 
 @dataclasses.dataclass
@@ -212,7 +217,8 @@ class StepPass:
             policy=cfg.policy, budget_bytes=None if self.probe else cfg.budget_bytes,
             persistent_bytes=self.persistent_bytes, profile=cfg.device, batch_size=batch,
             min_swap_bytes=cfg.min_swap_bytes, swapin_ahead=cfg.swapin_ahead,
-            headroom=0.0 if self.probe else cfg.headroom, defer_updates=cfg.defer_updates))
+            headroom=0.0 if self.probe else cfg.headroom, defer_updates=cfg.defer_updates,
+            offload_variables=self._may_offload(ops), least_memory=self.probe))
         plan = planned.plan
         if self.probe:
             plan.params["stage"] = "probe"
@@ -224,6 +230,13 @@ class StepPass:
         if batch is not None and batch == observed:
             plan.notes.append(OBSERVED_NOTE.format(observed))
         return planned
+
+    def _may_offload(self, ops) -> bool:
+        """Whether this step's plan may offload optimizer state: when asked, under a budget (or for the probe), and
+        on the CPU device, where the variable kernels run and a read between steps sees host memory."""
+        if not self.config.offload_variables or not (self.probe or self.config.budget_bytes is not None):
+            return False
+        return all("GPU" not in (op.device or "").upper() for op in ops)
 
     def _apply(self, call: graph_pass.PassCall, planned: list) -> None:
         """Hand every replica's plan to the C++ pass at once and record what it inserted."""
@@ -273,6 +286,12 @@ def rewrite_report(plan, deferrals) -> RewriteReport:
     """What the pass inserts for ``plan``: the names :func:`dymem_tf.passes.graph_pass.encode_plan` gives the ops."""
     report = RewriteReport(swapped_tensors=len(plan.swaps), deferral_edges=len(deferrals))
     for decision in plan.swaps:
+        if decision.kind == "variable":
+            evict, swap_in, swap_out = graph_pass.variable_op_names(decision.tensor)
+            report.offloaded_variables += 1
+            report.swap_out_ops += [evict, swap_out]
+            report.swap_in_ops.append(swap_in)
+            continue
         report.swap_out_ops.append(graph_pass.swap_out_name(decision.tensor))
         for i, swap_in in enumerate(decision.swap_ins):
             if swap_in.consumers:
@@ -384,11 +403,11 @@ def _install_mobility(mobility: dict) -> None:
         allocator.set_mobility_map(mobility)
 
 
-def persistent_bytes(model) -> int:
-    """Bytes of the model's variables and its optimizer's slots (the tensors that live across steps)."""
+def persistent_bytes(model, optimizer: bool = True) -> int:
+    """Bytes of the model's variables and (``optimizer``) its optimizer's variables: what lives across steps."""
     seen, total = set(), 0
     variables = list(model.variables)
-    optimizer = getattr(model, "optimizer", None)
+    optimizer = getattr(model, "optimizer", None) if optimizer else None
     if optimizer is not None:
         variables += list(getattr(optimizer, "variables", []))
     for var in variables:
