@@ -27,10 +27,10 @@ namespace dymem {
 
 // Indices of the values reported by HostPool::GetStats and dymem_host_pool_stats(); names in kHostPoolStatNames.
 enum HostPoolStat : int {
-  kBytesInUse = 0,       // bytes of blocks currently held by live tensors
+  kBytesInUse = 0,       // bytes of blocks (and charged pinned buffers) currently held by live tensors
   kPeakBytesInUse,       // high-water mark of kBytesInUse since start or the last ResetPeak()
-  kNumAllocs,            // blocks handed out so far (cache hits included)
-  kLiveBuffers,          // blocks currently held by live tensors
+  kNumAllocs,            // blocks and charged buffers handed out so far (cache hits included)
+  kLiveBuffers,          // blocks and charged buffers currently held by live tensors
   kBytesSwappedOut,      // total payload bytes copied by DymemSwapOut (all devices)
   kBytesSwappedIn,       // total payload bytes copied by DymemSwapIn (all devices)
   kNumSwapOuts,          // DymemSwapOut executions
