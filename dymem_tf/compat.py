@@ -11,7 +11,8 @@ level.
 | ``tensorflow.python.util._pywrap_util_port.IsMklEnabled`` | whether oneDNN kernels run (they crash on OOM) |
 | ``TFE_ContextListDevices`` / ``TF_DeviceListMemoryBytes`` (TF's C API, through ctypes) | a GPU's memory limit as TF computed it, read from the eager context's own devices |
 | ``tensorflow.python.eager.context`` function call options | autoclustering off for the rewritten train step only |
-| ``tensorflow.python.framework.kernels`` | which devices the swap ops have kernels for (``selfcheck``) |
+| ``tensorflow.python.framework.kernels`` | which devices the swap ops have kernels for (``selfcheck``); which outputs a GPU kernel keeps in host memory (``HostMemory``) |
+| ``tensorflow.python.framework.op_def_registry`` | an op's output argument names, to map ``HostMemory`` names to output indices |
 | ``tensorflow.python.data.util.structure.normalize_element`` | the one place tf.data turns inputs into tensors |
 | ``keras.src.callbacks.callback_list.CallbackList`` | the list whose hook is calling a callback |
 | the ``fit`` frame's locals (``epoch_iterator``, ``batch_size``) | the batch size of the running ``fit`` |
@@ -204,9 +205,22 @@ def autoclustering_off():
 
 def registered_kernel_devices(op_name: str) -> set[str]:
     """Device types (``"CPU"``, ``"GPU"``) with a kernel registered for ``op_name`` in this process."""
+    return {k.device_type for k in registered_kernel_defs(op_name)}
+
+
+def registered_kernel_defs(op_name: str) -> list:
+    """The ``KernelDef`` protos (device type, type constraints, ``host_memory_arg`` names, label, priority) of every
+    kernel registered for ``op_name`` in this process; empty for an unknown op."""
     from tensorflow.python.framework import kernels
 
-    return {k.device_type for k in kernels.get_registered_kernels_for_op(op_name).kernel}
+    return list(kernels.get_registered_kernels_for_op(op_name).kernel)
+
+
+def registered_op_def(op_name: str):
+    """The ``OpDef`` of ``op_name`` in TF's op registry, or None when no such op is registered."""
+    from tensorflow.python.framework import op_def_registry
+
+    return op_def_registry.get(op_name)
 
 
 def wrap_tf_data_conversion(wrap) -> bool:

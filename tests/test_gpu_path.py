@@ -116,3 +116,82 @@ def test_device_memory_stats_are_gtbms_on_the_cpu():
     assert (stats is None) == (not allocator.is_active())
     if stats is not None:
         assert stats["peak_bytes_reserved"] >= stats["peak_bytes_in_use"] >= 0
+
+
+def _gpu_graph_ops():
+    """Ops of a graph built under ``/device:GPU:0`` (no placement happens: this machine has no GPU), by name."""
+    import tensorflow as tf
+
+    graph = tf.Graph()
+    with graph.as_default(), tf.device("/device:GPU:0"):
+        x = tf.compat.v1.placeholder(tf.float32, [None, 8], name="x")
+        tf.shape(x, out_type=tf.int64, name="shape64")
+        tf.size(x, out_type=tf.int64, name="size64")
+        tf.raw_ops.ShapeN(input=[x, x], out_type=tf.int64, name="shapes64")
+        tf.raw_ops.BroadcastGradientArgs(s0=tf.constant([2, 1], tf.int64), s1=tf.constant([1, 3], tf.int64),
+                                         name="bga64")
+        tf.reshape(x, tf.constant([-1], tf.int64), name="flat")
+        tf.matmul(x, tf.ones([8, 2]), name="mm")
+    return {op.name: op for op in graph.get_operations()}
+
+
+def test_the_wheel_registers_gpu_kernels_that_keep_shape_outputs_in_host_memory():
+    from dymem_tf import compat
+
+    gpu = [k for k in compat.registered_kernel_defs("Shape") if k.device_type == "GPU"]
+    if not gpu:
+        pytest.skip("this TensorFlow registers no GPU kernels")
+    assert all("output" in k.host_memory_arg for k in gpu)
+    assert compat.registered_op_def("Shape").output_arg[0].name == "output"
+    assert compat.registered_kernel_defs("NoSuchOp") == [] and compat.registered_op_def("NoSuchOp") is None
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("shape64", {0}), ("size64", {0}), ("shapes64", {0, 1}),  # GPU kernels: HostMemory("output")
+    ("bga64", {0, 1}),  # no GPU kernel: TF falls back to the DEVICE_DEFAULT one, HostMemory("r0", "r1")
+    ("flat", set()), ("mm", set())])  # a float Reshape's and a MatMul's outputs stay on the device
+def test_host_memory_outputs_follow_the_kernel_registry(name, expected):
+    from dymem_tf import compat
+    from dymem_tf.passes.host_memory import host_memory_outputs
+
+    if "GPU" not in compat.registered_kernel_devices("Shape"):
+        pytest.skip("this TensorFlow registers no GPU kernels")
+    op = _gpu_graph_ops()[name]
+    assert host_memory_outputs(op, "GPU") == expected
+
+
+def test_in_host_memory_asks_the_registry_only_on_accelerators():
+    from dymem_tf import compat
+    from dymem_tf.passes.graph_capture import in_host_memory
+
+    if "GPU" not in compat.registered_kernel_devices("Shape"):
+        pytest.skip("this TensorFlow registers no GPU kernels")
+    ops = _gpu_graph_ops()
+    shape, mm = ops["shape64"], ops["mm"]
+    assert in_host_memory(shape.device, "int64", shape, 0)
+    # the CPU kernel registers HostMemory("output") too, but on the CPU host memory is the device's memory
+    assert not in_host_memory("/job:localhost/replica:0/task:0/device:CPU:0", "int64", shape, 0)
+    assert not in_host_memory(shape.device, "int64")  # without the op only the dtype rule applies
+    assert in_host_memory(mm.device, "int32") and not in_host_memory(mm.device, "float32", mm, 0)
+
+
+def test_the_kernel_registry_is_read_once_per_op_type_and_device_type(monkeypatch):
+    from dymem_tf import compat
+    from dymem_tf.passes import host_memory
+
+    calls = []
+    original = compat.registered_kernel_defs
+    monkeypatch.setattr(compat, "registered_kernel_defs", lambda op_type: calls.append(op_type) or original(op_type))
+    host_memory.kernel_host_args.cache_clear()
+    host_memory._registers_host_outputs.cache_clear()  # pylint: disable=protected-access
+    try:
+        ops = _gpu_graph_ops()
+        for _ in range(3):
+            for op in ops.values():
+                host_memory.host_memory_outputs(op, "GPU")
+        # one read per (op type, device type) met ("DEFAULT" too, for ops no GPU kernel matches), none after
+        info = host_memory.kernel_host_args.cache_info()
+        assert len(calls) == info.currsize and info.hits > 0
+        assert calls.count("BroadcastGradientArgs") == 2  # GPU, then DEFAULT
+    finally:
+        host_memory.kernel_host_args.cache_clear()

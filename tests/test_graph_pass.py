@@ -273,3 +273,49 @@ def test_a_var_record_that_does_not_fit_is_refused(record, fragment):
     losses, *_ = _run_momentum(apply, steps=1)
     assert len(errors) == 1 and fragment in errors[0]
     assert losses == _run_momentum(lambda call: None, steps=1)[0]
+
+
+def test_host_memory_outputs_of_other_dtypes_are_never_swapped_on_a_gpu():
+    """An int64 ``Shape`` output read late in the backward pass: on the CPU a device tensor the plan swaps; on a
+    GPU placement of the same step host memory (the GPU kernel registers ``HostMemory("output")``), never swapped."""
+    from dymem_tf import compat
+    from dymem_tf.passes import graph_capture
+    from dymem_tf.planning import planner
+
+    if "GPU" not in compat.registered_kernel_devices("Shape"):
+        pytest.skip("this TensorFlow registers no GPU kernels")
+    w = tf.Variable(np.ones((8, 8), np.float32) / 8)
+    v = tf.Variable(np.ones((8,), np.float32))
+
+    @tf.custom_gradient
+    def scaled(h, shape):
+        def grad(dy):  # reads the forward's int64 shape after the whole backward pass above it
+            return dy + tf.broadcast_to(tf.reduce_mean(dy, axis=0), shape), None
+        return h * 1.5, grad
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 8], tf.float32)])
+    def step(x):
+        with tf.GradientTape() as tape:
+            h = scaled(x * v, tf.shape(x, out_type=tf.int64))
+            for _ in range(4):
+                h = tf.nn.relu(tf.matmul(h, w))
+            loss = tf.reduce_sum(h)
+        return loss, tape.gradient(loss, [w, v])
+
+    seen = []
+    with graph_pass.armed(lambda call: seen.append(call.graph_def_bytes)):
+        step(tf.ones((4, 8)))
+
+    def planned(data):
+        view = graph_def_view.GraphView(data)
+        sg = graph_capture.capture_step_graph(view.get_operations(), batch_size=4)
+        shapes = [t for t in sg.tensors.values() if sg.ops[t.producer].type == "Shape" and t.dtype == "int64"]
+        return sg, shapes, {s.tensor for s in planner.make_plan(sg, min_swap_bytes=0).swaps}
+
+    cpu, cpu_shapes, cpu_swapped = planned(seen[0])
+    gpu, gpu_shapes, gpu_swapped = planned(seen[0].replace(b"device:CPU:0", b"device:GPU:0"))
+    assert [t.name for t in cpu_shapes] == [t.name for t in gpu_shapes] and len(cpu_shapes) == 1
+    shape = cpu_shapes[0].name
+    assert cpu.tensors[shape].bytes == 16 and not cpu.tensors[shape].persistent and shape in cpu_swapped
+    assert gpu.tensors[shape].bytes == 0 and gpu.tensors[shape].persistent and shape not in gpu_swapped
+    assert gpu_swapped == cpu_swapped - {shape}  # the float feature maps are swapped as before

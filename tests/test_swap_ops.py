@@ -225,6 +225,143 @@ def test_host_pool_limit_raises_resource_exhausted():
         host_pool.set_host_pool_limit(-1)
 
 
+class _Charged:
+    """The accounting path of DymemSwapOut's GPU kernel (AllocateChargedTensor: pinned buffers charged to the host
+    pool), driven through its ctypes test hooks with TF's CPU allocator standing in for the pinned allocator."""
+
+    def __init__(self):
+        import ctypes
+
+        from dymem_tf.memory.native import ops_cdll
+
+        self.ctypes, lib = ctypes, ops_cdll()
+        lib.dymem_host_pool_charged_alloc.argtypes = [ctypes.c_int64, ctypes.c_char_p, ctypes.c_int]
+        lib.dymem_host_pool_charged_alloc.restype = ctypes.c_void_p
+        lib.dymem_host_pool_charged_free.argtypes = [ctypes.c_void_p]
+        lib.dymem_host_pool_charged_free.restype = None
+        self.lib = lib
+
+    def alloc(self, nbytes: int) -> tuple[int | None, str]:
+        """(handle, "") or (None, the error message)."""
+        error = self.ctypes.create_string_buffer(512)
+        handle = self.lib.dymem_host_pool_charged_alloc(nbytes, error, len(error))
+        return handle, error.value.decode()
+
+    def free(self, handle: int) -> None:
+        self.lib.dymem_host_pool_charged_free(handle)
+
+
+def test_charged_pinned_buffers_count_in_use_peak_and_release_on_free():
+    charged, mib = _Charged(), 1 << 20
+    _sync()
+    before = host_pool.host_pool_stats()
+    host_pool.reset_host_pool_peak()
+    handles = [charged.alloc(n)[0] for n in (3 * mib, mib + 5)]
+    assert all(handles)
+    held = host_pool.host_pool_stats()
+    assert held["bytes_in_use"] - before["bytes_in_use"] == 4 * mib + 5  # payload bytes, not rounded
+    assert held["live_buffers"] - before["live_buffers"] == 2
+    assert held["num_allocs"] - before["num_allocs"] == 2
+    assert held["largest_alloc"] >= 3 * mib
+    charged.free(handles.pop(0))
+    assert host_pool.host_pool_stats()["bytes_in_use"] - before["bytes_in_use"] == mib + 5
+    charged.free(handles.pop())
+    after = host_pool.host_pool_stats()
+    assert (after["bytes_in_use"], after["live_buffers"]) == (before["bytes_in_use"], before["live_buffers"])
+    assert after["peak_bytes_in_use"] == before["bytes_in_use"] + 4 * mib + 5
+    assert after["bytes_cached"] == before["bytes_cached"]  # a pinned buffer is freed by its own allocator
+    zero, error = charged.alloc(0)  # no elements, no buffer, no charge
+    assert zero and not error
+    charged.free(zero)
+    assert host_pool.host_pool_stats()["num_allocs"] == after["num_allocs"]
+
+
+def test_charged_pinned_buffers_are_refused_over_the_host_pool_limit():
+    charged, mib = _Charged(), 1 << 20
+    _sync()
+    in_use = host_pool.host_pool_stats()["bytes_in_use"]
+    host_pool.set_host_pool_limit(in_use + 2 * mib)
+    try:
+        first, _ = charged.alloc(mib + mib // 2)
+        assert first
+        refused, error = charged.alloc(mib)
+        assert refused is None
+        assert error.startswith("RESOURCE_EXHAUSTED: dymem host pool: cannot allocate 1048576 bytes")
+        assert f"of the pool's {in_use + 2 * mib} byte limit" in error
+        assert "raise it with dymem_tf.memory.host_pool.set_host_pool_limit" in error
+        assert host_pool.host_pool_stats()["bytes_in_use"] == in_use + mib + mib // 2  # the refusal charged nothing
+        charged.free(first)
+        again, _ = charged.alloc(mib)  # freeing gave the bytes back to the limit
+        assert again
+        charged.free(again)
+    finally:
+        host_pool.set_host_pool_limit(None)
+
+
+def test_charged_pinned_buffers_evict_the_cache_to_fit_under_the_limit():
+    charged = _Charged()
+    host = swap_out(tf.zeros([512, 1024]))  # 2 MiB from the CPU kernel's pool, cached once freed
+    del host
+    _sync()
+    stats = host_pool.host_pool_stats()
+    assert stats["bytes_cached"] >= 2 << 20
+    host_pool.set_host_pool_limit(stats["bytes_in_use"] + stats["bytes_cached"])
+    try:
+        handle, error = charged.alloc(stats["bytes_cached"])  # fits only once the cache is dropped
+        assert handle, error
+        assert host_pool.host_pool_stats()["bytes_cached"] == 0
+        charged.free(handle)
+    finally:
+        host_pool.set_host_pool_limit(None)
+
+
+def test_charged_pinned_buffers_respect_the_limit_across_threads():
+    """Each round every thread asks for two buffers while all hold theirs (a barrier), then all free them: exactly
+    the 5 that fit under the limit are granted per round, whichever threads win them."""
+    charged, size, num_threads, rounds = _Charged(), 256 << 10, 8, 50
+    _sync()
+    before = host_pool.host_pool_stats()
+    limit = before["bytes_in_use"] + 5 * size
+    host_pool.reset_host_pool_peak()
+    host_pool.set_host_pool_limit(limit)
+    barrier = threading.Barrier(num_threads)
+    granted, errors = [[0] * rounds for _ in range(num_threads)], []
+
+    def worker(tid: int) -> None:
+        try:
+            for r in range(rounds):
+                held = []
+                for _ in range(2):
+                    handle, error = charged.alloc(size)
+                    if handle:
+                        held.append(handle)
+                    else:
+                        assert "RESOURCE_EXHAUSTED" in error and "byte limit" in error, error
+                granted[tid][r] = len(held)
+                barrier.wait()  # everyone has asked while holding what they got
+                for handle in held:
+                    charged.free(handle)
+                barrier.wait()  # everything is freed before the next round
+        except BaseException as err:  # pylint: disable=broad-except
+            errors.append(err)
+            barrier.abort()
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(num_threads)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        host_pool.set_host_pool_limit(None)
+    assert not errors, errors
+    assert [sum(g[r] for g in granted) for r in range(rounds)] == [5] * rounds
+    after = host_pool.host_pool_stats()
+    assert after["peak_bytes_in_use"] == limit
+    assert after["num_allocs"] - before["num_allocs"] == 5 * rounds
+    assert (after["bytes_in_use"], after["live_buffers"]) == (before["bytes_in_use"], before["live_buffers"])
+
+
 def _unsupported_tensors():
     return {
         "string": tf.constant(["a", "bc"]),

@@ -1,8 +1,11 @@
-"""Statistics and limits of the native host pool that holds swapped-out tensors on the CPU device.
+"""Statistics and limits of the native host pool that holds swapped-out tensors.
 
 The pool lives in ``_dymem_ops`` (``dymem_tf/cc/ops/host_pool.cc``) and is reached through ctypes. On the CPU device
-``DymemSwapOut`` stores its output there, outside the device allocator's budget; on a GPU the host copies use TF's
-pinned host allocator instead and only the swap counters (``bytes_swapped_*``, ``num_swap_*``) move.
+``DymemSwapOut`` stores its output there, outside the device allocator's budget. On a GPU the host copies come from
+TF's pinned host allocator (a real asynchronous DMA needs pinned memory), but they are charged to this pool: the byte
+limit refuses them and ``bytes_in_use``, ``peak_bytes_in_use``, ``num_allocs``, ``live_buffers`` and
+``largest_alloc`` count them, until TF's allocator frees them. They never enter the cache. (That GPU path has only
+run on the CPU, with TF's CPU allocator standing in for the pinned one: ``tests/test_swap_ops.py``.)
 
 Keys of :func:`host_pool_stats` (all ints, bytes unless noted):
 
@@ -79,8 +82,9 @@ def set_host_pool_cache_limit(nbytes: int) -> None:
 
 
 def set_host_pool_limit(nbytes: int | None) -> None:
-    """Cap the host memory of swapped-out tensors (``None`` or 0: unlimited). A swap-out that would exceed it fails
-    with ``tf.errors.ResourceExhaustedError``; blocks already handed out are not affected."""
+    """Cap the host memory of swapped-out tensors, the pinned copies of a GPU's swap-outs included (``None`` or 0:
+    unlimited). A swap-out that would exceed it fails with ``tf.errors.ResourceExhaustedError``; blocks already
+    handed out are not affected."""
     if nbytes is not None and nbytes < 0:
         raise ValueError(f"host pool limit must be >= 0 or None, got {nbytes}")
     _native().dymem_host_pool_set_bytes_limit(int(nbytes or 0))

@@ -22,6 +22,7 @@ from typing import Iterable, Sequence
 import networkx as nx
 import tensorflow as tf
 
+from dymem_tf.passes import host_memory
 from dymem_tf.planning.analysis import (ALIAS_OP_TYPES, METADATA_OP_TYPES, CycleError, OpInfo, StepGraph, TensorInfo,
                                        analyse)
 
@@ -60,11 +61,17 @@ _DEVICE_KIND = re.compile(r"(?:^|/)(?:device:)?([A-Za-z_]+):\d+$")
 HOST_MEMORY_DTYPES_ON_ACCELERATORS = frozenset({"int32"})
 
 
-def in_host_memory(device: str, dtype: str) -> bool:
-    """Whether a tensor of ``dtype`` produced on ``device`` lives in host memory: int32 on a GPU (TensorFlow keeps
-    it there, so a swap kernel must never see it and it takes no device memory)."""
+def in_host_memory(device: str, dtype: str, op=None, index: int = 0) -> bool:
+    """Whether output ``index`` of ``op``, of ``dtype``, produced on ``device`` lives in host memory (so a swap
+    kernel must never see it and it takes no device memory): on an accelerator, int32 tensors, and the outputs the
+    op's kernel for that device registers as ``HostMemory`` (:func:`host_memory.host_memory_outputs`; only with
+    ``op``, a ``tf.Operation`` or a GraphDef view of one)."""
     match = _DEVICE_KIND.search(device or "")
-    return bool(match) and match.group(1).upper() != "CPU" and dtype in HOST_MEMORY_DTYPES_ON_ACCELERATORS
+    kind = match.group(1).upper() if match else "CPU"
+    if kind == "CPU":
+        return False
+    return dtype in HOST_MEMORY_DTYPES_ON_ACCELERATORS or (
+        op is not None and index in host_memory.host_memory_outputs(op, kind))
 
 
 def infer_call_prefix(names: Iterable[str]) -> str:
@@ -235,7 +242,7 @@ def capture_step_graph(ops: Sequence[tf.Operation], batch_size: int | None = Non
             if op.type in ALIAS_OP_TYPES and k < len(op.inputs) and op.inputs[k].name in tensors:
                 alias_of = op.inputs[k].name
                 persistent = persistent or tensors[alias_of].persistent
-            host = in_host_memory(op.device, t.dtype.name)
+            host = in_host_memory(op.device, t.dtype.name, op, k)
             persistent = persistent or host  # never swapped: it does not occupy the device
             if not known and not persistent and alias_of is None:
                 unknown += 1

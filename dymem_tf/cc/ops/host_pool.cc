@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <utility>
 
@@ -62,6 +63,47 @@ class HostPoolBuffer final : public TensorBuffer {
   const size_t block_bytes_;
 };
 
+// A tensor buffer that `base` allocated and `pool` counts (pinned host memory on a GPU): freed by `base`, then
+// uncounted, when the last reference goes away.
+class ChargedBuffer final : public TensorBuffer {
+ public:
+  ChargedBuffer(HostPool* pool, tensorflow::Allocator* base, void* data, size_t bytes)
+      : TensorBuffer(data), pool_(pool), base_(base), bytes_(bytes) {}
+
+  ~ChargedBuffer() override {
+    base_->DeallocateRaw(data(), tensorflow::Allocator::kAllocatorAlignment, bytes_);
+    pool_->Release(bytes_);
+  }
+
+  size_t size() const override { return bytes_; }
+  TensorBuffer* root_buffer() override { return this; }
+
+  void FillAllocationDescription(AllocationDescription* proto) const override {
+    proto->set_requested_bytes(static_cast<int64_t>(bytes_));
+    proto->set_allocated_bytes(static_cast<int64_t>(bytes_));
+    proto->set_allocator_name(base_->Name());
+    proto->set_ptr(reinterpret_cast<uintptr_t>(data()));
+  }
+
+  tensorflow::AllocatorMemoryType GetMemoryType() const override { return base_->GetMemoryType(); }
+
+ private:
+  HostPool* const pool_;
+  tensorflow::Allocator* const base_;
+  const size_t bytes_;
+};
+
+// Payload bytes of a `dtype` tensor of `shape`; InvalidArgument when its elements are not plain bytes.
+absl::Status PayloadBytes(DataType dtype, const TensorShape& shape, size_t* bytes) {
+  if (!tensorflow::DataTypeCanUseMemcpy(dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat("dymem host pool: dtype ", tensorflow::DataTypeString(dtype),
+                                                   " cannot be stored as raw bytes"));
+  }
+  // int64 arithmetic on purpose: tensors above 2 GiB are legal.
+  *bytes = static_cast<size_t>(shape.num_elements()) * tensorflow::DataTypeSize(dtype);
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 // DYMEM_HOST_POOL_CACHE_BYTES is parsed in Python (dymem_tf.units) when the library loads and applied with
@@ -103,6 +145,11 @@ void HostPool::RecordAllocLocked(size_t block_bytes) {
   ++stats_[kLiveBuffers];
 }
 
+void HostPool::RecordFreeLocked(size_t block_bytes) {
+  stats_[kBytesInUse] -= static_cast<int64_t>(block_bytes);
+  --stats_[kLiveBuffers];
+}
+
 void HostPool::EvictLocked(int64_t target_cached_bytes, LruList* victims) {
   while (stats_[kBytesCached] > target_cached_bytes && !lru_.empty()) {
     const LruList::iterator oldest = std::prev(lru_.end());
@@ -123,15 +170,62 @@ void HostPool::FreeAll(LruList* blocks) {
   blocks->clear();
 }
 
-absl::Status HostPool::Allocate(size_t bytes, void** ptr, size_t* block_bytes) {
+absl::Status HostPool::AdmitLocked(int64_t need, LruList* victims) {
+  const int64_t limit = stats_[kBytesLimit];
+  if (limit <= 0) return absl::OkStatus();
+  const int64_t held = stats_[kBytesInUse] + pending_bytes_;
+  if (held + need > limit) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "dymem host pool: cannot allocate ", need, " bytes for a swapped-out tensor: ", held, " of the pool's ",
+        limit, " byte limit are in use (raise it with dymem_tf.memory.host_pool.set_host_pool_limit)"));
+  }
+  // Cached blocks count against the limit too: drop as many as needed to make room.
+  EvictLocked(limit - held - need, victims);
+  return absl::OkStatus();
+}
+
+absl::Status HostPool::CheckSize(size_t bytes) {
   if (bytes == 0) return absl::InvalidArgumentError("dymem host pool: zero-byte allocation");
   if (bytes > (size_t{1} << 62)) {
     return absl::ResourceExhaustedError(
         absl::StrCat("dymem host pool: cannot allocate ", bytes, " bytes for a swapped-out tensor (size out of range)"));
   }
-  const size_t rounded = RoundUp(bytes);
-  const int64_t need = static_cast<int64_t>(rounded);
+  return absl::OkStatus();
+}
+
+absl::Status HostPool::Reserve(size_t bytes) {
+  TF_RETURN_IF_ERROR(CheckSize(bytes));
   LruList victims;
+  absl::Status status;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    status = AdmitLocked(static_cast<int64_t>(bytes), &victims);
+    // Held until Commit or Cancel, so that concurrent allocations respect the limit.
+    if (status.ok()) pending_bytes_ += static_cast<int64_t>(bytes);
+  }
+  FreeAll(&victims);
+  return status;
+}
+
+void HostPool::Commit(size_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  pending_bytes_ -= static_cast<int64_t>(bytes);
+  RecordAllocLocked(bytes);
+}
+
+void HostPool::Cancel(size_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  pending_bytes_ -= static_cast<int64_t>(bytes);
+}
+
+void HostPool::Release(size_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  RecordFreeLocked(bytes);
+}
+
+absl::Status HostPool::Allocate(size_t bytes, void** ptr, size_t* block_bytes) {
+  TF_RETURN_IF_ERROR(CheckSize(bytes));
+  const size_t rounded = RoundUp(bytes);
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (void* cached = TakeCachedLocked(rounded, block_bytes)) {
@@ -139,22 +233,8 @@ absl::Status HostPool::Allocate(size_t bytes, void** ptr, size_t* block_bytes) {
       *ptr = cached;
       return absl::OkStatus();
     }
-    const int64_t limit = stats_[kBytesLimit];
-    if (limit > 0) {
-      if (stats_[kBytesInUse] + pending_bytes_ + need > limit) {
-        return absl::ResourceExhaustedError(absl::StrCat(
-            "dymem host pool: cannot allocate ", rounded, " bytes for a swapped-out tensor: ", stats_[kBytesInUse],
-            " of the pool's ", limit,
-            " byte limit are in use (raise it with dymem_tf.memory.host_pool.set_host_pool_limit)"));
-      }
-      // Cached blocks count against the limit too: drop as many as needed to make room.
-      EvictLocked(limit - stats_[kBytesInUse] - pending_bytes_ - need, &victims);
-    }
-    // Reserved until the allocation below is accounted for, so that concurrent allocations respect the limit.
-    pending_bytes_ += need;
   }
-  FreeAll(&victims);
-
+  TF_RETURN_IF_ERROR(Reserve(rounded));
   void* mem = nullptr;
   int rc = posix_memalign(&mem, kAlignment, rounded);
   if (rc != 0) {
@@ -163,14 +243,13 @@ absl::Status HostPool::Allocate(size_t bytes, void** ptr, size_t* block_bytes) {
     mem = nullptr;
     rc = posix_memalign(&mem, kAlignment, rounded);
   }
-  std::lock_guard<std::mutex> lock(mu_);
-  pending_bytes_ -= need;
   if (rc != 0 || mem == nullptr) {
+    Cancel(rounded);
     return absl::ResourceExhaustedError(
         absl::StrCat("dymem host pool: cannot allocate ", rounded, " bytes of host memory for a swapped-out tensor (",
                      rc == ENOMEM ? "out of memory" : "posix_memalign failed", ")"));
   }
-  RecordAllocLocked(rounded);
+  Commit(rounded);
   *ptr = mem;
   *block_bytes = rounded;
   return absl::OkStatus();
@@ -183,8 +262,7 @@ void HostPool::Deallocate(void* ptr, size_t block_bytes) {
   bool cached = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    stats_[kBytesInUse] -= b;
-    --stats_[kLiveBuffers];
+    RecordFreeLocked(block_bytes);
     const int64_t limit = stats_[kBytesLimit];
     int64_t room = stats_[kCacheLimit];
     if (limit > 0) room = std::min(room, limit - stats_[kBytesInUse] - pending_bytes_);
@@ -257,13 +335,8 @@ void HostPool::SetBytesLimit(int64_t bytes) {
 }
 
 absl::Status AllocateHostPoolTensor(DataType dtype, const TensorShape& shape, Tensor* out) {
-  if (!tensorflow::DataTypeCanUseMemcpy(dtype)) {
-    return absl::InvalidArgumentError(absl::StrCat("dymem host pool: dtype ", tensorflow::DataTypeString(dtype),
-                                                   " cannot be stored as raw bytes"));
-  }
-  // int64 arithmetic on purpose: tensors above 2 GiB are legal.
-  const int64_t num_elements = shape.num_elements();
-  const size_t bytes = static_cast<size_t>(num_elements) * tensorflow::DataTypeSize(dtype);
+  size_t bytes = 0;
+  TF_RETURN_IF_ERROR(PayloadBytes(dtype, shape, &bytes));
   if (bytes == 0) {
     *out = Tensor(dtype, shape);  // no elements: TF represents these without a buffer
     return absl::OkStatus();
@@ -275,6 +348,29 @@ absl::Status AllocateHostPoolTensor(DataType dtype, const TensorShape& shape, Te
   auto* buffer = new HostPoolBuffer(pool, ptr, bytes, block_bytes);
   *out = Tensor(dtype, shape, buffer);  // the tensor takes its own reference...
   buffer->Unref();                      // ...so drop the one `new` gave us
+  return absl::OkStatus();
+}
+
+absl::Status AllocateChargedTensor(HostPool* pool, tensorflow::Allocator* base, DataType dtype,
+                                   const TensorShape& shape, Tensor* out) {
+  size_t bytes = 0;
+  TF_RETURN_IF_ERROR(PayloadBytes(dtype, shape, &bytes));
+  if (bytes == 0) {
+    *out = Tensor(dtype, shape);
+    return absl::OkStatus();
+  }
+  if (base == nullptr) return absl::InternalError("dymem host pool: no host allocator to charge");
+  TF_RETURN_IF_ERROR(pool->Reserve(bytes));
+  void* ptr = base->AllocateRaw(tensorflow::Allocator::kAllocatorAlignment, bytes);
+  if (ptr == nullptr) {
+    pool->Cancel(bytes);
+    return absl::ResourceExhaustedError(absl::StrCat("dymem host pool: ", base->Name(), " could not allocate ", bytes,
+                                                     " bytes for a swapped-out tensor"));
+  }
+  pool->Commit(bytes);
+  auto* buffer = new ChargedBuffer(pool, base, ptr, bytes);
+  *out = Tensor(dtype, shape, buffer);
+  buffer->Unref();
   return absl::OkStatus();
 }
 
@@ -305,5 +401,26 @@ int64_t dymem_host_pool_release_cache(void) { return dymem::HostPool::Global()->
 void dymem_host_pool_set_cache_limit(int64_t bytes) { dymem::HostPool::Global()->SetCacheLimit(bytes); }
 
 void dymem_host_pool_set_bytes_limit(int64_t bytes) { dymem::HostPool::Global()->SetBytesLimit(bytes); }
+
+void* dymem_host_pool_charged_alloc(int64_t bytes, char* error, int error_len) {
+  auto tensor = std::make_unique<tensorflow::Tensor>();
+  const absl::Status status =
+      bytes < 0 ? absl::InvalidArgumentError("dymem host pool: negative size")
+                : dymem::AllocateChargedTensor(dymem::HostPool::Global(), tensorflow::cpu_allocator(),
+                                               tensorflow::DT_UINT8, tensorflow::TensorShape({bytes}), tensor.get());
+  if (status.ok()) {
+    if (tensor->TotalBytes() > 0) std::memset(tensor->data(), 0xA5, tensor->TotalBytes());  // really writable
+    return tensor.release();
+  }
+  if (error != nullptr && error_len > 0) {
+    const std::string message = status.ToString();
+    const size_t n = std::min(message.size(), static_cast<size_t>(error_len) - 1);
+    std::memcpy(error, message.data(), n);
+    error[n] = '\0';
+  }
+  return nullptr;
+}
+
+void dymem_host_pool_charged_free(void* handle) { delete static_cast<tensorflow::Tensor*>(handle); }
 
 }  // extern "C"

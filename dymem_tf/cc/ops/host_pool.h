@@ -2,8 +2,9 @@
 //
 // On the CPU device the device allocator is GTBM with a byte budget; tensors swapped out to "host memory" must not
 // count against that budget, so DymemSwapOut's CPU kernel places them here instead of going through the device
-// allocator. (On a GPU, swapped-out tensors use TF's pinned host allocator and do not touch this pool; only the
-// swap counters below are shared.)
+// allocator. On a GPU, swapped-out tensors live in TF's pinned host memory (the copy must be a real DMA), which this
+// pool cannot hand out; AllocateChargedTensor charges them to the pool's byte limit and live/peak bytes instead, so
+// the limit and the statistics cover both kinds of host copies. Pinned buffers never enter the pool's cache.
 //
 // The pool caches freed blocks (up to a configurable byte limit) and hands them out again to requests of nearly the
 // same size: a training step swaps the same feature-map sizes every step, and reusing a block avoids an mmap/munmap
@@ -17,6 +18,7 @@
 #include <map>
 #include <mutex>
 
+#include "tensorflow/core/framework/allocator.h"
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/framework/tensor_shape.h"
 #include "tensorflow/core/framework/types.pb.h"
@@ -25,10 +27,10 @@ namespace dymem {
 
 // Indices of the values reported by HostPool::GetStats and dymem_host_pool_stats(); names in kHostPoolStatNames.
 enum HostPoolStat : int {
-  kBytesInUse = 0,       // bytes of blocks currently held by live tensors
+  kBytesInUse = 0,       // bytes of blocks (and charged pinned buffers) currently held by live tensors
   kPeakBytesInUse,       // high-water mark of kBytesInUse since start or the last ResetPeak()
-  kNumAllocs,            // blocks handed out so far (cache hits included)
-  kLiveBuffers,          // blocks currently held by live tensors
+  kNumAllocs,            // blocks and charged buffers handed out so far (cache hits included)
+  kLiveBuffers,          // blocks and charged buffers currently held by live tensors
   kBytesSwappedOut,      // total payload bytes copied by DymemSwapOut (all devices)
   kBytesSwappedIn,       // total payload bytes copied by DymemSwapIn (all devices)
   kNumSwapOuts,          // DymemSwapOut executions
@@ -58,6 +60,17 @@ class HostPool {
   // Returns a block obtained from Allocate; `block_bytes` is the size it reported.
   void Deallocate(void* ptr, size_t block_bytes);
 
+  // Accounting of memory that another allocator hands out (pinned host memory on a GPU), in three steps:
+  // Reserve admits `bytes` (> 0) under the byte limit, evicting cached blocks to make room, and holds them as
+  // pending; ResourceExhausted naming the limit when they do not fit.
+  absl::Status Reserve(size_t bytes);
+  // Counts reserved bytes as one live block (bytes in use, peak, allocations).
+  void Commit(size_t bytes);
+  // Drops reserved bytes whose allocation failed.
+  void Cancel(size_t bytes);
+  // Uncounts a committed block that its own allocator freed (it never enters the cache).
+  void Release(size_t bytes);
+
   // Counts one swap-out (DymemSwapOut) of `bytes` payload bytes.
   void RecordSwapOut(int64_t bytes);
   // Counts one swap-in (DymemSwapIn) of `bytes` payload bytes.
@@ -82,6 +95,8 @@ class HostPool {
   using LruList = std::list<FreeBlock>;
 
   HostPool();
+  // OK for 0 < `bytes` <= 2^62, else InvalidArgument (zero) or ResourceExhausted (out of range).
+  static absl::Status CheckSize(size_t bytes);
   // `bytes` rounded to the block granule: 64 bytes below 64 KiB, 4 KiB pages above.
   static size_t RoundUp(size_t bytes);
   // Both require mu_. Evicted blocks are appended to `victims` and freed by the caller outside the lock.
@@ -90,6 +105,11 @@ class HostPool {
   void* TakeCachedLocked(size_t bytes, size_t* block_bytes);
   // Counts a block of `block_bytes` handed out.
   void RecordAllocLocked(size_t block_bytes);
+  // Uncounts a live block of `block_bytes`.
+  void RecordFreeLocked(size_t block_bytes);
+  // OK when `need` more bytes fit under the byte limit (cached blocks evicted into `victims` to make room), else
+  // ResourceExhausted naming the limit and how to raise it.
+  absl::Status AdmitLocked(int64_t need, LruList* victims);
   // Frees every block of `blocks` and empties the list.
   static void FreeAll(LruList* blocks);
 
@@ -105,6 +125,12 @@ class HostPool {
 absl::Status AllocateHostPoolTensor(tensorflow::DataType dtype, const tensorflow::TensorShape& shape,
                                     tensorflow::Tensor* out);
 
+// Makes `*out` a tensor of `dtype`/`shape` whose buffer `base` allocates (DymemSwapOut's GPU kernel: TF's pinned host
+// allocator), charged to `pool`: its bytes are reserved under the pool's byte limit first (ResourceExhausted when
+// they do not fit) and released when the last reference to the buffer goes away. Zero-element tensors get no buffer.
+absl::Status AllocateChargedTensor(HostPool* pool, tensorflow::Allocator* base, tensorflow::DataType dtype,
+                                   const tensorflow::TensorShape& shape, tensorflow::Tensor* out);
+
 }  // namespace dymem
 
 // C interface for Python (ctypes); see dymem_tf/memory/host_pool.py.
@@ -117,6 +143,11 @@ void dymem_host_pool_reset_peak(void);
 int64_t dymem_host_pool_release_cache(void);
 void dymem_host_pool_set_cache_limit(int64_t bytes);
 void dymem_host_pool_set_bytes_limit(int64_t bytes);
+// Test hooks for AllocateChargedTensor with TF's CPU allocator standing in for the pinned host allocator
+// (tests/test_swap_ops.py). The first returns a handle to a buffer of `bytes` bytes charged to the global pool, or
+// nullptr with the error message copied into `error` (at most `error_len` bytes, NUL-terminated).
+void* dymem_host_pool_charged_alloc(int64_t bytes, char* error, int error_len);
+void dymem_host_pool_charged_free(void* handle);  // frees a handle of dymem_host_pool_charged_alloc (nullptr: no-op)
 }
 
 #endif  // DYMEM_TF_CC_OPS_HOST_POOL_H_

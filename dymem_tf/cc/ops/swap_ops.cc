@@ -6,7 +6,8 @@
 // CPU device (the "small device" emulation): DymemSwapOut copies into a buffer of the host pool (host_pool.h), which
 // the device allocator's budget does not see; DymemSwapIn copies back into memory from the device allocator, tagged
 // MOBILE for GTBM. GPU device: asynchronous copies through the device context into TF's pinned host memory, modelled
-// on tensorflow/core/grappler/optimizers/gpu_swapping_kernels.cc.
+// on tensorflow/core/grappler/optimizers/gpu_swapping_kernels.cc; the pinned copies are charged to the host pool
+// (AllocateChargedTensor), so its byte limit and statistics cover them too.
 
 #include <algorithm>
 #include <cstdint>
@@ -149,12 +150,17 @@ class DymemSwapOutGpuOp : public AsyncOpKernel {
     tensorflow::DeviceContext* device_context = ctx->op_device_context();
     OP_REQUIRES_ASYNC(ctx, device_context != nullptr,
                       absl::InternalError("DymemSwapOut: the device has no device context"), done);
-    // Pinned host memory, so that the copy is a real asynchronous DMA.
+    // Pinned host memory, so that the copy is a real asynchronous DMA, charged to the host pool's limit and stats.
     tensorflow::AllocatorAttributes host_attr;
     host_attr.set_on_host(true);
     host_attr.set_gpu_compatible(true);
-    Tensor* host = nullptr;
-    OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(0, x.shape(), &host, host_attr), done);
+    Tensor pinned;
+    OP_REQUIRES_OK_ASYNC(ctx,
+                         AllocateChargedTensor(HostPool::Global(), ctx->device()->GetAllocator(host_attr), x.dtype(),
+                                               x.shape(), &pinned),
+                         done);
+    ctx->set_output(0, pinned);
+    Tensor* host = ctx->mutable_output(0);  // owned by the context until done() runs
     const int64_t bytes = static_cast<int64_t>(x.TotalBytes());
     if (bytes == 0) {
       HostPool::Global()->RecordSwapOut(0);
