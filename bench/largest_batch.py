@@ -90,7 +90,7 @@ def largest(optimizer: str, mode: str, args, budget_bytes: int, log) -> tuple[in
 
 def report(results: dict, args, seconds: float) -> str:
     """The Markdown section for docs/benchmarks.md."""
-    cmd = "python bench/largest_batch.py --optimizers O --modes M --start 24 --write"
+    cmd = "python bench/largest_batch.py --optimizers O --modes M --start S --write"
     lines = [BEGIN, "## Largest batch under a 512 MiB device: trials that last", "",
              f"`{cmd}`, run per optimizer and mode (the last run took {seconds / 60:.0f} min on this 2-core CPU "
              f"machine; GTBM is the emulated device, oneDNN off). ResNet-50 at {args.image_size}x{args.image_size}, device capped at {args.budget}; every trial "
@@ -109,8 +109,11 @@ def report(results: dict, args, seconds: float) -> str:
         failed = ", ".join(f"{m} batch {t['batch']} (step {t['steps_run'] + 1})" for m, t in ooms) or "none"
         lines.append(f"| {optimizer} | {got.get('plain', '-')} | {got.get('none', '-')} | {got.get('auto', '-')} "
                      f"| {ratio} | {n} | {failed} |")
-    lines += ["", "Largest batch per mode; the trials (batch, outcome, every step's peak) are in "
-              "[docs/largest_batch.json](largest_batch.json)."]
+    starts = ", ".join(f"{o} {m} {by_mode[m].get('start', 24)}" + (f" (commit {by_mode[m]['commit']})"
+                                                                      if by_mode[m].get("commit") else "")
+                       for o, by_mode in results.items() for m in by_mode)
+    lines += ["", f"Searches started at S = {starts}. Largest batch per mode; the trials (batch, outcome, every "
+              "step's peak) are in [docs/largest_batch.json](largest_batch.json)."]
     if any(m != "plain" for _, m, _ in late):
         lines += ["", "**The budget did not hold for every run:** a trial under Dymem ran out of memory after its "
                   "first step had fitted (the last column; the step that failed). The search treats it as a batch "
@@ -182,7 +185,8 @@ def main(argv=None) -> int:
         for mode in modes:
             print(f"ResNet-50 {args.image_size}px, {optimizer}, mode {mode}, device {args.budget}:", flush=True)
             best, trials = largest(optimizer, mode, args, budget_bytes, lambda s: print(s, flush=True))
-            results[optimizer][mode] = {"largest": best, "trials": trials}
+            results[optimizer][mode] = {"largest": best, "trials": trials, "start": args.start,
+                                        "commit": _commit()}
     seconds = time.perf_counter() - t0
     if args.write:  # add to the saved runs (same settings), then render them all
         results = merged_results(results, os.path.join(REPO, "docs", "largest_batch.json"))
@@ -191,6 +195,12 @@ def main(argv=None) -> int:
     if args.write:
         write_docs(section, results)
     return 0
+
+
+def _commit() -> str:
+    """The short commit hash of the checkout ("" outside git)."""
+    proc = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    return proc.stdout.strip() if proc.returncode == 0 else ""
 
 
 def run_child(args) -> dict:

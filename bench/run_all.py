@@ -213,19 +213,20 @@ def run_bfc(cfg: dict, matrix: dict | None, progress: Progress, save) -> dict:
             gtbm = g if g.get("status") == "ok" else None
         env = {"TF_CPU_ALLOCATOR_USE_BFC": "true", "DYMEM_GTBM": "0", "TF_CPP_MIN_LOG_LEVEL": "0",
                "TF_CPP_VMODULE": "bfc_allocator=1"}
-        with tempfile.TemporaryDirectory() as tmp:
-            log = os.path.join(tmp, "stderr.txt")
-            t0 = time.perf_counter()
-            b = _quietly(common.run_in_subprocess, model, args, "none", extra_env=env, stderr_path=log)
-            wall = time.perf_counter() - t0
-            with open(log) as fh:
-                pool = parse_bfc_pool_bytes(fh.read())
+        b, pool, wall = _run_on_bfc(common, model, args, "none", env)
+        # the paper's system-level comparison: vDNN's schedule on TF's allocator against Dymem's on GTBM
+        v, vpool, vwall = _run_on_bfc(common, model, args, "vdnn", env)
+        progress.step(f"{model} vdnn (TF BFC allocator)", v.get("status", "?"), vwall)
+        dymem = summary.get(model, {}).get("dymem") or {}
         row = {"model": model, "batch": mcfg["batch"], "image_size": mcfg["image_size"],
                "status": "ok" if b.get("status") == "ok" and gtbm else (b.get("status") or "failed"),
                "error": b.get("error", ""), "allocator": b.get("allocator"),
                "gtbm": None if not gtbm else {k: gtbm.get(k) for k in ("peak_bytes_in_use", "peak_bytes_reserved")},
                "bfc": {"peak_bytes_in_use": b.get("peak_bytes_in_use"), "pool_bytes": pool,
-                       "step_time_s": b.get("step_time_s")}}
+                       "step_time_s": b.get("step_time_s")},
+               "bfc_vdnn": {"status": v.get("status"), "peak_bytes_in_use": v.get("peak_bytes_in_use"),
+                            "pool_bytes": vpool},
+               "gtbm_dymem": {k: dymem.get(k) for k in ("peak_bytes_in_use", "peak_bytes_reserved")}}
         if b.get("status") == "ok" and b.get("allocator") != "tf_bfc":
             row["status"] = "failed"
             row["error"] = f"the run did not use TF's BFC allocator (allocator: {b.get('allocator')})"
@@ -235,6 +236,18 @@ def run_bfc(cfg: dict, matrix: dict | None, progress: Progress, save) -> dict:
                       f"GTBM peak reserved {report.mib((gtbm or {}).get('peak_bytes_reserved'))} MiB")
         save()
     return out
+
+
+def _run_on_bfc(common, model: str, args, policy: str, env: dict) -> tuple[dict, int | None, float]:
+    """One run of ``policy`` on TF's BFC allocator: its summary, BFC's pool bytes (from its log) and wall time."""
+    with tempfile.TemporaryDirectory() as tmp:
+        log = os.path.join(tmp, "stderr.txt")
+        t0 = time.perf_counter()
+        out = _quietly(common.run_in_subprocess, model, args, policy, extra_env=env, stderr_path=log)
+        wall = time.perf_counter() - t0
+        with open(log) as fh:
+            pool = parse_bfc_pool_bytes(fh.read())
+    return out, pool, wall
 
 
 def estimate_max_batch(summary: dict | None, budget_bytes: int) -> int | None:

@@ -172,7 +172,8 @@ class DymemCallback(keras.callbacks.Callback):
             self._exit_guard.release()
             self._exit_guard = None
         self._restore_device_limit()
-        _bring_back_offloaded(self.model)  # the device holds the whole optimizer state again after fit
+        if self._offloads_state():
+            _bring_back_offloaded(self.model)  # the device holds the whole optimizer state again after fit
         # Later fit() calls without this callback must trace the plain step again.
         self.model.train_function = None
         if self._writer is not None:
@@ -502,7 +503,8 @@ def _offload_optimizer_state(model, min_bytes: int) -> int:
     moved = 0
     for var in getattr(getattr(model, "optimizer", None), "variables", []):
         shape = [d or 0 for d in var.shape]
-        if len(shape) and int(np.prod(shape)) * tf.as_dtype(var.dtype).size >= min_bytes:
+        big = len(shape) and int(np.prod(shape)) * tf.as_dtype(var.dtype).size >= min_bytes
+        if big and swap_ops.variable_handle(var) is not None:
             swap_ops.offload_variable(var)
             moved += 1
     return moved

@@ -67,15 +67,40 @@ def bring_back_variable(variable) -> bool:
 
 
 def bring_back_variables(variables) -> int:
-    """:func:`bring_back_variable` for each of ``variables`` on the CPU device; returns how many were offloaded."""
-    return sum(bring_back_variable(v) for v in variables if "GPU" not in (_handle(v).device or "").upper())
+    """:func:`bring_back_variable` for each of ``variables`` on a CPU device (for a distributed variable, each
+    replica's); returns how many were offloaded."""
+    count = 0
+    for v in _components(variables):
+        handle = variable_handle(v)
+        if handle is not None and "GPU" not in (handle.device or "").upper():
+            count += bring_back_variable(v)
+    return count
+
+
+def _components(variables):
+    """Each variable, or for a distributed one its per-replica variables (``.values``)."""
+    for v in variables:
+        if variable_handle(v) is not None:
+            yield v
+            continue
+        inner = getattr(v, "_value", None) or v  # Keras 3 wraps the tf.Variable
+        yield from getattr(inner, "values", ())
+
+
+def variable_handle(variable):
+    """The resource handle of a ``tf.Variable`` or a Keras variable, or None when it has no single handle (a
+    distributed variable read outside its replicas)."""
+    try:
+        return getattr(variable, "handle", None)  # tf.Variable; Keras 3's TF-backend variables forward it
+    except (ValueError, TypeError, AttributeError, NotImplementedError):
+        return None
 
 
 def _handle(variable):
-    """The resource handle of a ``tf.Variable`` or a Keras variable."""
-    handle = getattr(variable, "handle", None)  # tf.Variable; Keras 3's TF-backend variables forward it
+    """The resource handle of a ``tf.Variable`` or a Keras variable; TypeError for anything else."""
+    handle = variable_handle(variable)
     if handle is None:
-        raise TypeError(f"expected a resource variable, got {type(variable).__name__}")
+        raise TypeError(f"expected a resource variable with one handle, got {type(variable).__name__}")
     return handle
 
 

@@ -2,10 +2,11 @@
 
 Under a ``memory_budget`` the callback runs the first step of every new input shape in two stages:
 
-1. **Probe.** The step is planned with the least device memory the policy can reach (every eligible tensor
-   swapped). The model's and the optimizer's variables are copied to host memory before it runs; if it runs out
-   of memory they are restored and :class:`~dymem_tf.planning.planner.BudgetTooSmallError` says what was measured. The
-   allocator's peak during the step is the *measured* peak of that plan.
+1. **Probe.** The step is planned with the least device memory the policy can reach (every candidate swapped,
+   swap-ins triggered one layer ahead, optimizer state offloaded where allowed). The model's and the optimizer's
+   variables are copied to host memory before it runs; if it runs out of memory they are restored and
+   :class:`~dymem_tf.planning.planner.BudgetTooSmallError` says what was measured. The allocator's peak during the
+   step is the *measured* peak of that plan.
 2. **Budget.** The ratio of the measured to the predicted peak of the step's own memory (kernel workspaces,
    fragmentation and whatever else the simulator does not model) sets the planner's headroom
    (:func:`calibrated_headroom`), and
