@@ -112,12 +112,23 @@ def test_cli_dry_run(tmp_path):
     assert set(rows) == set(planner.POLICIES)
     plan = json.loads(saved.read_text())
     assert plan["policy"] == "dymem" and plan["batch_size"] == 1
-    assert int(rows["dymem"][1]) == len(plan["swaps"])
+    assert int(rows["dymem"][1]) == len(plan["swaps"]) and rows["dymem"][2] == "0"  # no budget: no state offloaded
+
+
+def test_cli_dry_run_offloads_optimizer_state_where_the_budget_needs_it():
+    proc = run_cli("plan", "--model", "mobilenet", "--batch", "1", "--image-size", "32", "--policy", "dymem",
+                   "--budget", "30MiB", "--device", "cpu", "--offload-state")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "offloaded state :" in out and "optimizer variables" in out, out
+    row = [line.split() for line in out.splitlines() if line.startswith("dymem ")][0]
+    assert int(row[2]) > 0
 
 
 @pytest.mark.parametrize("args, message", [
     (("plan",), "the following arguments are required: --model"),
     (("plan", "--model", "mobilenet", "--budget", "12 parsecs"), "error: invalid byte count '12 parsecs'"),
+    (("plan", "--model", "mobilenet", "--offload-state"), "error: --offload-state needs a --budget"),
 ])
 def test_cli_bad_arguments(args, message):
     proc = run_cli(*args)

@@ -649,3 +649,15 @@ def test_empty_logdir_shows_a_message(browser, tmp_path):
         assert "No Dymem data under" in message.text and "DymemCallback(log_dir=" in message.text
         assert not browser.find_elements(By.CSS_SELECTOR, ".dymem-pane")
         screenshot(browser, "tensorboard_dymem_empty")
+
+
+def test_the_schedule_keeps_whether_a_swap_is_offloaded_optimizer_state():
+    from tensorboard_plugin_dymem import logdata
+
+    plan = {"num_layers": 9, "swaps": [
+        {"tensor": "conv/Relu:0", "bytes": 64, "producer_layer": 1, "swap_ins": []},
+        {"tensor": "adam_m:0", "bytes": 32, "producer_layer": 0, "kind": "variable",
+         "swap_ins": [{"trigger_op": "g", "trigger_layer": 6, "consumers": ["read_m"],
+                       "start_layer_of_consumers": 7}]}]}
+    schedule = logdata.schedule_from_plan(plan)
+    assert [s["kind"] for s in schedule["swaps"]] == ["tensor", "variable"]  # a plan from before kinds: "tensor"

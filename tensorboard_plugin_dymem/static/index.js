@@ -823,7 +823,9 @@ function renderSchedule(section, data) {
   section.dataset.count = String(swaps.length);
   section.dataset.stalls = String(stalled.length);
   section.append(el('p', {class: 'dymem-caption dymem-schedule-summary'},
-      `${swaps.length} swapped tensors, ${formatBytes(bytes)}, ${swapIns.length} swap-ins; ` +
+      `${swaps.length} swapped tensors, ${formatBytes(bytes)}, ${swapIns.length} swap-ins` +
+      `${swaps.some((s) => s.kind === 'variable') ? ` (${swaps.filter((s) => s.kind === 'variable').length} ` +
+        'of them optimizer state offloaded between its uses)' : ''}; ` +
       `${stalled.length} stalled swap-in${stalled.length === 1 ? '' : 's'} ` +
       `(modelled stall ${formatSeconds(totalStall)}).`));
   if (!swaps.length) {
@@ -862,19 +864,25 @@ function renderSchedule(section, data) {
     const out = s.swap_out || {};
     const outStart = out.start_layer ?? s.producer_layer;
     const outEnd = Math.max(outStart, out.end_layer ?? outStart + 1);
+    const state = s.kind === 'variable';  // optimizer state: in host memory from the step's start to its swap-in
     const g = svg('g', {class: `dymem-swap${stall > 0 ? ' dymem-stalled' : ''}`, 'data-tensor': s.tensor,
+      'data-kind': s.kind || 'tensor',
       'data-bytes': s.bytes, 'data-producer-layer': s.producer_layer, 'data-swap-ins': s.swap_ins.length,
       'data-trigger-layer': s.swap_ins.length ? s.swap_ins[0].trigger_layer : '',
       'data-consumer-layer': s.swap_ins.length ? s.swap_ins[0].consumer_layer : '', 'data-stall-s': stall},
-    tooltip(`${s.tensor} (${formatBytes(s.bytes)})\nproduced at layer ${s.producer_layer}` +
-      `, swapped out by layer ${formatNumber(outEnd)}` + s.swap_ins.map((si) =>
+    tooltip(`${s.tensor} (${formatBytes(s.bytes)})` + (state ?
+      `\noptimizer state: in host memory between its uses, back there by layer ${formatNumber(outEnd)}` :
+      `\nproduced at layer ${s.producer_layer}, swapped out by layer ${formatNumber(outEnd)}`) + s.swap_ins.map((si) =>
       `\nswap-in triggered by ${si.trigger_op || '?'} (layer ${si.trigger_layer}) for ` +
         `${(si.consumers || []).slice(0, 3).join(', ')}${(si.consumers || []).length > 3 ? ', …' : ''} ` +
         `(layer ${si.consumer_layer})${si.stall_s > 0 ? `, stalls ${formatSeconds(si.stall_s)}` : ''}`).join('')));
     const inStart = (si) => si.start_layer ?? si.trigger_layer + 1;
     const hostEnd = Math.min(...s.swap_ins.map(inStart), L);
-    g.append(svg('rect', {x: sx(outEnd), y: y + bar * 0.3, width: Math.max(0, sx(hostEnd) - sx(outEnd)),
-      height: bar * 0.4, class: 'dymem-host'}));
+    const hostSpans = state ? [[0, hostEnd], [outEnd, L]] : [[outEnd, hostEnd]];
+    for (const [a, b] of hostSpans) {
+      g.append(svg('rect', {x: sx(a), y: y + bar * 0.3, width: Math.max(0, sx(b) - sx(a)), height: bar * 0.4,
+        class: 'dymem-host'}));
+    }
     g.append(svg('rect', {x: sx(outStart), y, width: Math.max(1.5, sx(outEnd) - sx(outStart)), height: bar,
       class: 'dymem-swap-out'}));
     for (const si of s.swap_ins) {
@@ -895,7 +903,7 @@ function renderSchedule(section, data) {
     if (labels) {
       const name = s.tensor.length > 30 ? `…${s.tensor.slice(-29)}` : s.tensor;
       g.append(svg('text', {x: m.l - 6, y: y + bar / 2 + 4, class: 'dymem-row-label', 'text-anchor': 'end'},
-          `${name} ${formatBytes(s.bytes)}`));
+          `${state ? 'state ' : ''}${name} ${formatBytes(s.bytes)}`));
     }
     chart.append(g);
   });
