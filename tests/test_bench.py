@@ -62,7 +62,9 @@ def synthetic_results(dymem_step=1.1, vdnn_step=1.5, max_dymem=40, replay_rows=N
                    "runs": runs},
         "bfc": {"runs": [{"model": "resnet50", "batch": 16, "image_size": 64, "status": "ok", "allocator": "tf_bfc",
                           "gtbm": {"peak_bytes_in_use": 400 * MiB, "peak_bytes_reserved": 420 * MiB},
-                          "bfc": {"peak_bytes_in_use": 430 * MiB, "pool_bytes": 510 * MiB}}]},
+                          "bfc": {"peak_bytes_in_use": 430 * MiB, "pool_bytes": 510 * MiB},
+                          "bfc_vdnn": {"status": "ok", "peak_bytes_in_use": 300 * MiB, "pool_bytes": 400 * MiB},
+                          "gtbm_dymem": {"peak_bytes_in_use": 240 * MiB, "peak_bytes_reserved": 260 * MiB}}]},
         "max_batch": {"model": "resnet50", "image_size": 64, "budget": "512MiB", "steps": 2, "search": "bisect",
                       "policies": {"none": {"max_batch": 20, "exact": True, "trials": [[16, True], [32, False]]},
                                    "dymem": {"max_batch": max_dymem, "exact": True,
@@ -116,6 +118,11 @@ def test_derived_anchor_figures():
     assert a["throughput_vs_vdnn_modelled"]["unbounded"]["resnet50"] == pytest.approx(1.0)
     assert a["max_batch_ratio"] == pytest.approx(2.0)
     assert a["bfc"][0]["reserved_ratio"] == pytest.approx(420 / 510)
+    assert d["bfc"][0]["system_ratio"] == pytest.approx(260 / 400)  # Dymem on GTBM vs vDNN on BFC
+    md = report.render_markdown(synthetic_results())
+    assert "| resnet50 | 400.0 | 260.0 | 0.65x |" in md
+    assert "Dymem on GTBM (peak reserved) vs vDNN on TF's BFC (pool): up to 35.0% lower" in md
+    assert "reaches 31%" in md
     assert d["modelled"]["densenet121"]["error"].startswith("RuntimeError")
 
 
