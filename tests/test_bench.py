@@ -372,3 +372,37 @@ def test_largest_batch_search_and_report(monkeypatch):
     ratio = results["sgd"]["auto"]["largest"] / results["sgd"]["plain"]["largest"]
     assert f"| sgd | {results['sgd']['plain']['largest']} | - | {results['sgd']['auto']['largest']} | {ratio:.2f}x |" \
         in text
+
+
+def test_transformer_depth_search_and_report(monkeypatch):
+    """The depth search finds the most blocks whose trial trained every step under the budget (trials faked by a
+    limit per mode), and the report gives the state / features ratio and any out-of-memory error after step 1."""
+    import subprocess
+    import sys
+
+    script = os.path.join(REPO, "bench", "transformer_depth.py")
+    bad = subprocess.run([sys.executable, script, "--modes", "state,bogus"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--modes: unknown bogus" in bad.stderr
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    import transformer_depth
+
+    budget = 192 << 20
+    limit = {"plain": 6, "features": 9, "state": 19}
+
+    def fake(layers, mode, args):
+        if mode == "state" and layers == 32:  # an out-of-memory error after the first step: a depth that fails
+            return {"outcome": "oom", "steps_run": 3, "peaks": [budget] * 3, "seconds": 1.0, "layers": layers}
+        good = layers <= limit[mode]
+        return {"outcome": "trained" if good else "refused", "steps_run": 20 if good else 0,
+                "peaks": [budget] * 20 if good else [], "seconds": 1.0, "layers": layers}
+
+    monkeypatch.setattr(transformer_depth, "trial", fake)
+    args = types.SimpleNamespace(start=4, limit=256, steps=20, samples=2000, batch=8, dim=256, seq=64,
+                                 budget="192MiB")
+    results = {}
+    for mode in limit:
+        best, trials = transformer_depth.deepest(mode, args, budget, lambda s: None)
+        assert best == limit[mode]
+        results[mode] = {"deepest": best, "trials": trials}
+    text = transformer_depth.report(results, args, 60.0)
+    assert "| 6 | 9 | 19 | 2.11x |" in text and "state 32 blocks (step 4)" in text

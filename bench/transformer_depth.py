@@ -1,0 +1,189 @@
+"""Deepest GPT-style decoder under a fixed device budget: feature-map swapping alone against optimizer state offloaded.
+
+    python bench/transformer_depth.py --write          # all three modes; writes docs/benchmarks.md's section
+    python bench/transformer_depth.py --steps 5        # quicker, writes nothing
+
+The model is ``bench/model_zoo.gpt_decoder`` (pre-norm blocks, causal self-attention, GELU MLP, AdamW) at
+``--dim`` wide, ``--seq`` tokens, batch ``--batch``, with a varying number of blocks. Each trial is a fresh
+interpreter with the GTBM device capped at ``--budget`` (oneDNN off) that trains ``--steps`` steps on
+``max(--samples, batch x steps)`` samples; it *fits* when every step trained with its measured device peak under the
+budget. Modes:
+
+* ``plain``: no Dymem callback;
+* ``features``: ``DymemCallback(memory_budget="auto", offload_optimizer_state=False)``: feature maps only;
+* ``state``: ``DymemCallback(memory_budget="auto")``: feature maps and optimizer state (AdamW's m and v).
+
+The search doubles the number of blocks from ``--start`` until a trial fails, then bisects.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+BEGIN, END = "<!-- transformer-depth:begin -->", "<!-- transformer-depth:end -->"
+MODES = ("plain", "features", "state")
+MiB = 1 << 20
+
+
+def trial(layers: int, mode: str, args) -> dict:
+    """One trial in a fresh interpreter; its JSON result (``outcome`` trained / refused / oom / failed)."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--layers", str(layers), "--mode", mode,
+           "--steps", str(args.steps), "--samples", str(args.samples), "--batch", str(args.batch), "--dim",
+           str(args.dim), "--seq", str(args.seq), "--budget", args.budget]
+    env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="0", TF_CPP_MIN_LOG_LEVEL="2", DYMEM_DEVICE_MEMORY_LIMIT=args.budget)
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    result = json.loads(lines[-1]) if lines else {
+        "outcome": "failed", "error": " | ".join((proc.stderr or "").strip().splitlines()[-3:])}
+    result.update(layers=layers, seconds=round(time.perf_counter() - t0, 1))
+    return result
+
+
+def fits(result: dict, budget_bytes: int, steps: int) -> bool:
+    """Trained every step with every step's measured peak under the budget."""
+    return (result.get("outcome") == "trained" and result.get("steps_run") == steps
+            and max(result.get("peaks") or [budget_bytes + 1]) <= budget_bytes)
+
+
+def deepest(mode: str, args, budget_bytes: int, log) -> tuple[int, list[dict]]:
+    """The most blocks that fit (0 when even ``--start`` does not), and every trial run to find it."""
+    trials = []
+
+    def ok(layers: int) -> bool:
+        result = trial(layers, mode, args)
+        trials.append(result)
+        good = fits(result, budget_bytes, args.steps)
+        log(f"  {mode:8s} {layers:3d} blocks: {'fits' if good else result.get('outcome')} "
+            f"(max step peak {max(result.get('peaks') or [0]) / MiB:.0f} MiB, {result['seconds']:.0f} s)")
+        return good
+
+    lo, hi, n = 0, None, args.start
+    while n <= args.limit:
+        if not ok(n):
+            hi = n
+            break
+        lo, n = n, n * 2
+    if hi is None:
+        return lo, trials
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo, trials
+
+
+def report(results: dict, args, seconds: float) -> str:
+    """The Markdown section for docs/benchmarks.md."""
+    got = {m: results[m]["deepest"] for m in results}
+    ratio = (f"{got['state'] / got['features']:.2f}x" if got.get("features") and "state" in got else "-")
+    late = [(m, t) for m in results for t in results[m]["trials"]
+            if t.get("outcome") == "oom" and (t.get("steps_run") or 0) > 0]
+    failed = ", ".join(f"{m} {t['layers']} blocks (step {t['steps_run'] + 1})" for m, t in late) or "none"
+    lines = [BEGIN, "## Deepest decoder-only LM under a fixed budget: optimizer state offloaded", "",
+             f"`python bench/transformer_depth.py --write` on this 2-core CPU machine ({seconds / 60:.0f} min; GTBM "
+             f"is the emulated device, oneDNN off). `bench/model_zoo.gpt_decoder`: GPT-2-style blocks "
+             f"{args.dim} wide, {args.seq} tokens, batch {args.batch}, AdamW; device capped at {args.budget}. "
+             f"Every trial is a fresh process that trains {args.steps} steps on max({args.samples}, batch x "
+             f"{args.steps}) samples and fits when every step trained with its measured peak under the budget. "
+             "*plain*: no callback; *features*: `DymemCallback(memory_budget=\"auto\", "
+             "offload_optimizer_state=False)` (feature maps only); *state*: `DymemCallback(memory_budget=\"auto\")` "
+             "(feature maps and optimizer state).", "",
+             "| plain | features | state | state / features | trials | out of memory after step 1 |",
+             "| --- | --- | --- | --- | --- | --- |",
+             f"| {got.get('plain', '-')} | {got.get('features', '-')} | {got.get('state', '-')} | {ratio} | "
+             f"{sum(len(r['trials']) for r in results.values())} | {failed} |",
+             "", "Deepest model (blocks) per mode; every trial (blocks, outcome, each step's peak) is in "
+             "[docs/transformer_depth.json](transformer_depth.json).", END]
+    return "\n".join(lines)
+
+
+def write_docs(section: str, results: dict) -> None:
+    path = os.path.join(REPO, "docs", "benchmarks.md")
+    text = open(path, encoding="utf-8").read()
+    if BEGIN in text and END in text:
+        text = text[:text.index(BEGIN)] + section + text[text.index(END) + len(END):]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(text)
+    with open(os.path.join(REPO, "docs", "transformer_depth.json"), "w", encoding="utf-8") as fh:
+        json.dump(results, fh, indent=1)
+
+
+def run_child(args) -> dict:
+    """One trial in this fresh interpreter (see the module docstring)."""
+    import tensorflow as tf
+
+    import dymem_tf
+    import keras
+
+    sys.path.insert(0, HERE)
+    from model_zoo import StepPeaks, gpt_decoder
+
+    keras.utils.set_random_seed(0)
+    samples = max(args.samples, args.batch * args.steps)
+    model, x, y = gpt_decoder(args.batch, samples, 0, seq=args.seq, dim=args.dim, layers=args.layers)
+    peaks = StepPeaks()
+    callbacks = [peaks]
+    if args.mode != "plain":
+        callbacks.insert(0, dymem_tf.DymemCallback(memory_budget="auto", verbose=0,
+                                                   offload_optimizer_state=args.mode == "state"))
+    result = {"outcome": "trained", "samples": samples}
+    try:
+        model.fit(x, y, batch_size=args.batch, epochs=1, steps_per_epoch=args.steps, shuffle=False, verbose=0,
+                  callbacks=callbacks)
+    except dymem_tf.BudgetTooSmallError as err:
+        result.update(outcome="refused", error=str(err)[:300])
+    except tf.errors.ResourceExhaustedError as err:
+        result.update(outcome="oom", error=(err.message or "").splitlines()[0][:200])
+    result.update(steps_run=len(peaks.peaks), peaks=peaks.peaks)
+    return result
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--budget", default="192MiB")
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--samples", type=int, default=2000)
+    parser.add_argument("--start", type=int, default=4, help="first number of blocks tried")
+    parser.add_argument("--limit", type=int, default=256, help="most blocks tried")
+    parser.add_argument("--write", action="store_true", help="write docs/benchmarks.md's section and the JSON")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--layers", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--mode", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(run_child(args)))
+        return 0
+    from dymem_tf.units import parse_bytes
+
+    modes = [m.strip() for m in args.modes.split(",")]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        parser.error(f"--modes: unknown {', '.join(bad)} (choose from {', '.join(MODES)})")
+    budget_bytes = parse_bytes(args.budget)
+    t0 = time.perf_counter()
+    results = {}
+    for mode in modes:
+        print(f"GPT decoder {args.dim} wide, batch {args.batch}, mode {mode}, device {args.budget}:", flush=True)
+        best, trials = deepest(mode, args, budget_bytes, lambda s: print(s, flush=True))
+        results[mode] = {"deepest": best, "trials": trials}
+    section = report(results, args, time.perf_counter() - t0)
+    print(section)
+    if args.write:
+        write_docs(section, results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
