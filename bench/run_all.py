@@ -218,6 +218,11 @@ def run_bfc(cfg: dict, matrix: dict | None, progress: Progress, save) -> dict:
         v, vpool, vwall = _run_on_bfc(common, model, args, "vdnn", env)
         progress.step(f"{model} vdnn (TF BFC allocator)", v.get("status", "?"), vwall)
         dymem = summary.get(model, {}).get("dymem") or {}
+        if not dymem.get("peak_bytes_reserved"):  # section 1 did not run in this invocation: measure it here
+            t0 = time.perf_counter()
+            dymem = _quietly(common.run_in_subprocess, model, args, "dymem")
+            progress.step(f"{model} dymem (GTBM, for the whole-systems row)", dymem.get("status", "?"),
+                          time.perf_counter() - t0)
         row = {"model": model, "batch": mcfg["batch"], "image_size": mcfg["image_size"],
                "status": "ok" if b.get("status") == "ok" and gtbm else (b.get("status") or "failed"),
                "error": b.get("error", ""), "allocator": b.get("allocator"),
@@ -402,14 +407,20 @@ def write_outputs(results: dict, out_md: str, out_json: str, img_dir: str) -> di
     return results
 
 
+#: Sections other scripts write into the same file between their markers, carried over when this suite rewrites it.
+KEPT_SECTIONS = ("budget-reliability", "largest-batch", "transformer-depth")
+
+
 def _kept_sections(path: str) -> str:
-    """Sections other scripts write into the same file between their markers (``bench/budget_reliability.py``),
-    carried over when this suite rewrites it."""
-    begin, end = "<!-- budget-reliability:begin -->", "<!-- budget-reliability:end -->"
+    """The sections of :data:`KEPT_SECTIONS` found in ``path`` (``bench/budget_reliability.py``,
+    ``bench/largest_batch.py``, ``bench/transformer_depth.py``), each between its markers."""
     text = open(path).read() if os.path.exists(path) else ""
-    if begin in text and end in text:
-        return "\n" + text[text.index(begin):text.index(end) + len(end)] + "\n"
-    return ""
+    kept = ""
+    for name in KEPT_SECTIONS:
+        begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+        if begin in text and end in text:
+            kept += "\n" + text[text.index(begin):text.index(end) + len(end)] + "\n"
+    return kept
 
 
 def _estimate_jobs(cfg: dict, sections: set[str]) -> int:

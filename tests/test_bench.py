@@ -406,3 +406,13 @@ def test_transformer_depth_search_and_report(monkeypatch):
         results[mode] = {"deepest": best, "trials": trials}
     text = transformer_depth.report(results, args, 60.0)
     assert "| 6 | 9 | 19 | 2.11x |" in text and "state 32 blocks (step 4)" in text
+
+
+def test_run_all_keeps_the_sections_other_scripts_wrote(tmp_path):
+    path = tmp_path / "benchmarks.md"
+    path.write_text("# old\n<!-- largest-batch:begin -->\nLB\n<!-- largest-batch:end -->\nfree text\n"
+                    "<!-- budget-reliability:begin -->\nBR\n<!-- budget-reliability:end -->\n"
+                    "<!-- transformer-depth:begin -->\nTD\n<!-- transformer-depth:end -->\n")
+    kept = run_all._kept_sections(str(path))
+    assert [kept.index(x) < kept.index(y) for x, y in (("BR", "LB"), ("LB", "TD"))] == [True, True]
+    assert "free text" not in kept and "# old" not in kept
