@@ -327,9 +327,7 @@ class DymemCallback(keras.callbacks.Callback):
         record = self.pass_.records[-1] if self.pass_.records else None
         predicted = record.plan.predicted.get("peak_bytes") if record is not None else None
         if measured and predicted:
-            # the bytes the probe's plan kept on the device all step: optimizer state it offloads is not among them
-            # (its prediction counts that state only while it is back on the device)
-            persistent = record.plan.persistent_bytes
+            persistent = self.pass_.persistent_bytes
             headroom = first_step.calibrated_headroom(self.budget_bytes, int(predicted), int(measured), persistent)
             self.pass_.calibration = first_step.Calibration(self.budget_bytes, int(predicted), int(measured),
                                                             persistent, headroom)
@@ -424,9 +422,8 @@ class DymemCallback(keras.callbacks.Callback):
                 "budget or reduce the batch size.", budget_bytes=self.budget_bytes)
         error = planner.BudgetTooSmallError(
             f"memory_budget {_fmt(self.budget_bytes)} is too small: the first step, planned for the least device "
-            f"memory (every eligible tensor swapped; predicted peak {_fmt(predicted)}, of which "
-            f"{_fmt(plan.persistent_bytes)} weights and optimizer state that stay on the device), ran out of memory "
-            f"({err.message.splitlines()[0] if err.message else ''})"
+            f"memory (every eligible tensor swapped; predicted peak {_fmt(predicted)}, of which {_fmt(persistent)} "
+            f"weights and optimizer state), ran out of memory ({err.message.splitlines()[0] if err.message else ''})"
             f". No variable was changed. Raise the budget or {hint}.",
             min_peak_bytes=predicted or None, budget_bytes=self.budget_bytes, suggested_batch=suggested)
         return error
