@@ -422,8 +422,9 @@ class DymemCallback(keras.callbacks.Callback):
                 "budget or reduce the batch size.", budget_bytes=self.budget_bytes)
         error = planner.BudgetTooSmallError(
             f"memory_budget {_fmt(self.budget_bytes)} is too small: the first step, planned for the least device "
-            f"memory (every eligible tensor swapped; predicted peak {_fmt(predicted)}, of which {_fmt(persistent)} "
-            f"weights and optimizer state), ran out of memory ({err.message.splitlines()[0] if err.message else ''})"
+            f"memory (every eligible tensor swapped; predicted peak {_fmt(predicted)}, of which "
+            f"{_fmt(plan.persistent_bytes)} weights and optimizer state that stay on the device), ran out of memory "
+            f"({err.message.splitlines()[0] if err.message else ''})"
             f". No variable was changed. Raise the budget or {hint}.",
             min_peak_bytes=predicted or None, budget_bytes=self.budget_bytes, suggested_batch=suggested)
         return error
