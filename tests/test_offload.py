@@ -201,7 +201,19 @@ gc.collect()
 # default headroom, and the step's activations are tiny: only offloading optimizer state can make room
 cb = dymem_tf.DymemCallback(memory_budget="80MiB", calibrate=False, verbose=0)
 losses, state, resident = run([cb, Offloaded()])
-out = {"same_losses": losses == plain_losses,
+# calibrated on a probe that offloads state: the calibration's persistent bytes are the plan's (weights), not the
+# weights and state the callback started from, so the calibrated prediction stays a sane number
+gc.collect()
+cb2 = dymem_tf.DymemCallback(memory_budget="96MiB", verbose=0)
+run([cb2])
+calibrated = [r.plan for r in cb2.records if r.plan.params.get("stage") == "calibrated"]
+probe = cb2.records[0].plan
+out_calibration = {"probe_offloads": len(probe.offloaded_variables),
+                    "persistent": calibrated[0].predicted["calibration"]["persistent_bytes"] if calibrated else None,
+                    "probe_persistent": probe.persistent_bytes,
+                    "calibrated_prediction": (calibrated[0].measured.get("calibrated_predicted_peak_bytes")
+                                              if calibrated else None)}
+out = {"calibration": out_calibration, "same_losses": losses == plain_losses,
        "same_state": all(np.array_equal(a, b) for a, b in zip(state, plain_state)) and len(state) == len(plain_state),
        "resident_after_fit": resident, "offloaded": offloaded,
        "planned": [len(r.plan.offloaded_variables) for r in cb.records],
@@ -222,3 +234,6 @@ def test_adam_state_offloaded_under_a_budget_trains_bit_identically(python_subpr
     # between steps, exactly the variables the plan offloads live in host memory
     assert out["offloaded"] == out["planned"] * 4
     assert out["resident_after_fit"]
+    cal = out["calibration"]
+    assert cal["probe_offloads"] == 8 and cal["persistent"] == cal["probe_persistent"], cal
+    assert 0 < cal["calibrated_prediction"] < 2 * 96 * 2**20, cal

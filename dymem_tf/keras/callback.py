@@ -327,7 +327,9 @@ class DymemCallback(keras.callbacks.Callback):
         record = self.pass_.records[-1] if self.pass_.records else None
         predicted = record.plan.predicted.get("peak_bytes") if record is not None else None
         if measured and predicted:
-            persistent = self.pass_.persistent_bytes
+            # the bytes the probe's plan kept on the device all step: optimizer state it offloads is not among them
+            # (its prediction counts that state only while it is back on the device)
+            persistent = record.plan.persistent_bytes
             headroom = first_step.calibrated_headroom(self.budget_bytes, int(predicted), int(measured), persistent)
             self.pass_.calibration = first_step.Calibration(self.budget_bytes, int(predicted), int(measured),
                                                             persistent, headroom)
