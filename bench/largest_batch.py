@@ -74,18 +74,24 @@ def largest(optimizer: str, mode: str, args, budget_bytes: int, log) -> tuple[in
             f"(max step peak {peak:.0f} MiB, {result['seconds']:.0f} s)")
         return good
 
-    lo, hi, batch = 0, None, args.start
-    while batch <= args.limit:
-        if not ok(batch):
-            hi = batch
+    return search(args.start, args.limit, ok, lambda lo: max(1, lo // 32)), trials
+
+
+def search(start: int, limit: int, ok, tolerance) -> int:
+    """The largest n with ``ok(n)``: double from ``start`` (up to ``limit``) until one fails, then bisect until the
+    bracket is within ``tolerance(lo)``; 0 when even ``start`` fails."""
+    lo, hi, n = 0, None, start
+    while n <= limit:
+        if not ok(n):
+            hi = n
             break
-        lo, batch = batch, batch * 2
+        lo, n = n, n * 2
     if hi is None:
-        return lo, trials
-    while hi - lo > max(1, lo // 32):
+        return lo
+    while hi - lo > tolerance(lo):
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if ok(mid) else (lo, mid)
-    return lo, trials
+    return lo
 
 
 def report(results: dict, args, seconds: float) -> str:
@@ -136,15 +142,21 @@ def merged_results(results: dict, path: str) -> dict:
 
 
 def write_docs(section: str, results: dict) -> None:
+    write_section(section, BEGIN, END, results, "largest_batch.json")
+
+
+def write_section(section: str, begin: str, end: str, results: dict, json_name: str) -> None:
+    """Put ``section`` between ``begin`` and ``end`` in docs/benchmarks.md (appended when absent) and save
+    ``results`` as docs/``json_name``."""
     path = os.path.join(REPO, "docs", "benchmarks.md")
     text = open(path, encoding="utf-8").read()
-    if BEGIN in text and END in text:
-        text = text[:text.index(BEGIN)] + section + text[text.index(END) + len(END):]
+    if begin in text and end in text:
+        text = text[:text.index(begin)] + section + text[text.index(end) + len(end):]
     else:
         text = text.rstrip("\n") + "\n\n" + section + "\n"
     with open(path, "w", encoding="utf-8") as fh:
         fh.write(text)
-    with open(os.path.join(REPO, "docs", "largest_batch.json"), "w", encoding="utf-8") as fh:
+    with open(os.path.join(REPO, "docs", json_name), "w", encoding="utf-8") as fh:
         json.dump(results, fh, indent=1)
 
 
@@ -205,27 +217,39 @@ def _commit() -> str:
 
 def run_child(args) -> dict:
     """One trial in this fresh interpreter (see the module docstring)."""
-    import tensorflow as tf
-
     import dymem_tf
     import keras
 
     sys.path.insert(0, HERE)
-    from model_zoo import StepPeaks, _application, _sgd
+    from model_zoo import _application, _sgd
 
     keras.utils.set_random_seed(0)
     optimizer = _sgd if args.optimizer == "sgd" else (lambda: keras.optimizers.Adam(1e-3))
     samples = max(args.samples, args.batch * args.steps)
     model, x, y = _application("ResNet50", args.image_size, optimizer)(args.batch, samples, 0)
 
+    callback = None if args.mode == "plain" else dymem_tf.DymemCallback(
+        memory_budget="auto" if args.mode == "auto" else None, verbose=0)
+    result = measured_fit(model, x, y, args.batch, args.steps, callback)
+    result["samples"] = samples
+    return result
+
+
+def measured_fit(model, x, y, batch: int, steps: int, callback=None) -> dict:
+    """Train ``steps`` steps (with ``callback`` when given) and record every step's device peak: ``outcome``
+    trained / refused / oom, ``steps_run``, ``peaks`` and the error's first line."""
+    import tensorflow as tf
+
+    import dymem_tf
+
+    sys.path.insert(0, HERE)
+    from model_zoo import StepPeaks
+
     peaks = StepPeaks()
-    callbacks = [peaks]
-    if args.mode != "plain":
-        callbacks.insert(0, dymem_tf.DymemCallback(memory_budget="auto" if args.mode == "auto" else None,
-                                                   verbose=0))
-    result = {"outcome": "trained", "samples": samples}
+    callbacks = [peaks] if callback is None else [callback, peaks]
+    result = {"outcome": "trained"}
     try:
-        model.fit(x, y, batch_size=args.batch, epochs=1, steps_per_epoch=args.steps, shuffle=False, verbose=0,
+        model.fit(x, y, batch_size=batch, epochs=1, steps_per_epoch=steps, shuffle=False, verbose=0,
                   callbacks=callbacks)
     except dymem_tf.BudgetTooSmallError as err:
         result.update(outcome="refused", error=str(err)[:300])
@@ -233,7 +257,6 @@ def run_child(args) -> dict:
         result.update(outcome="oom", error=(err.message or "").splitlines()[0][:200])
     result.update(steps_run=len(peaks.peaks), peaks=peaks.peaks)
     return result
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -26,6 +26,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+import largest_batch  # noqa: E402  (the search, the fit test and the section writer are shared)
 BEGIN, END = "<!-- transformer-depth:begin -->", "<!-- transformer-depth:end -->"
 MODES = ("plain", "features", "state")
 MiB = 1 << 20
@@ -46,12 +48,6 @@ def trial(layers: int, mode: str, args) -> dict:
     return result
 
 
-def fits(result: dict, budget_bytes: int, steps: int) -> bool:
-    """Trained every step with every step's measured peak under the budget."""
-    return (result.get("outcome") == "trained" and result.get("steps_run") == steps
-            and max(result.get("peaks") or [budget_bytes + 1]) <= budget_bytes)
-
-
 def deepest(mode: str, args, budget_bytes: int, log) -> tuple[int, list[dict]]:
     """The most blocks that fit (0 when even ``--start`` does not), and every trial run to find it."""
     trials = []
@@ -59,31 +55,19 @@ def deepest(mode: str, args, budget_bytes: int, log) -> tuple[int, list[dict]]:
     def ok(layers: int) -> bool:
         result = trial(layers, mode, args)
         trials.append(result)
-        good = fits(result, budget_bytes, args.steps)
+        good = largest_batch.fits(result, budget_bytes, args.steps)
         log(f"  {mode:8s} {layers:3d} blocks: {'fits' if good else result.get('outcome')} "
             f"(max step peak {max(result.get('peaks') or [0]) / MiB:.0f} MiB, {result['seconds']:.0f} s)")
         return good
 
-    lo, hi, n = 0, None, args.start
-    while n <= args.limit:
-        if not ok(n):
-            hi = n
-            break
-        lo, n = n, n * 2
-    if hi is None:
-        return lo, trials
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
-    return lo, trials
+    return largest_batch.search(args.start, args.limit, ok, lambda lo: 1), trials
 
 
 def report(results: dict, args, seconds: float) -> str:
     """The Markdown section for docs/benchmarks.md."""
     got = {m: results[m]["deepest"] for m in results}
     ratio = (f"{got['state'] / got['features']:.2f}x" if got.get("features") and "state" in got else "-")
-    late = [(m, t) for m in results for t in results[m]["trials"]
-            if t.get("outcome") == "oom" and (t.get("steps_run") or 0) > 0]
+    late = [(m, t) for m in results for t in results[m]["trials"] if largest_batch.late_oom(t)]
     failed = ", ".join(f"{m} {t['layers']} blocks (step {t['steps_run'] + 1})" for m, t in late) or "none"
     lines = [BEGIN, "## Deepest decoder-only LM under a fixed budget: optimizer state offloaded", "",
              f"`python bench/transformer_depth.py --write` on this 2-core CPU machine ({seconds / 60:.0f} min; GTBM "
@@ -104,45 +88,23 @@ def report(results: dict, args, seconds: float) -> str:
 
 
 def write_docs(section: str, results: dict) -> None:
-    path = os.path.join(REPO, "docs", "benchmarks.md")
-    text = open(path, encoding="utf-8").read()
-    if BEGIN in text and END in text:
-        text = text[:text.index(BEGIN)] + section + text[text.index(END) + len(END):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    with open(path, "w", encoding="utf-8") as fh:
-        fh.write(text)
-    with open(os.path.join(REPO, "docs", "transformer_depth.json"), "w", encoding="utf-8") as fh:
-        json.dump(results, fh, indent=1)
+    largest_batch.write_section(section, BEGIN, END, results, "transformer_depth.json")
 
 
 def run_child(args) -> dict:
     """One trial in this fresh interpreter (see the module docstring)."""
-    import tensorflow as tf
-
     import dymem_tf
     import keras
 
-    sys.path.insert(0, HERE)
-    from model_zoo import StepPeaks, gpt_decoder
+    from model_zoo import gpt_decoder
 
     keras.utils.set_random_seed(0)
     samples = max(args.samples, args.batch * args.steps)
     model, x, y = gpt_decoder(args.batch, samples, 0, seq=args.seq, dim=args.dim, layers=args.layers)
-    peaks = StepPeaks()
-    callbacks = [peaks]
-    if args.mode != "plain":
-        callbacks.insert(0, dymem_tf.DymemCallback(memory_budget="auto", verbose=0,
-                                                   offload_optimizer_state=args.mode == "state"))
-    result = {"outcome": "trained", "samples": samples}
-    try:
-        model.fit(x, y, batch_size=args.batch, epochs=1, steps_per_epoch=args.steps, shuffle=False, verbose=0,
-                  callbacks=callbacks)
-    except dymem_tf.BudgetTooSmallError as err:
-        result.update(outcome="refused", error=str(err)[:300])
-    except tf.errors.ResourceExhaustedError as err:
-        result.update(outcome="oom", error=(err.message or "").splitlines()[0][:200])
-    result.update(steps_run=len(peaks.peaks), peaks=peaks.peaks)
+    callback = None if args.mode == "plain" else dymem_tf.DymemCallback(
+        memory_budget="auto", verbose=0, offload_optimizer_state=args.mode == "state")
+    result = largest_batch.measured_fit(model, x, y, args.batch, args.steps, callback)
+    result["samples"] = samples
     return result
 
 
