@@ -7,7 +7,6 @@ import numbers
 import os
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from dymem_tf import compat, units
@@ -505,8 +504,7 @@ def _offload_optimizer_state(model, min_bytes: int) -> int:
 
     moved = 0
     for var in getattr(getattr(model, "optimizer", None), "variables", []):
-        shape = [d or 0 for d in var.shape]
-        big = len(shape) and int(np.prod(shape)) * tf.as_dtype(var.dtype).size >= min_bytes
+        big = len(var.shape) > 0 and step_pass.variable_bytes(var) >= min_bytes
         if big and swap_ops.variable_handle(var) is not None:
             swap_ops.offload_variable(var)
             moved += 1

@@ -415,8 +415,13 @@ def persistent_bytes(model, optimizer: bool = True) -> int:
         if key in seen:
             continue
         seen.add(key)
-        shape = [d if d is not None else 0 for d in var.shape]
-        total += int(np.prod(shape, dtype=np.int64)) * tf.as_dtype(var.dtype).size
+        total += variable_bytes(var)
     return total
+
+
+def variable_bytes(var) -> int:
+    """Bytes of one variable's value (unknown dimensions count as 0)."""
+    shape = [d if d is not None else 0 for d in var.shape]
+    return int(np.prod(shape, dtype=np.int64)) * tf.as_dtype(var.dtype).size
 
 
