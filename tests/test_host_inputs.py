@@ -36,12 +36,19 @@ try:
 except tf.errors.ResourceExhaustedError as err:
     out["trained"] = False
     out["error"] = type(err).__name__
-s = allocator.memory_stats()
 out["variable_bytes"] = sum(v.numpy().nbytes for v in model.trainable_variables + model.optimizer.variables)
+# tf.data's threads may still allocate after a failed fit: read the pool's statistics between two equal reads of
+# TF's view of it, so both describe the same moment.
+for _ in range(50):
+    before = tf.config.experimental.get_memory_info("CPU:0")
+    s = allocator.memory_stats()
+    after = tf.config.experimental.get_memory_info("CPU:0")
+    if before == after:
+        break
 out.update({k: v for k, v in s.items() if not isinstance(v, dict)})
 out["persistent_in_use"] = s["groups"]["persistent"]["in_use"]
 out["transient_allocs"] = s["groups"]["transient"]["num_allocs"]
-out["info"] = tf.config.experimental.get_memory_info("CPU:0")
+out["info"] = after
 print("RESULT" + json.dumps(out), flush=True)
 """
 
