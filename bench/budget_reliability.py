@@ -104,6 +104,7 @@ def _budget_run(build, fit, Peaks, budget: int, memory_budget, args) -> dict:
 
     import dymem_tf
     from dymem_tf.memory import allocator
+    from dymem_tf.planning import first_step
 
     model, x, y = build(args.samples)
     state = {v.path: v.numpy() for v in list(model.variables) + list(getattr(model.optimizer, "variables", []))}
@@ -132,9 +133,8 @@ def _budget_run(build, fit, Peaks, budget: int, memory_budget, args) -> dict:
     if calibrated and len(peaks.peaks) > 1:
         cal = calibrated[-1].plan.predicted["calibration"]
         predicted = int(calibrated[-1].plan.predicted["peak_bytes"])
-        ratio = max((cal["measured_peak_bytes"] - cal["persistent_bytes"])
-                    / max(cal["predicted_peak_bytes"] - cal["persistent_bytes"], 1), 1.0)
-        result["calibrated_predicted"] = int(cal["persistent_bytes"] + ratio * (predicted - cal["persistent_bytes"]))
+        result["calibrated_predicted"] = first_step.calibrated_prediction(cal, predicted)
+        result["calibration_margin"] = cal.get("margin")
         result["calibrated_measured"] = max(peaks.peaks[1:])
         result["calibrated_swaps"] = len(calibrated[-1].plan.swaps)
     result["fallback"] = any("goes on with the first step's" in str(w.message) for w in caught)

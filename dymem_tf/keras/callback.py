@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import contextlib
+import csv
 import functools
 import numbers
 import os
+import tempfile
 
 import keras
 import tensorflow as tf
@@ -13,7 +15,7 @@ from dymem_tf import compat, units
 from dymem_tf.keras import fit_guard
 from dymem_tf.memory import allocator
 from dymem_tf.passes import graph_pass, step_pass
-from dymem_tf.planning import device_profiles, first_step, planner
+from dymem_tf.planning import device_profiles, first_step, memory_model, planner, simulator
 
 POLICIES = planner.POLICIES
 
@@ -39,7 +41,9 @@ class DymemCallback(keras.callbacks.Callback):
         trace_allocations: with a log dir, record the GTBM allocator's allocations during ``fit`` and save them in
             the run (the dashboard's pool map and tensors at the peak need them).
         defer_updates: run optimizer arithmetic that needs no gradient next to its gradient (saves about one
-            weight-sized temporary per optimizer slot, see :mod:`dymem_tf.planning.update_deferral`).
+            weight-sized temporary per optimizer slot, see :mod:`dymem_tf.planning.update_deferral`), and run each
+            variable's update after the ops using its reads, so it writes in place instead of copying the variable
+            (:mod:`dymem_tf.planning.read_ordering`).
         offload_optimizer_state: with a ``memory_budget``, let the planner keep optimizer state (Adam's ``m`` and
             ``v``, momentum, ...) in host memory between its uses where the budget needs it: each such variable
             comes to the device before its update and goes back after it (see :mod:`dymem_tf.planning.offload`;
@@ -138,7 +142,7 @@ class DymemCallback(keras.callbacks.Callback):
         # A new train function: its first call instantiates it, and the graph pass plans that instantiation. Under
         # a budget that first step is the probe (dymem_tf.planning.first_step): least memory, measured, variables guarded.
         guard = self.budget_bytes is not None and self.policy != "none" and self.calibrate
-        self.pass_.probe, self.pass_.calibration = guard, None
+        self.pass_.probe, self.pass_.calibration, self.pass_.memory = guard, None, None
         if guard:
             self._cap_device_at_budget()
         self.pass_.config.headroom = self._headroom
@@ -278,7 +282,7 @@ class DymemCallback(keras.callbacks.Callback):
         reset_device_peaks()
         probe = self.pass_.probe
         try:
-            outputs = run(iterator)
+            outputs = self._traced_probe(run, iterator) if probe else run(iterator)
         except tf.errors.ResourceExhaustedError as err:
             snapshot.restore()
             if fallback is None:
@@ -302,9 +306,27 @@ class DymemCallback(keras.callbacks.Callback):
                 snapshot.restore()
                 raise self._too_close(measured)
             self.pass_.probe = False
-            self._install_calibrated(measured, fallback=self.model.train_function)
+            self._install_calibrated(measured, fallback=self.model.train_function,
+                                     in_use=stats["peak_bytes_in_use"] if stats is not None else None)
         elif fallback is not None:
             self._keep_calibrated_if_it_leaves_slack(fallback)
+        return outputs
+
+    def _traced_probe(self, run, iterator):
+        """Run the probe step with GTBM's trace on and keep the kernel temporaries it measured in the pass
+        (``pass_.memory``, for the budgeted plan and the calibration); without GTBM just run it."""
+        if not allocator.is_active():
+            return run(iterator)
+        with tempfile.TemporaryDirectory(prefix="dymem_probe_") as tmp:
+            path = os.path.join(tmp, "probe_trace.csv")
+            planned = len(self.pass_.records)
+            with allocator.record_step(path) as trace:
+                outputs = run(iterator)
+            new = self.pass_.records[planned:]
+            if len(new) == 1 and not trace["dropped"]:  # one plan (not one per replica), whole trace
+                with open(path, newline="") as f:
+                    self.pass_.memory = memory_model.from_trace(csv.DictReader(f), new[0].step_graph,
+                                                                first_event=trace["first_event"])
         return outputs
 
     def _keep_calibrated_if_it_leaves_slack(self, fallback) -> None:
@@ -320,19 +342,23 @@ class DymemCallback(keras.callbacks.Callback):
                   "first step's least-memory plan, which leaves that slack.")
         self.model.train_function = fallback
 
-    def _install_calibrated(self, measured: int | None, fallback) -> None:
-        """Calibrate the planner from the probe step just run (its ``measured`` peak; None without GTBM) and make the
-        train function planned for the budget."""
+    def _install_calibrated(self, measured: int | None, fallback, in_use: int | None = None) -> None:
+        """Calibrate the planner from the probe step just run (its ``measured`` reserved and ``in_use`` peaks; None
+        without GTBM) and make the train function planned for the budget."""
         record = self.pass_.records[-1] if self.pass_.records else None
         predicted = record.plan.predicted.get("peak_bytes") if record is not None else None
+        if predicted and self.pass_.memory is not None:  # the probe again, with its kernels' temporaries
+            predicted = simulator.simulate(record.step_graph, record.plan, self.pass_.config.device,
+                                           timeline=False,
+                                           temporaries=self.pass_.memory.held_during(record.step_graph)).peak_bytes
         if measured and predicted:
             # the bytes the probe's plan kept on the device all step: optimizer state it offloads is not among them
             # (its prediction counts that state only while it is back on the device)
             persistent = record.plan.persistent_bytes
-            headroom = first_step.calibrated_headroom(self.budget_bytes, int(predicted), int(measured), persistent)
-            self.pass_.calibration = first_step.Calibration(self.budget_bytes, int(predicted), int(measured),
-                                                            persistent, headroom)
-            self.pass_.config.headroom = headroom
+            calibration = first_step.Calibration.from_probe(self.budget_bytes, int(predicted), int(measured),
+                                                            persistent, int(in_use or 0))
+            self.pass_.calibration = calibration
+            self.pass_.config.headroom = calibration.headroom
         _make_train_function_without_xla(self.model)
         self.model.train_function = self._wrap_train_function(self.model.train_function, guard=True,
                                                                fallback=fallback)

@@ -489,3 +489,25 @@ def record_trace(path: str | os.PathLike, max_records: int = DEFAULT_MAX_TRACE_R
                 stacklevel=3,
             )
 
+
+@contextlib.contextmanager
+def record_step(path: str | os.PathLike, max_records: int = DEFAULT_MAX_TRACE_RECORDS) -> Iterator[dict]:
+    """Write the allocations made inside the block to ``path`` as CSV on exit (see :func:`dump_trace`).
+
+    Unlike :func:`record_trace` it joins a trace already being recorded (a ``DymemCallback(trace_allocations=
+    True)`` run) instead of restarting it: the file then holds the whole trace, and the dict yielded gets
+    ``first_event``, the event index the block's allocations start at (0 for a trace of its own), and ``dropped``
+    (allocations past ``max_records``, not in the file)."""
+    info = trace_info()
+    own = not info["active"]
+    if own:
+        start_trace(max_records)
+    out = {"first_event": 0 if own else int(info["events"]), "dropped": 0}
+    dropped_before = 0 if own else int(info["dropped"])
+    try:
+        yield out
+    finally:
+        if own:
+            stop_trace()
+        out["dropped"] = int(dump_trace(path)["dropped"]) - dropped_before
+

@@ -170,6 +170,8 @@ class StepPass:
         self.probe: bool = False
         #: the calibration the next budgeted plan was made with (noted in the plan)
         self.calibration = None
+        #: kernel temporaries measured in the probe step (a planning.memory_model.MeasuredMemory), or None
+        self.memory = None
         #: the most recent instantiation, when the pass left it unmodified (None once a later one is planned)
         self.last_skipped: SkippedTrace | None = None
         self._print = print_fn
@@ -218,7 +220,8 @@ class StepPass:
             persistent_bytes=self.persistent_bytes, profile=cfg.device, batch_size=batch,
             min_swap_bytes=cfg.min_swap_bytes, swapin_ahead=cfg.swapin_ahead,
             headroom=0.0 if self.probe else cfg.headroom, defer_updates=cfg.defer_updates,
-            offload_variables=self._may_offload(ops), least_memory=self.probe))
+            offload_variables=self._may_offload(ops), least_memory=self.probe,
+            memory=None if self.probe else self.memory))
         plan = planned.plan
         if self.probe:
             plan.params["stage"] = "probe"

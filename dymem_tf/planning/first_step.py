@@ -7,10 +7,10 @@ Under a ``memory_budget`` the callback runs the first step of every new input sh
    variables are copied to host memory before it runs; if it runs out of memory they are restored and
    :class:`~dymem_tf.planning.planner.BudgetTooSmallError` says what was measured. The allocator's peak during the
    step is the *measured* peak of that plan.
-2. **Budget.** The ratio of the measured to the predicted peak of the step's own memory (kernel workspaces,
-   fragmentation and whatever else the simulator does not model) sets the planner's headroom
-   (:func:`calibrated_headroom`), and
-   the step is planned again, once, for the fastest plan whose calibrated peak fits. Its first step is guarded the
+2. **Budget.** The ratio of the measured to the predicted bytes in use of the step's own memory (kernel
+   workspaces and whatever else the simulator does not model), the placement's fragmentation (reserved less in-use
+   bytes) and a margin derived from the simulator's error on the probe set the planner's headroom
+   (:func:`calibrated_headroom`), and the step is planned again, once, for the fastest plan whose calibrated peak fits. Its first step is guarded the
    same way; if it still runs out of memory, or no plan fits the calibrated budget, training goes on with the
    probe's plan, which is known to fit.
 
@@ -27,49 +27,103 @@ from typing import Any
 
 import numpy as np
 
-#: Share of the budget kept free on top of the measured error of the simulator: the step-to-step variation of the
-#: allocator's peak (placement order, the executor's op order: up to several % on the models measured) and the
-#: simulator's error growing as fewer tensors are swapped than in the probe.
+#: Growth of a plan's device peak from its first step to later ones, relative to its calibrated prediction: the
+#: allocator places in the executor's op order, which varies from step to step. Measured after updates stopped
+#: copying weights (:mod:`dymem_tf.planning.read_ordering`), 20 steps of budgeted plans: ResNet-50 32px + SGD,
+#: calibrated 260 MiB, reserved 232-256 MiB; DenseNet-121 32px + SGD, calibrated 117.5 MiB, reserved 116-124 MiB
+#: (+5.5%). Before, copies raced with the backward pass and later steps measured up to 9-11.5% above the first
+#: (ResNet-50 64px under 512 MiB, docs/largest_batch.json).
+STEP_VARIATION = 0.06
+#: A probe that fits with less than this share of the budget to spare is refused, and a budgeted plan whose first
+#: step leaves less is replaced by the probe's: later steps may measure that much more than the first.
+PROBE_SLACK = STEP_VARIATION
+#: Bounds on the share of the budget kept free for the simulator's error on the budgeted plan, taken as its error on
+#: the probe step's bytes in use (the plan differs from the probe, so the error is not exactly the probe's).
+MIN_MODEL_ERROR, MAX_MODEL_ERROR = 0.02, 0.10
+#: The share of the budget kept free when the probe's bytes in use were not measured: the step variation and the
+#: simulator's error of about 5% together.
 CALIBRATION_MARGIN = 0.10
 #: The most headroom a calibration may ask for; beyond it the probe's plan is used as it is.
 MAX_HEADROOM = 0.6
-#: A probe that fits with less than this share of the budget to spare is refused, and a budgeted plan whose first
-#: step leaves less is replaced by the probe's: later steps of one plan measure more than its first near the limit
-#: (the pool fragments differently with the executor's op order). ResNet-50 64px under 512 MiB
-#: (docs/largest_batch.json): 466 MiB in the probe step, 508 MiB and out of memory in step 5 (+9%); 452 -> 504 MiB
-#: (+11.5%) for a budgeted plan that still fitted. 5% let those trials run out of memory after their first step.
-PROBE_SLACK = 0.10
 
 
 @dataclasses.dataclass
 class Calibration:
-    """Predicted and measured device peak of one step, and the headroom they imply for the budget."""
+    """Predicted and measured device peak of the probe step, and the headroom they imply for the budget.
+
+    ``measured_peak_bytes`` is the peak of reserved bytes (what the budget holds) and ``measured_in_use_bytes`` the
+    peak of bytes in use (what the simulator models; 0 when not measured); their difference is the placement's
+    fragmentation, which the calibration adds as it was measured."""
 
     budget_bytes: int
     predicted_peak_bytes: int
     measured_peak_bytes: int
     persistent_bytes: int
     headroom: float
+    measured_in_use_bytes: int = 0
+    margin: float = CALIBRATION_MARGIN
+
+    @classmethod
+    def from_probe(cls, budget_bytes: int, predicted_peak: int, measured_peak: int, persistent_bytes: int,
+                   measured_in_use: int = 0) -> "Calibration":
+        """The calibration of a probe step, its margin derived from the simulator's error on that step."""
+        margin = calibration_margin(predicted_peak, measured_in_use)
+        headroom = calibrated_headroom(budget_bytes, predicted_peak, measured_peak, persistent_bytes, margin,
+                                       measured_in_use)
+        return cls(int(budget_bytes), int(predicted_peak), int(measured_peak), int(persistent_bytes), headroom,
+                   int(measured_in_use), margin)
 
     @property
     def error(self) -> float:
-        """(measured - predicted) / measured."""
+        """(measured - predicted) / measured of the reserved peak."""
         return (self.measured_peak_bytes - self.predicted_peak_bytes) / max(self.measured_peak_bytes, 1)
 
     def summary(self) -> str:
         mib = 1 << 20
-        return (f"calibrated on the first step: measured peak {self.measured_peak_bytes / mib:.1f} MiB, predicted "
-                f"{self.predicted_peak_bytes / mib:.1f} MiB ({self.error:+.1%}); planning with {self.headroom:.1%} "
-                f"of the {self.budget_bytes / mib:.1f} MiB budget kept free")
+        in_use = (f", {self.measured_in_use_bytes / mib:.1f} MiB in use"
+                  f" ({_in_use_error(self.predicted_peak_bytes, self.measured_in_use_bytes):+.1%})"
+                  if self.measured_in_use_bytes else "")
+        return (f"calibrated on the first step: measured peak {self.measured_peak_bytes / mib:.1f} MiB{in_use}, "
+                f"predicted {self.predicted_peak_bytes / mib:.1f} MiB ({self.error:+.1%}); planning with "
+                f"{self.headroom:.1%} of the {self.budget_bytes / mib:.1f} MiB budget kept free "
+                f"({self.margin:.1%} of it for later steps and the simulator's error)")
+
+
+def _in_use_error(predicted_peak: int, measured_in_use: int) -> float:
+    """(measured - predicted) / measured of the bytes in use."""
+    return (int(measured_in_use) - int(predicted_peak)) / max(int(measured_in_use), 1)
+
+
+def calibration_margin(predicted_peak: int, measured_in_use: int = 0) -> float:
+    """Share of the budget a calibrated plan keeps free: :data:`STEP_VARIATION` plus the simulator's error on the
+    probe's bytes in use (within :data:`MIN_MODEL_ERROR` .. :data:`MAX_MODEL_ERROR`); without that measurement,
+    :data:`CALIBRATION_MARGIN`."""
+    if measured_in_use <= 0:
+        return CALIBRATION_MARGIN
+    error = abs(_in_use_error(predicted_peak, measured_in_use))
+    return STEP_VARIATION + min(max(error, MIN_MODEL_ERROR), MAX_MODEL_ERROR)
+
+
+def _scale(predicted_peak: int, measured_peak: int, persistent_bytes: int, measured_in_use: int
+           ) -> tuple[int, float, int]:
+    """``(persistent, ratio, fragmentation)``: the calibrated peak of a plan predicted at P is
+    ``persistent + ratio * (P - persistent) + fragmentation``. ``ratio`` is measured over predicted bytes in use of
+    the step's own memory (above the persistent bytes; never below 1: an overestimate is not relied on);
+    ``fragmentation`` is reserved less in-use bytes at the probe's peaks. Without the in-use measurement the reserved
+    peak stands for it (no fragmentation term)."""
+    persistent = max(int(persistent_bytes), 0)
+    in_use = int(measured_in_use) if measured_in_use > 0 else int(measured_peak)
+    ratio = max((in_use - persistent) / max(int(predicted_peak) - persistent, 1), 1.0)
+    return persistent, ratio, max(int(measured_peak) - in_use, 0)
 
 
 def calibrated_prediction(calibration: Mapping[str, Any], predicted_peak: int) -> int:
-    """``predicted_peak`` scaled as the calibration scales it: the step's own memory (above the persistent bytes)
-    times the measured / predicted ratio of the probe step (never below 1), as :func:`calibrated_headroom` assumes."""
-    persistent = max(int(calibration.get("persistent_bytes", 0)), 0)
-    ratio = max((int(calibration["measured_peak_bytes"]) - persistent)
-                / max(int(calibration["predicted_peak_bytes"]) - persistent, 1), 1.0)
-    return int(round(persistent + ratio * max(int(predicted_peak) - persistent, 0)))
+    """``predicted_peak`` as the calibration corrects it (see :func:`_scale`; :func:`calibrated_headroom` assumes
+    the same)."""
+    persistent, ratio, fragmentation = _scale(
+        calibration["predicted_peak_bytes"], calibration["measured_peak_bytes"],
+        calibration.get("persistent_bytes", 0), calibration.get("measured_in_use_bytes", 0))
+    return int(round(persistent + ratio * max(int(predicted_peak) - persistent, 0) + fragmentation))
 
 
 def measurement(before: Mapping[str, Any], after: Mapping[str, Any], predicted_peak: int | None = None,
@@ -98,16 +152,11 @@ def measurement(before: Mapping[str, Any], after: Mapping[str, Any], predicted_p
 
 
 def calibrated_headroom(budget_bytes: int, predicted_peak: int, measured_peak: int, persistent_bytes: int = 0,
-                        margin: float = CALIBRATION_MARGIN) -> float:
+                        margin: float = CALIBRATION_MARGIN, measured_in_use: int = 0) -> float:
     """Share of ``budget_bytes`` to keep free so that a plan predicted at ``(1 - h) * budget`` measures at most
-    ``(1 - margin) * budget``.
-
-    The simulator's error is taken as a ratio of the step's own memory (the peak above the persistent bytes:
-    workspaces, temporaries and fragmentation grow with the feature maps that stay on the device), never below 1
-    (an overestimate is not relied on)."""
-    persistent = max(int(persistent_bytes), 0)
-    ratio = max((int(measured_peak) - persistent) / max(int(predicted_peak) - persistent, 1), 1.0)
-    allowed = persistent + ((1.0 - margin) * budget_bytes - persistent) / ratio
+    ``(1 - margin) * budget`` once calibrated (:func:`calibrated_prediction`)."""
+    persistent, ratio, fragmentation = _scale(predicted_peak, measured_peak, persistent_bytes, measured_in_use)
+    allowed = persistent + ((1.0 - margin) * budget_bytes - fragmentation - persistent) / ratio
     return min(MAX_HEADROOM, max(margin, 1.0 - allowed / max(int(budget_bytes), 1)))
 
 

@@ -13,6 +13,7 @@ from dymem_tf.planning import offload, planner, read_ordering, update_deferral
 from dymem_tf.planning.analysis import StepGraph
 from dymem_tf.planning.cost_model import CostModel
 from dymem_tf.planning.device_profiles import DeviceProfile
+from dymem_tf.planning.memory_model import MeasuredMemory
 from dymem_tf.planning.plan import Plan
 
 
@@ -33,6 +34,8 @@ class PlanSettings:
     #: it under a budget only
     offload_variables: bool = False
     least_memory: bool = False  # without a budget: the least-memory plan (the first step's probe)
+    #: kernel temporaries measured in a traced step of this graph (the first step's probe), or None
+    memory: MeasuredMemory | None = None
 
 
 @dataclasses.dataclass
@@ -108,13 +111,16 @@ def plan_step(step_graph: StepGraph, settings: PlanSettings, copy: bool = False)
         persistent_bytes=max(settings.persistent_bytes - modelled, 0), profile=settings.profile,
         batch_size=settings.batch_size,
         min_swap_bytes=settings.min_swap_bytes, swapin_ahead=settings.swapin_ahead, headroom=settings.headroom,
-        least_memory=settings.least_memory)
+        least_memory=settings.least_memory,
+        temporaries=settings.memory.held_during(graph) if settings.memory is not None else None)
     if deferrals:
         plan.notes.append(f"{len(deferrals)} gradient-independent optimizer ops deferred to their gradients")
     if orderings:
         updates = len({update for _, update in orderings})
         plan.notes.append(f"{updates} variable updates ordered after the last use of their reads ({len(orderings)} "
                           "edges): they write in place instead of copying the variable")
+    if settings.memory is not None:
+        plan.notes.append(settings.memory.summary())
     if variables:
         plan.params["offloadable_variable_bytes"] = modelled
         plan.notes.append(f"{len(variables)} optimizer variables ({modelled / 2**20:.1f} MiB) may be offloaded "

@@ -39,7 +39,7 @@ import bisect
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Mapping
 
 import numpy as np
 
@@ -69,7 +69,8 @@ DEFAULT_MIN_SWAP_BYTES = 64 * 1024
 #: simulator's error: docs/benchmarks.md measures that error at about 5% (median) without a budget but beyond 10%
 #: on some models, and far larger on the uncalibrated least-memory step under a budget ("Budget reliability").
 #: Under a budget the callback therefore derives the headroom from its measured first step instead
-#: (:func:`dymem_tf.first_step.calibrated_headroom`, never below ``first_step.CALIBRATION_MARGIN``, also 10%).
+#: (:func:`dymem_tf.first_step.calibrated_headroom`, never below the margin ``first_step.calibration_margin``
+#: derives from the simulator's error on that step).
 DEFAULT_HEADROOM = 0.1
 
 
@@ -112,13 +113,13 @@ class _Planner:
     """State shared by the policies for one step graph and cost model."""
 
     def __init__(self, sg: StepGraph, cost: CostModel, min_swap_bytes: int, swapin_ahead: int | None,
-                 group_gap_layers: int):
+                 group_gap_layers: int, temporaries: Mapping[str, int] | None = None):
         self.sg = sg
         self.cost = cost
         self.min_swap_bytes = max(int(min_swap_bytes), 1)
         self.swapin_ahead = swapin_ahead
         self.group_gap_layers = group_gap_layers
-        self.sim = Simulator(sg, cost)
+        self.sim = Simulator(sg, cost, temporaries)
         self.order = self.sim.order
         self.pos = self.sim.pos
         self.start = self.sim.base_start  # stall-free schedule
@@ -486,7 +487,8 @@ def make_plan(step_graph: StepGraph, policy: str = "dymem", budget_bytes: int | 
               persistent_bytes: int = 0, profile: str | DeviceProfile | CostModel = "cpu",
               batch_size: int | None = None, min_swap_bytes: int = DEFAULT_MIN_SWAP_BYTES,
               swapin_ahead: int | None = None, group_gap_layers: int = 3,
-              headroom: float = 0.0, least_memory: bool = False) -> Plan:
+              headroom: float = 0.0, least_memory: bool = False,
+              temporaries: Mapping[str, int] | None = None) -> Plan:
     """Plan swaps for one training step.
 
     ``budget_bytes`` caps the predicted device peak (persistent bytes included); None swaps every candidate.
@@ -499,6 +501,8 @@ def make_plan(step_graph: StepGraph, policy: str = "dymem", budget_bytes: int | 
     calibrates on the first step under a budget, else :data:`DEFAULT_HEADROOM`; 0 plans to the byte).
     ``least_memory`` (without a budget): every candidate, hideable or not, with dymem's latest triggers ("jit"):
     the plan the callback's first step under a budget measures (:mod:`dymem_tf.planning.first_step`).
+    ``temporaries``: bytes each op holds while it runs besides its outputs, as measured
+    (:mod:`dymem_tf.planning.memory_model`); the simulator adds them.
 
     Raises ValueError for an unknown policy or a budget below the persistent bytes, and
     :class:`BudgetTooSmallError` when no swap set of the policy fits the budget.
@@ -518,7 +522,7 @@ def make_plan(step_graph: StepGraph, policy: str = "dymem", budget_bytes: int | 
     if not 0.0 <= headroom < 1.0:
         raise ValueError(f"headroom must be in [0, 1), got {headroom!r}")
     cost = as_cost_model(profile)
-    pl = _Planner(step_graph, cost, min_swap_bytes, swapin_ahead, group_gap_layers)
+    pl = _Planner(step_graph, cost, min_swap_bytes, swapin_ahead, group_gap_layers, temporaries)
     notes: list[str] = []
     target = None
     if budget_bytes is not None:
@@ -586,7 +590,9 @@ def _choose(pl: _Planner, policy: str, budget: int | None, persistent: int, base
     relaxed = pl.candidates(policy, relaxed=True)
     stages = [(cands, "queue"), (relaxed, "queue")]
     if policy == "dymem":
-        stages += [(relaxed, "isolated"), (relaxed, "jit")]
+        # last, the least-memory plan (the probe's): swapping more than it can cost more than it saves (each
+        # swap-in is a second buffer), so whatever fits with it must not be refused
+        stages += [(relaxed, "isolated"), (relaxed, "jit"), (pl.candidates(policy), "jit")]
     chosen: list[_Candidate] = []
     best: _Choice | None = None
     for pool, mode in stages:

@@ -14,12 +14,14 @@ Model (the planner's view of the runtime):
   device buffer is freed when both its swap-out and its last original-tensor consumer are done; a swap-in allocates
   its buffer when the copy starts and frees it after its last consumer. Persistent bytes (weights, optimizer slots)
   are constant; variable reads alias them and add nothing.
+* Kernel temporaries (workspaces, im2col buffers), when measured (:mod:`dymem_tf.planning.memory_model`): an op
+  holds its bytes from its start to its end.
 * Groups (GTBM): ``persistent``; ``transient`` (ordinary tensors); ``mobile`` (swapped tensors and swap-in buffers).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -101,7 +103,9 @@ class SimResult:
 class Simulator:
     """A step graph and cost model prepared once, simulated for many swap sets (the planner's inner loop)."""
 
-    def __init__(self, step_graph: StepGraph, cost: CostModel):
+    def __init__(self, step_graph: StepGraph, cost: CostModel, temporaries: Mapping[str, int] | None = None):
+        """``temporaries``: bytes an op holds while it runs besides its outputs (kernel workspaces, measured by
+        :mod:`dymem_tf.planning.memory_model`), allocated at its start and freed at its end."""
         self.sg = step_graph
         self.cost = cost
         self.order = step_graph.execution_order()
@@ -130,6 +134,9 @@ class Simulator:
         self.t_prod = np.array(prod, dtype=np.int64)
         self.t_last = np.array(last, dtype=np.int64)
         self.t_bytes = np.array(size, dtype=np.int64)
+        held = [(self.pos[n], int(b)) for n, b in (temporaries or {}).items() if n in self.pos and b > 0]
+        self.tmp_pos = np.array([p for p, _ in held], dtype=np.int64)
+        self.tmp_bytes = np.array([b for _, b in held], dtype=np.int64)
 
     def buffer_tensors(self, owner: str) -> list[str]:
         """The tensors whose data lives in ``owner``'s buffer: ``owner``, the tensors forwarded into it and the
@@ -330,6 +337,12 @@ class Simulator:
             parts_k2 += [np.full(len(mi), 1), np.full(len(mi), 2)]
             parts_d += [self.t_bytes[mi], -self.t_bytes[mi]]
             parts_g += [np.full(len(mi), _MOBILE)] * 2
+        if len(self.tmp_pos):  # kernel temporaries: held from the op's start to its end
+            parts_t += [start[self.tmp_pos], end[self.tmp_pos]]
+            parts_k1 += [self.tmp_pos, self.tmp_pos]
+            parts_k2 += [np.full(len(self.tmp_pos), 1), np.full(len(self.tmp_pos), 2)]
+            parts_d += [self.tmp_bytes, -self.tmp_bytes]
+            parts_g += [np.full(len(self.tmp_pos), _TRANSIENT)] * 2
         if n_in:
             sw = np.array([(x[3], x[5], x[2]) for x in swap_ins], dtype=np.int64)
             # a variable's swap-in lives until its swap-out after the last use has copied it back
@@ -370,6 +383,8 @@ class Simulator:
                 buffers = [PeakBuffer(n, int(b), "transient") for n, b in
                            zip(np.array(self.t_names, dtype=object)[keep].tolist(), tb.tolist())]
                 buffers += [PeakBuffer(self.t_names[i], int(self.t_bytes[i]), "mobile") for i in mob_idx]
+                buffers += [PeakBuffer(f"{self.order[p]} (temporaries)", int(b), "transient")
+                            for p, b in zip(self.tmp_pos.tolist(), self.tmp_bytes.tolist())]
                 buffers += [PeakBuffer(swaps[i].tensor, int(nbytes), "mobile", k)
                             for i, k, nbytes, _tp, _c0, _c1 in swap_ins]
                 rank = np.empty(len(idx), dtype=np.int64)
@@ -393,10 +408,11 @@ class Simulator:
 @no_autograph
 def simulate(step_graph: StepGraph, plan: Plan | Iterable[SwapDecision] | None,
              profile: str | DeviceProfile | CostModel = "cpu", persistent_bytes: int | None = None,
-             timeline: bool = True) -> SimResult:
+             timeline: bool = True, temporaries: Mapping[str, int] | None = None) -> SimResult:
     """Simulate one step of ``step_graph`` under ``plan`` (a :class:`Plan`, a list of swaps or None).
 
-    ``persistent_bytes`` defaults to the plan's. Raises ValueError for swaps that cannot run as planned
+    ``persistent_bytes`` defaults to the plan's; ``temporaries`` are the bytes ops hold while they run
+    (:meth:`~dymem_tf.planning.memory_model.MeasuredMemory.held_during`). Raises ValueError for swaps that cannot run as planned
     (trigger not between producer and consumers, unknown ops, persistent tensors).
     """
     if isinstance(plan, Plan):
@@ -405,4 +421,5 @@ def simulate(step_graph: StepGraph, plan: Plan | Iterable[SwapDecision] | None,
             persistent_bytes = plan.persistent_bytes
     else:
         swaps = list(plan or [])
-    return Simulator(step_graph, as_cost_model(profile)).run(swaps, persistent_bytes or 0, timeline=timeline)
+    return Simulator(step_graph, as_cost_model(profile), temporaries).run(swaps, persistent_bytes or 0,
+                                                                          timeline=timeline)
