@@ -606,17 +606,18 @@ def _choose(pl: _Planner, policy: str, budget: int | None, persistent: int, base
     # Adding tensors greedily can fall short or overshoot when the D2H channel is the bottleneck (a tensor added at
     # the peak only queues behind the others). Also start from the first whole pool that fits and drop what the
     # budget does not need; keep whichever plan is faster.
-    res = None
+    res = lowest = None
     for pool, mode in stages:
         res = pl.run(pl.decisions(policy, pool, mode), persistent)
+        lowest = res if lowest is None or res.peak_bytes < lowest.peak_bytes else lowest
         if res.peak_bytes <= budget:
             kept, pruned = pl.prune(policy, mode, pool, budget, persistent, res)
             kept, pruned = pl.exchange(policy, mode, kept, pool, budget, persistent, pruned)
             if best is None or pruned.step_time_s < best.step_time_s:
                 best = _Choice(pruned.step_time_s, kept, mode, f"pruned from {len(pool)} candidates, then exchanged")
             break
-    if best is None:
-        raise _too_small(res.peak_bytes, budget, persistent, batch_size, len(relaxed), policy)
+    if best is None:  # the least peak any stage reached
+        raise _too_small(lowest.peak_bytes, budget, persistent, batch_size, len(relaxed), policy)
     if best.step_time_s > no_swap_time:
         notes.append(f"the budget needs swaps whose copies cannot all be hidden (stalls expected; swap set "
                      f"{best.how})")
