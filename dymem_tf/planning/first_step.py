@@ -10,8 +10,8 @@ Under a ``memory_budget`` the callback runs the first step of every new input sh
 2. **Budget.** The ratio of the measured to the predicted bytes in use of the step's own memory (kernel
    workspaces and whatever else the simulator does not model), the placement's fragmentation (reserved less in-use
    bytes) and a margin derived from the simulator's error on the probe set the planner's headroom
-   (:func:`calibrated_headroom`), and the step is planned again, once, for the fastest plan whose calibrated peak fits. Its first step is guarded the
-   same way; if it still runs out of memory, or no plan fits the calibrated budget, training goes on with the
+   (:func:`calibrated_headroom`), and the step is planned again, once, for the fastest plan whose calibrated peak
+   fits. Its first step is guarded the same way; if it still runs out of memory, or no plan fits the calibrated budget, training goes on with the
    probe's plan, which is known to fit.
 
 A refusal is therefore based on a measurement: a budget is refused only when the least-memory plan did not fit.

@@ -52,19 +52,27 @@ def deferrals_for(step_graph: StepGraph, settings: PlanSettings, always: set[str
                   ) -> list[tuple[str, str]]:
     """The deferral edges the rewrite will add: none for the "none" policy, none into or out of a conditional;
     ``always``: ops deferred whatever they own (reads of offloadable optimizer state)."""
-    if not settings.defer_updates or settings.policy == "none":
+    if not _adds_edges(settings):
         return []
-    return [(a, b) for a, b in update_deferral.find_deferrals(step_graph, always=always)
-            if not (step_graph.ops[a].conditional or step_graph.ops[b].conditional)]
+    return _outside_conditionals(step_graph, update_deferral.find_deferrals(step_graph, always=always))
 
 
 def read_orderings_for(step_graph: StepGraph, settings: PlanSettings) -> list[tuple[str, str]]:
     """The edges ordering in-place variable updates after the uses of their reads (same conditions as the
     deferral: not for the "none" policy, none into or out of a conditional)."""
-    if not settings.defer_updates or settings.policy == "none":
+    if not _adds_edges(settings):
         return []
-    return [(a, b) for a, b in read_ordering.find_read_orderings(step_graph)
-            if not (step_graph.ops[a].conditional or step_graph.ops[b].conditional)]
+    return _outside_conditionals(step_graph, read_ordering.find_read_orderings(step_graph))
+
+
+def _adds_edges(settings: PlanSettings) -> bool:
+    """Whether the plan adds ordering edges (deferrals, read orderings): with ``defer_updates``, not for "none"."""
+    return settings.defer_updates and settings.policy != "none"
+
+
+def _outside_conditionals(step_graph: StepGraph, edges: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """``edges`` less those into or out of a conditional branch (a dead op would never release its successor)."""
+    return [(a, b) for a, b in edges if not (step_graph.ops[a].conditional or step_graph.ops[b].conditional)]
 
 
 def offloadable_for(step_graph: StepGraph, settings: PlanSettings) -> list[offload.OffloadableVariable]:

@@ -571,7 +571,7 @@ def _choose(pl: _Planner, policy: str, budget: int | None, persistent: int, base
     """The swap set and dymem trigger mode: every candidate without a budget, else a greedy fit in stages that
     trade speed for memory (hidden copies first; then any eligible tensor; for dymem then later triggers) and, unless
     that plan is as fast as no swapping, a pruned whole pool of the first stage that fits -- the faster plan wins."""
-    cands = pl.candidates(policy)
+    every = cands = pl.candidates(policy)
     notes.append(f"{len(cands)} candidates for policy {policy}")
     if least_memory and budget is None:
         notes.append("least-memory plan: every candidate, swap-ins triggered one layer ahead")
@@ -592,7 +592,7 @@ def _choose(pl: _Planner, policy: str, budget: int | None, persistent: int, base
     if policy == "dymem":
         # last, the least-memory plan (the probe's): swapping more than it can cost more than it saves (each
         # swap-in is a second buffer), so whatever fits with it must not be refused
-        stages += [(relaxed, "isolated"), (relaxed, "jit"), (pl.candidates(policy), "jit")]
+        stages += [(relaxed, "isolated"), (relaxed, "jit"), (every, "jit")]
     chosen: list[_Candidate] = []
     best: _Choice | None = None
     for pool, mode in stages:

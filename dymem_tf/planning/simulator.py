@@ -412,8 +412,8 @@ def simulate(step_graph: StepGraph, plan: Plan | Iterable[SwapDecision] | None,
     """Simulate one step of ``step_graph`` under ``plan`` (a :class:`Plan`, a list of swaps or None).
 
     ``persistent_bytes`` defaults to the plan's; ``temporaries`` are the bytes ops hold while they run
-    (:meth:`~dymem_tf.planning.memory_model.MeasuredMemory.held_during`). Raises ValueError for swaps that cannot run as planned
-    (trigger not between producer and consumers, unknown ops, persistent tensors).
+    (:meth:`~dymem_tf.planning.memory_model.MeasuredMemory.held_during`). Raises ValueError for swaps that cannot
+    run as planned (trigger not between producer and consumers, unknown ops, persistent tensors).
     """
     if isinstance(plan, Plan):
         swaps = plan.swaps
