@@ -1,5 +1,5 @@
 """The planning pipeline, one function for the callback's pass and the dry run: find offloadable state ▶ defer ▶
-model the state ▶ plan ▶ check triggers.
+order updates after reads ▶ model the state ▶ plan ▶ check triggers.
 
 :func:`plan_step` takes a captured :class:`~dymem_tf.planning.analysis.StepGraph` and the settings of one plan
 (:class:`PlanSettings`) and returns a :class:`PlannedStep`: the graph planned on (with the deferral edges added),
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from dymem_tf.planning import offload, planner, update_deferral
+from dymem_tf.planning import offload, planner, read_ordering, update_deferral
 from dymem_tf.planning.analysis import StepGraph
 from dymem_tf.planning.cost_model import CostModel
 from dymem_tf.planning.device_profiles import DeviceProfile
@@ -37,7 +37,8 @@ class PlanSettings:
 
 @dataclasses.dataclass
 class PlannedStep:
-    """One step's plan, the graph it was made on, and the deferral edges ``(waiting op, gradient op)``."""
+    """One step's plan, the graph it was made on, and the control edges the rewrite adds, ``(before, after)``: the
+    deferrals (gradient op, deferred update op) and the read orderings (user of a read, in-place update)."""
 
     step_graph: StepGraph
     plan: Plan
@@ -51,6 +52,15 @@ def deferrals_for(step_graph: StepGraph, settings: PlanSettings, always: set[str
     if not settings.defer_updates or settings.policy == "none":
         return []
     return [(a, b) for a, b in update_deferral.find_deferrals(step_graph, always=always)
+            if not (step_graph.ops[a].conditional or step_graph.ops[b].conditional)]
+
+
+def read_orderings_for(step_graph: StepGraph, settings: PlanSettings) -> list[tuple[str, str]]:
+    """The edges ordering in-place variable updates after the uses of their reads (same conditions as the
+    deferral: not for the "none" policy, none into or out of a conditional)."""
+    if not settings.defer_updates or settings.policy == "none":
+        return []
+    return [(a, b) for a, b in read_ordering.find_read_orderings(step_graph)
             if not (step_graph.ops[a].conditional or step_graph.ops[b].conditional)]
 
 
@@ -89,6 +99,9 @@ def plan_step(step_graph: StepGraph, settings: PlanSettings, copy: bool = False)
     variables = offloadable_for(step_graph, settings)
     deferrals = deferrals_for(step_graph, settings, always=offload.early_reads(step_graph, variables))
     graph = update_deferral.defer(step_graph, deferrals, copy=copy) if deferrals or copy else step_graph
+    orderings = read_orderings_for(graph, settings)
+    if orderings:
+        graph = update_deferral.defer(graph, orderings)
     modelled = offload.mark(graph, variables)
     plan = planner.make_plan(
         graph, policy=settings.policy, budget_bytes=settings.budget_bytes,
@@ -98,6 +111,10 @@ def plan_step(step_graph: StepGraph, settings: PlanSettings, copy: bool = False)
         least_memory=settings.least_memory)
     if deferrals:
         plan.notes.append(f"{len(deferrals)} gradient-independent optimizer ops deferred to their gradients")
+    if orderings:
+        updates = len({update for _, update in orderings})
+        plan.notes.append(f"{updates} variable updates ordered after the last use of their reads ({len(orderings)} "
+                          "edges): they write in place instead of copying the variable")
     if variables:
         plan.params["offloadable_variable_bytes"] = modelled
         plan.notes.append(f"{len(variables)} optimizer variables ({modelled / 2**20:.1f} MiB) may be offloaded "
@@ -106,4 +123,4 @@ def plan_step(step_graph: StepGraph, settings: PlanSettings, copy: bool = False)
     if untriggered:
         plan.notes.append(f"{untriggered} swap-ins start without a trigger: their layers run only inside "
                           "conditional branches")
-    return PlannedStep(graph, plan, deferrals)
+    return PlannedStep(graph, plan, deferrals + orderings)
