@@ -13,8 +13,16 @@ NATIVE_SRC := $(shell find dymem_tf/cc -name '*.cc' -o -name '*.h')
 # The allocator core (no TensorFlow) that the standalone test links: dymem_tf/cc/gtbm/ without the replay engine.
 CORE_SRC   := $(filter-out %/replay.cc,$(sort $(wildcard dymem_tf/cc/gtbm/*.cc)))
 CORE_TEST  := dymem_tf/cc/gtbm/tests/gtbm_core_test.cc
+# RegionAllocator, the region + placement code shared by GTBM on the CPU device and on GPUs, with the host stand-in
+# for TF's GPU sub-allocator (dymem_tf/cc/allocator/region_selftest.cc); linked against the venv's TensorFlow.
+REGION_SRC  := $(addprefix dymem_tf/cc/allocator/,region_allocator.cc mobility.cc config.cc region_selftest.cc) \
+               $(CORE_SRC)
+REGION_TEST := dymem_tf/cc/allocator/tests/region_allocator_test.cc
+# TF's flags (headers as -isystem so that -Werror covers our code only); evaluated only by the targets using them.
+TF_CFLAGS = $(shell $(PY) -c "import tensorflow as tf; print(' '.join('-isystem ' + f[2:] if f.startswith('-I') else f for f in tf.sysconfig.get_compile_flags()))" 2>/dev/null)
+TF_LFLAGS = $(shell $(PY) -c "import tensorflow as tf; fl = tf.sysconfig.get_link_flags(); print(' '.join(fl + ['-Wl,-rpath,' + f[2:] for f in fl if f.startswith('-L')]))" 2>/dev/null)
 
-.PHONY: all install demo test test-fast native-test asan ubsan bench bench-quick browser-deps keras-conformance clean
+.PHONY: all install demo test test-fast native-test asan ubsan region-test region-asan bench bench-quick browser-deps keras-conformance clean
 
 all: install
 
@@ -59,6 +67,20 @@ asan: build
 	$(CXX) -std=c++17 -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all -pthread \
 	  $(CORE_SRC) $(CORE_TEST) -o build/gtbm_core_test_asan
 	ASAN_OPTIONS=detect_leaks=1 ./build/gtbm_core_test_asan
+
+# The RegionAllocator test (randomised, multi-threaded) on the CPU; needs the venv (make install) for TF's headers.
+region-test: build
+	$(CXX) -std=c++17 -O2 -DNDEBUG -Wall -Wextra -Werror -pthread $(TF_CFLAGS) $(REGION_SRC) $(REGION_TEST) \
+	  $(TF_LFLAGS) -o build/region_allocator_test
+	./build/region_allocator_test
+
+# The same under AddressSanitizer (TensorFlow itself is not instrumented; our code and TF's inline headers are).
+# No UBSan here: GCC's -fsanitize=undefined rejects a constexpr in the absl headers TF ships.
+region-asan: build
+	$(CXX) -std=c++17 -O1 -g -DNDEBUG -fno-omit-frame-pointer -fsanitize=address \
+	  -Wall -Wextra -Werror -pthread $(TF_CFLAGS) $(REGION_SRC) $(REGION_TEST) $(TF_LFLAGS) \
+	  -o build/region_allocator_test_asan
+	ASAN_OPTIONS=detect_leaks=1 ./build/region_allocator_test_asan
 
 ubsan: build
 	$(CXX) -std=c++17 -O1 -g -fsanitize=undefined -fno-sanitize-recover=all -pthread \

@@ -38,12 +38,14 @@ def _load_allocator() -> None:
     try:
         if native.load_gtbm_library() is not None:
             allocator.install_input_pipeline_hook()  # tf.data's NumPy conversions go to host memory
+            allocator.warn_if_gpu_hook_missing()  # DYMEM_GTBM_GPU=1 but TF's GPU state already existed
         else:
+            gpus = " (nor serve GPUs, as DYMEM_GTBM_GPU=1 asks)" if allocator.gpu_requested() else ""
             warnings.warn(
                 "dymem_tf was imported after TensorFlow had already initialised its runtime, so the GTBM "
-                "allocator cannot be registered any more; training continues with TensorFlow's own allocator "
-                "(no device budget, no mobility groups). Import dymem_tf right after tensorflow, before any "
-                "tensor is created, to use GTBM.",
+                f"allocator cannot be registered any more{gpus}; training continues with TensorFlow's own "
+                "allocator (no device budget, no mobility groups). Import dymem_tf right after tensorflow, before "
+                "any tensor is created, to use GTBM.",
                 RuntimeWarning,
                 stacklevel=4,
             )

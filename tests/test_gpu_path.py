@@ -195,3 +195,151 @@ def test_the_kernel_registry_is_read_once_per_op_type_and_device_type(monkeypatc
         assert calls.count("BroadcastGradientArgs") == 2  # GPU, then DEFAULT
     finally:
         host_memory.kernel_host_args.cache_clear()
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# GTBM serving GPU memory (issue #12, item 2): opt-in DYMEM_GTBM_GPU=1. No GPU here: what runs is the opt-in without
+# a GPU, the symbols and layout the hook relies on, TF's memory-growth rule, and the region + placement code of the
+# hook through a host stand-in for TF's GPU sub-allocator.
+import ctypes  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import re  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+from dymem_tf.memory import allocator, native  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(script: str, **env) -> dict:
+    """Runs `script` in a fresh interpreter with `env` added; returns the JSON it prints last."""
+    full = {k: v for k, v in os.environ.items() if not k.startswith("DYMEM_")}
+    full.update(env, TF_CPP_MIN_LOG_LEVEL="2")
+    proc = subprocess.run([sys.executable, "-c", script], env=full, capture_output=True, text=True, timeout=240,
+                          cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+OPT_IN_WITHOUT_GPU = """
+import json, warnings
+warnings.simplefilter("always")
+with warnings.catch_warnings(record=True) as caught:
+    import tensorflow as tf
+    import dymem_tf
+    from dymem_tf.memory import allocator
+    total = float(tf.reduce_sum(tf.ones([64, 64])))
+    status = allocator.gpu_status()
+print(json.dumps({"status": status, "serves": allocator.serves_gpu("GPU:0"), "cpu": allocator.is_active(),
+                  "total": total, "warnings": [str(w.message) for w in caught if "GTBM" in str(w.message)]}))
+"""
+
+
+def test_gpu_opt_in_without_a_gpu_installs_the_hook_does_nothing_and_says_so():
+    out = _run(OPT_IN_WITHOUT_GPU, DYMEM_GTBM_GPU="1")
+    status = out["status"]
+    assert status["requested"] and status["hook"] == "installed" and status["devices"] == {}
+    assert "does nothing without a GPU" in status["summary"]
+    assert out["serves"] is False and out["cpu"] is True and out["total"] == 4096.0
+    assert out["warnings"] == []  # nothing went wrong: there is just no GPU
+
+
+def test_gpu_not_requested_in_this_session():
+    status = allocator.gpu_status()
+    assert status["hook"] in ("not requested", "not loaded") and not status["requested"]
+    assert "opt-in" in status["summary"] and not allocator.serves_gpu()
+
+
+LATE_IMPORT = """
+import json, warnings
+import tensorflow as tf
+tf.constant(1.0) + 1.0  # TF's runtime (and, on a GPU machine, its GPU devices) exists before dymem_tf loads
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import dymem_tf
+    from dymem_tf.memory import allocator
+    status = allocator.gpu_status()
+print(json.dumps({"hook": status["hook"], "warnings": [str(w.message) for w in caught if "GTBM" in str(w.message)]}))
+"""
+
+
+def test_gpu_opt_in_after_tensorflow_initialised_warns_once_and_runs_without_gtbm():
+    out = _run(LATE_IMPORT, DYMEM_GTBM_GPU="1")
+    assert out["hook"] == "not loaded"
+    assert len(out["warnings"]) == 1 and "nor serve GPUs" in out["warnings"][0]
+
+
+def test_gpu_device_arguments():
+    with pytest.raises(allocator.GtbmNotActiveError, match="GPU:0"):
+        allocator.memory_stats("GPU:0")
+    with pytest.raises(allocator.GtbmNotActiveError):
+        allocator.set_memory_limit("1GiB", device="/device:GPU:0")
+    with pytest.raises(ValueError, match="unknown device"):
+        allocator.get_memory_limit("TPU:0")
+    assert allocator._gpu_index("/job:localhost/replica:0/task:0/device:GPU:3") == 3
+    assert allocator._gpu_index("CPU:0") is None
+
+
+@pytest.mark.parametrize("force, option, expected", [
+    (None, 0, 0), (None, 1, 1), ("true", 0, 1), ("false", 1, 0), ("bogus", 1, 1), ("bogus", 0, 0)])
+def test_memory_growth_rule_matches_tensorflows(monkeypatch, force, option, expected):
+    """GTBM refuses memory growth (the GPU stays on TF's allocator); it reads growth as TF does, including
+    TF_FORCE_GPU_ALLOW_GROWTH (exactly "true"/"false", anything else ignored)."""
+    if force is None:
+        monkeypatch.delenv("TF_FORCE_GPU_ALLOW_GROWTH", raising=False)
+    else:
+        monkeypatch.setenv("TF_FORCE_GPU_ALLOW_GROWTH", force)
+    lib = allocator._declare(native.gtbm_cdll())
+    assert lib.dymem_gtbm_gpu_allow_growth(option) == expected
+
+
+def _nm(path: str, *flags: str) -> set[str]:
+    """Demangled dynamic symbol names of `path` (nm -D -C with `flags`)."""
+    out = subprocess.run(["nm", "-D", "-C", *flags, path], capture_output=True, text=True, check=True).stdout
+    return {m.group(1) for m in re.finditer(r"^\s*(?:[0-9a-f]+\s+)?[A-Za-z]\s+(.+)$", out, re.M)}
+
+
+def test_the_gpu_hook_is_compiled_and_every_tf_symbol_it_needs_is_exported():
+    import tensorflow as tf
+
+    lib = allocator._declare(native.gtbm_cdll())
+    assert lib.dymem_gtbm_gpu_compiled() == int(tf.test.is_built_with_gpu_support())
+    if not tf.test.is_built_with_gpu_support():
+        pytest.skip("TensorFlow without GPU support: the hook is not compiled")
+    ours = native.library_path("gtbm")
+    framework = os.path.join(tf.sysconfig.get_lib(), "libtensorflow_framework.so.2")
+    needed = {s for s in _nm(ours, "--undefined-only")
+              if "GPUProcessState" in s or "SubAllocator" in s or "absl" in s and "Mutex" in s}
+    assert any("GPUProcessState::singleton" in s for s in needed)
+    assert any("GPUProcessState::GetGPUAllocator" in s for s in needed)
+    exported = _nm(framework, "--defined-only")
+    assert needed - exported == set()
+
+
+@pytest.mark.parametrize("threads, seed, region, base_alignment, refuse_above", [
+    (1, 1, 64 << 20, 0, 0),
+    (8, 2, 64 << 20, 0, 0),
+    (4, 3, 32 << 20, 256, 0),          # a base aligned like cudaMalloc's (256 B): larger alignments are refused
+    (4, 4, 96 << 20, 0, 80 << 20),     # the sub-allocator refuses the full size: backs off by 10% steps
+    (6, 5, (3 << 20) + 12345, 4096, 0),  # a small limit: smaller pageblocks
+])
+def test_region_allocator_through_a_host_stand_in_for_the_gpu_sub_allocator(threads, seed, region, base_alignment,
+                                                                              refuse_above):
+    """The hook's own code path (NewDeviceRegionAllocator -> RegionAllocator -> gtbm::Pool) over host memory:
+    random sizes, alignments and mobility groups from several threads; every buffer's bytes checked on free; the
+    budget, the statistics, the trace and the invariants checked at the end; the region given back once."""
+    report = allocator.region_selftest(threads=threads, ops_per_thread=3000, seed=seed, region_bytes=region,
+                                       base_alignment=base_alignment, refuse_above=refuse_above)
+    assert report["allocations"] > 1000 and report["sub_allocs"] == report["sub_frees"] == 1
+    assert region // 2 <= report["capacity"] <= region
+    if refuse_above:
+        assert report["capacity"] <= refuse_above
+    if base_alignment:
+        assert report["max_alignment"] == base_alignment and report["over_aligned"] > 0
+
+
+def test_region_selftest_reports_invalid_arguments():
+    with pytest.raises(RuntimeError, match="invalid"):
+        allocator.region_selftest(base_alignment=3)

@@ -35,9 +35,11 @@ def test_selfcheck_passes_on_the_cpu_and_says_what_it_did_not_run():
     proc = selfcheck()
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     table, text = rows(proc.stdout), " ".join(proc.stdout.split())  # the detail column wraps
-    assert table == {("gtbm", "CPU:0"): "ok", ("kernels", "CPU"): "ok", ("kernels", "GPU"): "info",
+    assert table == {("gtbm", "CPU:0"): "ok", ("gtbm", "GPU"): "info", ("kernels", "CPU"): "ok",
+                     ("kernels", "GPU"): "info",
                      ("round trip", "CPU:0"): "ok", ("bandwidth", "CPU:0"): "skipped", ("training", "CPU:0"): "ok"}
     assert "get_memory_info('CPU:0') agrees" in text
+    assert "GTBM serves GPU:0: no (opt-in DYMEM_GTBM_GPU=1: not set; no GPU is visible)" in text
     assert "bit-exact for 15 dtypes" in text and "int32" in text and "bfloat16" in text
     assert "losses and weights identical to training without swapping" in text
     assert "0 failed" in text and "No GPU is visible" in text

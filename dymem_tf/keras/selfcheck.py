@@ -2,9 +2,9 @@
 
 Checks, in order (each one a row of the report; one that raises is a failure, the others still run):
 
-* ``gtbm``: which devices the GTBM allocator serves. Today it serves TensorFlow's CPU device only (its statistics
-  must agree with ``tf.config.experimental.get_memory_info("CPU:0")``); a GPU is served by TensorFlow's own
-  allocator, which the report says (GTBM on GPUs is not implemented).
+* ``gtbm``: which devices the GTBM allocator serves. On the CPU device its statistics must agree with
+  ``tf.config.experimental.get_memory_info("CPU:0")``. Each GPU gets a row "GTBM serves GPU:<k>: yes/no (opt-in
+  DYMEM_GTBM_GPU=1)" with the reason when not (on a machine without GPUs one row says what the opt-in did).
 * ``kernels``: the swap ops have a kernel for every visible device type.
 * ``round trip``: ``DymemSwapOut`` then ``DymemSwapIn`` gives back every bit, on every visible device, for every
   dtype the ops accept. A dtype TensorFlow keeps in host memory on that device (int32 on a GPU) is never swapped
@@ -86,10 +86,28 @@ def check_gtbm(devices: list[str]) -> list[Result]:
             rows.append(Result("gtbm", "CPU:0", FAIL, f"{detail}; get_memory_info('CPU:0') disagrees: {info}"))
         else:
             rows.append(Result("gtbm", "CPU:0", OK, detail + "; get_memory_info('CPU:0') agrees"))
-    for device in devices:
-        if device.startswith("GPU"):
-            rows.append(Result("gtbm", device, INFO, "not served: TensorFlow's own GPU allocator holds this "
-                                                     "device's memory (GTBM on GPUs is not implemented)"))
+    return rows + check_gtbm_gpus(devices)
+
+
+def check_gtbm_gpus(devices: list[str]) -> list[Result]:
+    """One row per GPU: "GTBM serves GPU:<k>: yes/no (opt-in DYMEM_GTBM_GPU=1)", with the reason when not; on a
+    machine without GPUs one row for GPU:0 that says what the opt-in did (nothing)."""
+    from dymem_tf.memory import allocator
+
+    opt_in = f"opt-in {allocator.GPU_ENV}=1"
+    status = allocator.gpu_status() if os.environ.get("DYMEM_GTBM", "1").strip().lower() not in (
+        "0", "false", "off", "no") else {"requested": allocator.gpu_requested(), "devices": {},
+                                          "reason": "DYMEM_GTBM=0 turns GTBM off on every device"}
+    gpus = [d for d in devices if d.startswith("GPU")]
+    if not gpus:
+        said = "set, but no GPU is visible: it does nothing" if status["requested"] else "not set; no GPU is visible"
+        return [Result("gtbm", "GPU", INFO, f"GTBM serves GPU:0: no ({opt_in}: {said})")]
+    rows = []
+    for device in gpus:
+        served = status["devices"].get(device, {}).get("served", False)
+        why = status["devices"].get(device, {}).get("reason") or status.get("reason") or "not requested"
+        detail = f"GTBM serves {device}: {'yes' if served else 'no'} ({opt_in}" + ("" if served else f"; {why}") + ")"
+        rows.append(Result("gtbm", device, OK if served else (WARN if status["requested"] else INFO), detail))
     return rows
 
 

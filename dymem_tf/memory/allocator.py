@@ -23,6 +23,15 @@ everything allocated on ``tf.data``'s threads (map functions, batches, shuffle a
 iterator ops (``MakeIterator``, ``IteratorGetNext``, ...). Variables, eager ops and everything the train step's
 kernels allocate still count. :func:`host_memory` sends a thread's allocations there explicitly.
 
+GPUs (opt-in, ``DYMEM_GTBM_GPU=1``; never run on a GPU so far, see docs/gpu.md). When the library loads with the
+flag set, a ``GPUProcessState`` subclass is installed (only possible before TensorFlow creates its first GPU device)
+whose ``GetGPUAllocator`` takes one region of the limit TensorFlow computed for each GPU from TensorFlow's own GPU
+sub-allocator and serves the device from a GTBM pool inside it (the same region + placement code as the CPU device,
+``cc/allocator/region_allocator.cc``). Memory growth (``set_memory_growth``) is refused: that GPU stays on
+TensorFlow's allocator with the reason in :func:`gpu_status`. :func:`serves_gpu` says whether GTBM serves a GPU;
+:func:`memory_stats`, :func:`get_memory_limit`, :func:`set_memory_limit` and :func:`reset_peak_stats` take
+``device="GPU:0"``.
+
 Native C API (``_dymem_gtbm``; every ``int`` function returns 0 / a count on success and -1 on failure with
 ``dymem_gtbm_last_error()`` set)::
 
@@ -48,6 +57,21 @@ Native C API (``_dymem_gtbm``; every ``int`` function returns 0 / a count on suc
     int         dymem_gtbm_parse_bytes(const char* text, int64_t* out);
     int         dymem_gtbm_set_host_inputs(int enabled);  /* input pipeline from host memory (1) or counted (0) */
     int         dymem_gtbm_host_inputs(void);            /* 1, 0, or -1 when inactive */
+    int         dymem_gtbm_gpu_compiled(void);           /* GPU hook compiled in (TF with GPU support) */
+    int         dymem_gtbm_gpu_hook_state(void);         /* 0 not requested, 1 installed, 2 not installed, 3 not compiled */
+    const char* dymem_gtbm_gpu_hook_reason(void);
+    int         dymem_gtbm_gpu_allow_growth(int option); /* TF's growth rule incl. TF_FORCE_GPU_ALLOW_GROWTH */
+    int         dymem_gtbm_gpu_num_devices(void);
+    int         dymem_gtbm_gpu_serves(int tf_device_id); /* 1 or 0 (last_error says why) */
+    int         dymem_gtbm_gpu_get_stats(int tf_device_id, int64_t* out, int n);  /* gtbm stat names order */
+    int         dymem_gtbm_gpu_set_limit(int tf_device_id, int64_t bytes);
+    int64_t     dymem_gtbm_gpu_get_limit(int tf_device_id);
+    int         dymem_gtbm_gpu_reset_peak_stats(int tf_device_id);
+    int         dymem_gtbm_gpu_trace_start(int tf_device_id, int64_t max_records);
+    int         dymem_gtbm_gpu_trace_stop(int tf_device_id);
+    int         dymem_gtbm_gpu_trace_dump(int tf_device_id, const char* path);
+    int         dymem_gtbm_region_selftest(int threads, int64_t ops, uint64_t seed, int64_t region_bytes,
+                                           int64_t base_alignment, int64_t refuse_above, int64_t* out, int n);
     int         dymem_replay_run(const char* csv, const char* policy, int64_t block_size, int64_t alignment,
                                  const char* groups_mode, int64_t* out, int n);   /* see dymem_tf.memory.replay */
 """
@@ -69,6 +93,8 @@ __all__ = [
     "clear_mobility_map",
     "dump_trace",
     "get_memory_limit",
+    "gpu_requested",
+    "gpu_status",
     "host_inputs_enabled",
     "host_memory",
     "install_input_pipeline_hook",
@@ -77,7 +103,9 @@ __all__ = [
     "mobility",
     "parse_bytes",
     "record_trace",
+    "region_selftest",
     "reset_peak_stats",
+    "serves_gpu",
     "set_host_inputs",
     "set_memory_limit",
     "set_mobility_map",
@@ -92,6 +120,8 @@ LIMIT_ENV = "DYMEM_DEVICE_MEMORY_LIMIT"
 BLOCK_SIZE_ENV = "DYMEM_GTBM_BLOCK_SIZE"
 RELEASE_CACHE_ENV = "DYMEM_GTBM_RELEASE_CACHE"
 HOST_INPUTS_ENV = "DYMEM_HOST_INPUTS"
+GPU_ENV = "DYMEM_GTBM_GPU"  # opt-in: GTBM serves GPUs too (read by the native library when it loads)
+_HOOK_STATES = {0: "not requested", 1: "installed", 2: "not installed", 3: "not compiled"}
 GROUPS = {"persistent": 0, "transient": 1, "mobile": 2}
 HOST = 3  # dymem_gtbm_push_mobility value for the host-inputs arena (not a pool group)
 _FALSE_WORDS = ("0", "false", "off", "no")
@@ -167,6 +197,17 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
             "dymem_gtbm_parse_bytes": (c_int, [c_char_p, i64p]),
             "dymem_gtbm_set_host_inputs": (c_int, [c_int]),
             "dymem_gtbm_host_inputs": (c_int, []),
+            "dymem_gtbm_gpu_compiled": (c_int, []),
+            "dymem_gtbm_gpu_hook_state": (c_int, []),
+            "dymem_gtbm_gpu_hook_reason": (c_char_p, []),
+            "dymem_gtbm_gpu_allow_growth": (c_int, [c_int]),
+            "dymem_gtbm_gpu_num_devices": (c_int, []),
+            "dymem_gtbm_gpu_serves": (c_int, [c_int]),
+            "dymem_gtbm_gpu_get_stats": (c_int, [c_int, i64p, c_int]),
+            "dymem_gtbm_gpu_set_limit": (c_int, [c_int, i64]),
+            "dymem_gtbm_gpu_get_limit": (i64, [c_int]),
+            "dymem_gtbm_gpu_reset_peak_stats": (c_int, [c_int]),
+            "dymem_gtbm_region_selftest": (c_int, [c_int, i64, ctypes.c_uint64, i64, i64, i64, i64p, c_int]),
         }
         for name, (restype, argtypes) in signatures.items():
             fn = getattr(lib, name)
@@ -227,7 +268,7 @@ def is_active() -> bool:
 _GROUP_FIELDS = ("in_use", "peak_in_use", "reserved", "peak_reserved", "num_allocs")
 
 
-def memory_stats() -> dict:
+def memory_stats(device: str | None = None) -> dict:
     """Snapshot of the pool's statistics (bytes unless noted).
 
     Keys: ``bytes_in_use``, ``peak_bytes_in_use`` (what ``tf.config.experimental.get_memory_info('CPU:0')``
@@ -248,13 +289,27 @@ def memory_stats() -> dict:
     ``host_inputs_largest_alloc_size`` and ``host_inputs_capacity`` (its address space). (The swap-out host pool's
     statistics are :func:`dymem_tf.host_pool_stats`.)
 
-    Raises GtbmNotActiveError when GTBM does not serve the CPU device.
+    ``device``: None or ``"CPU:0"`` for the CPU device (above); ``"GPU:<k>"`` for a GPU that GTBM serves
+    (:func:`serves_gpu`): the same keys without the ``host_inputs_*`` ones (a GPU has no host-inputs region).
+
+    Raises GtbmNotActiveError when GTBM does not serve that device.
     """
+    gpu = _gpu_index(device)
+    if gpu is not None:
+        lib = _gpu_library(gpu)
+        names = lib.dymem_gtbm_stat_names().decode().split(",")
+        values = (ctypes.c_int64 * len(names))()
+        count = _check(lib, lib.dymem_gtbm_gpu_get_stats(gpu, values, len(names)), f"reading GPU:{gpu} statistics")
+        return _stats_dict(dict(zip(names[:count], values[:count])))
     lib = _active_library()
     names = lib.dymem_gtbm_stat_names().decode().split(",")
     values = (ctypes.c_int64 * len(names))()
     _check(lib, lib.dymem_gtbm_get_stats(values, len(names)), "reading GTBM statistics")
-    raw = dict(zip(names, values))
+    return _stats_dict(dict(zip(names, values)))
+
+
+def _stats_dict(raw: dict) -> dict:
+    """The flat name -> value statistics grouped per mobility group, with the overhead ratios added."""
     stats: dict = {}
     groups: dict = {name: {} for name in GROUPS}
     for key, value in raw.items():
@@ -271,8 +326,14 @@ def memory_stats() -> dict:
     return stats
 
 
-def reset_peak_stats() -> None:
-    """Restart the peak values (in use, reserved, extent, per group; host inputs too) from the current ones."""
+def reset_peak_stats(device: str | None = None) -> None:
+    """Restart the peak values (in use, reserved, extent, per group; host inputs too) from the current ones
+    (``device``: None for the CPU device, or ``"GPU:<k>"``)."""
+    gpu = _gpu_index(device)
+    if gpu is not None:
+        lib = _gpu_library(gpu)
+        _check(lib, lib.dymem_gtbm_gpu_reset_peak_stats(gpu), f"resetting GPU:{gpu} peak statistics")
+        return
     lib = _active_library()
     _check(lib, lib.dymem_gtbm_reset_peak_stats(), "resetting GTBM peak statistics")
 
@@ -283,8 +344,9 @@ def trim() -> None:
     _check(lib, lib.dymem_gtbm_trim(), "trimming the GTBM release cache")
 
 
-def set_memory_limit(limit: ByteSize) -> None:
-    """Change the device budget (bytes or a string like ``"512MiB"``).
+def set_memory_limit(limit: ByteSize, device: str | None = None) -> None:
+    """Change the device budget (bytes or a string like ``"512MiB"``); ``device``: None for the CPU device, or
+    ``"GPU:<k>"`` (at most the region GTBM took for that GPU).
 
     Raises ValueError when the new limit is below the bytes currently in use or above the reserved address space.
     A limit below the currently reserved (but partly free) memory is accepted: allocations that need new blocks
@@ -293,15 +355,148 @@ def set_memory_limit(limit: ByteSize) -> None:
     value = parse_bytes(limit)
     if value <= 0:
         raise ValueError("the memory limit must be positive")
+    gpu = _gpu_index(device)
+    if gpu is not None:
+        lib = _gpu_library(gpu)
+        if lib.dymem_gtbm_gpu_set_limit(gpu, value) < 0:
+            raise ValueError(f"cannot set the GPU:{gpu} limit: {lib.dymem_gtbm_last_error().decode(errors='replace')}")
+        return
     lib = _active_library()
     if lib.dymem_gtbm_set_limit(value) < 0:
         raise ValueError(f"cannot set the GTBM memory limit: {lib.dymem_gtbm_last_error().decode(errors='replace')}")
 
 
-def get_memory_limit() -> int:
-    """The current device budget in bytes."""
+def get_memory_limit(device: str | None = None) -> int:
+    """The current device budget in bytes (``device``: None for the CPU device, or ``"GPU:<k>"``)."""
+    gpu = _gpu_index(device)
+    if gpu is not None:
+        lib = _gpu_library(gpu)
+        return _check(lib, lib.dymem_gtbm_gpu_get_limit(gpu), f"reading the GPU:{gpu} limit")
     lib = _active_library()
     return _check(lib, lib.dymem_gtbm_get_limit(), "reading the GTBM memory limit")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# GPUs (opt-in, DYMEM_GTBM_GPU=1).
+
+def gpu_requested() -> bool:
+    """As the native library reads it: set, non-empty and not a false word (0, false, off, no)."""
+    value = os.environ.get(GPU_ENV, "").strip().lower()
+    return bool(value) and value not in _FALSE_WORDS
+
+
+def _gpu_index(device: str | None) -> int | None:
+    """``"GPU:1"`` / ``"/device:GPU:1"`` -> 1; None or a CPU device -> None; anything else raises ValueError."""
+    if device is None:
+        return None
+    kind, _, index = device.split("device:")[-1].upper().rpartition(":")
+    if kind == "CPU" and index == "0":
+        return None
+    if kind == "GPU" and index.isdigit():
+        return int(index)
+    raise ValueError(f"unknown device {device!r}: use None, 'CPU:0' or 'GPU:<k>'")
+
+
+def _gpu_library(gpu: int) -> ctypes.CDLL:
+    """The GTBM library when GTBM serves GPU ``gpu``; GtbmNotActiveError (with the reason) otherwise."""
+    lib = _library()
+    if lib is None:
+        raise GtbmNotActiveError(f"GTBM does not serve GPU:{gpu}: the GTBM library is not loaded ({_inactive_reason()})")
+    if not lib.dymem_gtbm_gpu_serves(gpu):
+        raise GtbmNotActiveError(gpu_status()["devices"].get(f"GPU:{gpu}", {}).get("reason")
+                                 or lib.dymem_gtbm_last_error().decode(errors="replace"))
+    return lib
+
+
+def gpu_status() -> dict:
+    """Whether GTBM serves the GPUs, and why not where it does not (initialises TF's runtime if needed).
+
+    ``{"requested": DYMEM_GTBM_GPU is set, "hook": "not requested" | "installed" | "not installed" |
+    "not compiled" | "not loaded", "reason": why there is no hook (empty when installed or not requested),
+    "devices": {"GPU:<k>": {"served": bool, "reason": str}}, "summary": one line for a report}``.
+    """
+    from dymem_tf.memory import native
+
+    requested = gpu_requested()
+    status = {"requested": requested, "hook": "not loaded", "reason": "", "devices": {}}
+    lib = native.gtbm_cdll()
+    if lib is None:
+        status["reason"] = f"the GTBM library is not loaded: {_inactive_reason()}"
+    else:
+        lib = _declare(lib)
+        status["hook"] = _HOOK_STATES.get(lib.dymem_gtbm_gpu_hook_state(), "unknown")
+        status["reason"] = lib.dymem_gtbm_gpu_hook_reason().decode(errors="replace")
+        status["devices"] = _gpu_devices(lib) if status["hook"] == "installed" else {}
+    status["summary"] = _gpu_summary(status)
+    return status
+
+
+def _gpu_devices(lib: ctypes.CDLL) -> dict:
+    """``{"GPU:<k>": {"served", "reason"}}`` for the GPUs of TF's eager context (created now if needed)."""
+    devices = {}
+    for name, _ in compat.local_device_memory("GPU"):
+        index = int(name.rsplit(":", 1)[-1])
+        served = bool(lib.dymem_gtbm_gpu_serves(index))
+        reason = "" if served else lib.dymem_gtbm_last_error().decode(errors="replace")
+        devices[f"GPU:{index}"] = {"served": served, "reason": reason}
+    return devices
+
+
+def _gpu_summary(status: dict) -> str:
+    """One line: what serves the GPUs and why."""
+    if not status["requested"]:
+        return f"no: GTBM on GPUs is opt-in ({GPU_ENV}=1 before import dymem_tf)"
+    if status["hook"] != "installed":
+        return f"no ({GPU_ENV}=1 is set, but {status['reason'] or 'the GPU hook is ' + status['hook']})"
+    if not status["devices"]:
+        return f"no GPU device was created in this process ({GPU_ENV}=1 does nothing without a GPU)"
+    return "; ".join(f"{name}: {'yes' if d['served'] else 'no (' + d['reason'] + ')'}"
+                     for name, d in status["devices"].items())
+
+
+def serves_gpu(device: str = "GPU:0") -> bool:
+    """Whether GTBM serves ``device`` (``"GPU:<k>"``); see :func:`gpu_status` for why not."""
+    gpu = _gpu_index(device)
+    if gpu is None:
+        raise ValueError(f"serves_gpu takes a GPU, not {device!r}")
+    return gpu_status()["devices"].get(f"GPU:{gpu}", {}).get("served", False)
+
+
+def warn_if_gpu_hook_missing() -> bool:
+    """After the library loaded: one RuntimeWarning when DYMEM_GTBM_GPU=1 but the GPU hook could not be installed.
+    Returns whether it warned."""
+    from dymem_tf.memory import native
+
+    lib = native.gtbm_cdll()
+    if not gpu_requested() or lib is None:
+        return False
+    lib = _declare(lib)
+    if _HOOK_STATES.get(lib.dymem_gtbm_gpu_hook_state()) == "installed":
+        return False
+    import warnings
+
+    warnings.warn(f"{GPU_ENV}=1, but GTBM cannot serve GPUs: {lib.dymem_gtbm_gpu_hook_reason().decode()}; "
+                  "TensorFlow's own allocator serves them", RuntimeWarning, stacklevel=5)
+    return True
+
+
+def region_selftest(threads: int = 4, ops_per_thread: int = 2000, seed: int = 1, region_bytes: int = 64 << 20,
+                    base_alignment: int = 0, refuse_above: int = 0) -> dict:
+    """Run the native RegionAllocator test: the GPU hook's region + placement code over a host stand-in for TF's
+    GPU sub-allocator, randomised and multi-threaded (``cc/allocator/region_selftest.cc``). Returns its report;
+    raises RuntimeError with the first violation. Works whether or not GTBM serves any device."""
+    from dymem_tf.memory import native
+
+    lib = native.gtbm_cdll()
+    if lib is None:
+        raise GtbmNotActiveError(f"the GTBM library is not loaded: {_inactive_reason()}")
+    lib = _declare(lib)
+    values = (ctypes.c_int64 * 8)()
+    _check(lib, lib.dymem_gtbm_region_selftest(threads, ops_per_thread, seed, region_bytes, base_alignment,
+                                               refuse_above, values, 8), "the RegionAllocator self-test")
+    keys = ("allocations", "refusals", "over_aligned", "peak_bytes_in_use", "capacity", "max_alignment",
+            "sub_allocs", "sub_frees")
+    return dict(zip(keys, values))
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
-// GTBM as TensorFlow's CPU device allocator.
+// GTBM as TensorFlow's CPU device allocator: a RegionAllocator (region_allocator.h) over an mmap'ed range.
 //
-// GtbmAllocator maps the GTBM core's offset space onto one virtual address range reserved with
+// The device region maps the GTBM core's offset space onto one virtual address range reserved with
 // mmap(PROT_READ|PROT_WRITE, MAP_PRIVATE|MAP_ANONYMOUS|MAP_NORESERVE): pages are only backed when touched, and
 // pageblocks that go back to the shared free list are madvise(MADV_DONTNEED)'ed -- beyond a small cache of free
 // blocks kept resident for immediate reuse (DYMEM_GTBM_RELEASE_CACHE) -- so the resident memory of the pool follows
@@ -52,45 +52,29 @@
 //
 // Registered with priority 300 (must exceed oneDNN's 200) from a static initializer: the library must be loaded
 // before TensorFlow creates its CPU allocator (dymem_tf/memory/native.py makes sure of that).
-#include <sys/mman.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <atomic>
-#include <cctype>
-#include <cerrno>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <exception>
 #include <memory>
 #include <mutex>
-#include <optional>
 #include <string>
 #include <string_view>
-#include <unordered_map>
-#include <vector>
 
 #include "../gtbm/gtbm_core.h"
+#include "c_api_util.h"
+#include "config.h"
+#include "mobility.h"
+#include "region_allocator.h"
 #include "tensorflow/core/framework/allocator.h"
 #include "tensorflow/core/framework/allocator_registry.h"
-#include "tsl/platform/env.h"
-#include "tsl/profiler/lib/scoped_memory_debug_annotation.h"
 
 namespace dymem {
 namespace {
 
-constexpr uint64_t kDefaultMaxLimit = uint64_t{64} << 30;  // default budget cap: min(physical RAM, 64 GiB)
-constexpr uint64_t kDefaultBlockSize = uint64_t{2} << 20;  // pageblock: a huge page (and CUDA's VMM granule)
-constexpr uint64_t kMinBlocksPerLimit = 32;
-constexpr uint64_t kBaseAlignment = uint64_t{1} << 30;  // largest alignment AllocateRaw honours
 constexpr char kLimitEnv[] = "DYMEM_DEVICE_MEMORY_LIMIT";
-constexpr char kBlockSizeEnv[] = "DYMEM_GTBM_BLOCK_SIZE";
 constexpr char kReleaseCacheEnv[] = "DYMEM_GTBM_RELEASE_CACHE";
 constexpr char kHostInputsEnv[] = "DYMEM_HOST_INPUTS";
-// Classification result beyond the pool's groups: serve from the host-inputs arena (not counted by the budget).
-constexpr int kHost = gtbm::kNumGroups;
 // Host-inputs arena: address space reserved (NORESERVE, pages backed when touched) and free blocks kept resident.
 constexpr uint64_t kMinHostSpace = uint64_t{1} << 30;
 constexpr uint64_t kHostReleaseCache = uint64_t{64} << 20;
@@ -100,406 +84,40 @@ constexpr uint64_t kHostReleaseCache = uint64_t{64} << 20;
 constexpr uint64_t kMaxDefaultReleaseCache = uint64_t{256} << 20;
 constexpr uint64_t kReleaseCacheBudgetDivisor = 8;
 
-thread_local std::string g_last_error;
+using GtbmAllocator = RegionAllocator;
 
-// Records `message` as this thread's last error; returns -1, for the caller to return.
-int SetError(const std::string& message) {
-  g_last_error = message;
-  return -1;
+// The CPU device's regions from the environment: the budgeted device region (address space covering the budget
+// and at least the default budget, so the limit can later be raised up to it; NORESERVE makes the unused part
+// free) and the host-inputs region (no budget, one group, 2 MiB blocks).
+RegionAllocatorOptions CpuOptions() {
+  const uint64_t default_limit = std::min(PhysicalMemory(), kDefaultMaxLimit);
+  const uint64_t limit = BytesFromEnv(kLimitEnv, default_limit);
+  RegionAllocatorOptions options;
+  options.name = "gtbm";
+  gtbm::PoolOptions& device = options.device.pool;
+  device.policy = gtbm::Policy::kGtbm;
+  device.limit = limit;
+  device.block_size = BlockSizeFor(limit);
+  device.alignment = tensorflow::Allocator::kAllocatorAlignment;
+  device.release_cache = BytesFromEnv(
+      kReleaseCacheEnv, std::min(kMaxDefaultReleaseCache, limit / kReleaseCacheBudgetDivisor), /*allow_zero=*/true);
+  options.device.space = std::max(limit, default_limit);
+  options.device.min_space = limit;
+  gtbm::PoolOptions& host = options.host.pool;
+  host.policy = gtbm::Policy::kGtbmNoGroups;
+  host.block_size = kDefaultBlockSize;
+  host.alignment = tensorflow::Allocator::kAllocatorAlignment;
+  host.release_cache = kHostReleaseCache;
+  options.host.space = std::max(PhysicalMemory(), kDefaultMaxLimit);
+  options.host.min_space = kMinHostSpace;
+  return options;
 }
 
-// ------------------------------------------------------------------------------------------------------------
-// Mobility: per-thread override stack and the op-name map.
-
-constexpr int kMaxOverrideDepth = 64;
-thread_local int t_override_depth = 0;
-thread_local int t_override[kMaxOverrideDepth];
-
-// The calling thread's innermost mobility override, or -1 when it has none.
-int CurrentOverride() {
-  const int depth = std::min(t_override_depth, kMaxOverrideDepth);
-  return depth > 0 ? t_override[depth - 1] : -1;
+// The CPU device's allocator, configured from the environment (DYMEM_HOST_INPUTS is applied here).
+GtbmAllocator* NewCpuAllocator() {
+  SetHostInputsEnabled(FlagFromEnv(kHostInputsEnv, true));
+  return new RegionAllocator(CpuOptions(), NewMmapSource(), NewMmapSource());
 }
-
-// Entries beyond kMaxOverrideDepth are counted but not stored, so that pushes and pops always balance.
-void PushOverride(int group) {
-  if (t_override_depth < kMaxOverrideDepth) {
-    t_override[t_override_depth] = (group >= 0 && group <= kHost) ? group : -1;
-  }
-  ++t_override_depth;
-}
-
-// Drops the calling thread's innermost mobility override (no-op when it has none).
-void PopOverride() {
-  if (t_override_depth > 0) --t_override_depth;
-}
-
-// Immutable once published; replaced as a whole by dymem_gtbm_set_mobility_map.
-struct MobilityMap {
-  std::vector<std::unique_ptr<std::string>> names;  // owns the keys' characters
-  std::unordered_map<std::string_view, int> groups;
-};
-std::shared_ptr<const MobilityMap> g_mobility_map;  // accessed with std::atomic_load / std::atomic_store
-std::atomic<bool> g_has_mobility_map{false};         // fast path: no map, no shared_ptr traffic per allocation
-
-// The part of an op name after its last '/'.
-std::string_view Leaf(std::string_view op) {
-  const size_t slash = op.rfind('/');
-  return slash == std::string_view::npos ? op : op.substr(slash + 1);
-}
-
-// True when `text` begins with `prefix`.
-bool StartsWith(std::string_view text, std::string_view prefix) { return text.substr(0, prefix.size()) == prefix; }
-
-// Node names default to the op type ("AssignSubVariableOp_12"), and Keras/TF optimizers keep them.
-bool IsVariableUpdate(std::string_view op) {
-  const std::string_view leaf = Leaf(op);
-  return StartsWith(leaf, "AssignVariableOp") || StartsWith(leaf, "AssignAddVariableOp") ||
-         StartsWith(leaf, "AssignSubVariableOp") || StartsWith(leaf, "ResourceApply") ||
-         StartsWith(leaf, "ResourceSparseApply") || StartsWith(leaf, "ResourceScatter");
-}
-
-// Rule c of the host-inputs classification (see the top of this file).
-bool IsInputPipelineOp(std::string_view op) {
-  if (op.empty()) return false;
-  const std::string_view leaf = Leaf(op);
-  if (StartsWith(leaf, "Iterator") || StartsWith(leaf, "MakeIterator") || StartsWith(leaf, "AnonymousIterator") ||
-      StartsWith(leaf, "OneShotIterator") || StartsWith(leaf, "MultiDeviceIterator") ||
-      StartsWith(leaf, "AnonymousMultiDeviceIterator") || StartsWith(leaf, "DeserializeIterator") ||
-      StartsWith(leaf, "SerializeIterator")) {
-    return true;
-  }
-  return leaf.size() == op.size() && op.find("Dataset") != std::string_view::npos;  // eager op: bare op type
-}
-
-// Rule d: the annotation is a whole function being instantiated ("__inference_step_123"), not one of its kernels:
-// TF's per-device graph optimizer constant-folds the new function's graph with a GraphRunner on a host CPU device
-// (on a GPU too), and that code copies folded tensors without checking the allocation: refusing one there kills
-// the process. The folded values end up as constants in the graph, which the Const kernels then allocate.
-bool IsFunctionInstantiation(std::string_view op) {
-  return (StartsWith(op, "__inference_") || StartsWith(op, "__forward_") || StartsWith(op, "__backward_")) &&
-         op.find('/') == std::string_view::npos;
-}
-
-// Rule b: TF registers a name for every thread it starts (tsl::Env::StartThread); tf.data's are "tf_data_*".
-// A thread's name does not change, so the answer is cached per thread.
-bool OnInputPipelineThread() {
-  thread_local int cached = -1;
-  if (cached < 0) {
-    std::string name;
-    cached = tsl::Env::Default()->GetCurrentThreadName(&name) && StartsWith(name, "tf_data") ? 1 : 0;
-  }
-  return cached == 1;
-}
-
-std::atomic<bool> g_host_inputs{true};  // DYMEM_HOST_INPUTS (read when the allocator is created), or the C API
-
-// Returns a pool group, or kHost.
-int Classify(const tsl::profiler::MemoryDebugAnnotation& annotation) {
-  const int forced = CurrentOverride();
-  const bool host_inputs = g_host_inputs.load(std::memory_order_relaxed);
-  if (forced == kHost) {
-    if (host_inputs) return kHost;
-  } else if (forced >= 0) {
-    return forced;
-  }
-  const std::string_view op(annotation.pending_op_name.data(), annotation.pending_op_name.size());
-  if (host_inputs && (OnInputPipelineThread() || IsInputPipelineOp(op))) return kHost;
-  if (!op.empty() && g_has_mobility_map.load(std::memory_order_acquire)) {
-    std::shared_ptr<const MobilityMap> map = std::atomic_load(&g_mobility_map);
-    if (map) {
-      // The planner names ops as in the graph TF runs (it plans after Grappler): exact node names, so a bare leaf
-      // such as "Relu" never matches another function's op.
-      auto it = map->groups.find(op);
-      if (it != map->groups.end()) return it->second;
-    }
-  }
-  if (op.empty() || IsVariableUpdate(op)) return gtbm::kPersistent;  // a forced kHost with host inputs off too
-  if (annotation.pending_step_id == 0) return gtbm::kTransient;
-  return op.find('/') == std::string_view::npos ? gtbm::kPersistent : gtbm::kTransient;
-}
-
-// ------------------------------------------------------------------------------------------------------------
-// Configuration from the environment.
-
-uint64_t PhysicalMemory() {
-  const long pages = sysconf(_SC_PHYS_PAGES);
-  const long page = sysconf(_SC_PAGESIZE);
-  if (pages <= 0 || page <= 0) return kDefaultMaxLimit;
-  return static_cast<uint64_t>(pages) * static_cast<uint64_t>(page);
-}
-
-// Reads a byte count from `name`; unset -> `fallback`; invalid -> error on stderr and `fallback` (Python validates
-// the variable before loading the library, so this only guards direct users).
-uint64_t BytesFromEnv(const char* name, uint64_t fallback, bool allow_zero = false) {
-  const char* value = std::getenv(name);
-  if (value == nullptr || value[0] == '\0') return fallback;
-  uint64_t bytes = 0;
-  std::string error;
-  if (!gtbm::ParseBytes(value, &bytes, &error) || (bytes == 0 && !allow_zero)) {
-    std::fprintf(stderr, "dymem_tf GTBM: ignoring %s: %s; using %llu bytes\n", name,
-                 error.empty() ? "must be positive" : error.c_str(), static_cast<unsigned long long>(fallback));
-    return fallback;
-  }
-  return bytes;
-}
-
-// ------------------------------------------------------------------------------------------------------------
-// The allocator.
-
-// DYMEM_HOST_INPUTS: unset or anything else -> on; "0", "false", "off", "no" (any case) -> off.
-bool FlagFromEnv(const char* name, bool fallback) {
-  const char* value = std::getenv(name);
-  if (value == nullptr || value[0] == '\0') return fallback;
-  std::string v(value);
-  for (char& c : v) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  return !(v == "0" || v == "false" || v == "off" || v == "no");
-}
-
-// One contiguous range of address space for a pool: mmap(NORESERVE) of about `space` bytes (halved while the
-// kernel refuses, down to `min_space`), base aligned to `base_align`. Returns nullptr and sets *error on failure.
-char* ReserveAddressSpace(uint64_t* space, uint64_t min_space, uint64_t block, uint64_t base_align,
-                          std::string* error) {
-  void* raw = MAP_FAILED;
-  while (true) {
-    raw = mmap(nullptr, *space + base_align, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
-               -1, 0);
-    if (raw != MAP_FAILED || *space / 2 < min_space) break;
-    *space = *space / 2 / block * block;  // strict overcommit settings: try a smaller reservation
-  }
-  if (raw == MAP_FAILED) {
-    *error = "mmap of " + std::to_string(*space) + " bytes failed: " + std::strerror(errno);
-    return nullptr;
-  }
-  const uintptr_t raw_addr = reinterpret_cast<uintptr_t>(raw);
-  const uintptr_t base = (raw_addr + base_align - 1) / base_align * base_align;
-  if (base > raw_addr) munmap(raw, base - raw_addr);
-  const uintptr_t tail = base + *space;
-  const uintptr_t raw_end = raw_addr + *space + base_align;
-  if (raw_end > tail) munmap(reinterpret_cast<void*>(tail), raw_end - tail);
-  return reinterpret_cast<char*>(base);
-}
-
-// A gtbm::Pool over its own reserved range: offsets are pointers base + offset.
-struct Arena {
-  char* base = nullptr;
-  uint64_t space = 0;
-  std::unique_ptr<gtbm::Pool> pool;
-
-  // True when `ptr` lies inside this arena's reserved range.
-  bool Owns(const void* ptr) const {
-    const uintptr_t p = reinterpret_cast<uintptr_t>(ptr);
-    const uintptr_t b = reinterpret_cast<uintptr_t>(base);
-    return pool != nullptr && p >= b && p < b + space;
-  }
-  // Offset of `ptr`, an address inside the arena, in its pool's offset space.
-  uint64_t OffsetOf(const void* ptr) const {
-    return static_cast<uint64_t>(reinterpret_cast<uintptr_t>(ptr) - reinterpret_cast<uintptr_t>(base));
-  }
-
-  // Reserves the range and creates the pool; options.capacity is set here. Returns false with *error set.
-  bool Init(gtbm::PoolOptions options, uint64_t space_wanted, uint64_t min_space, std::string* error) {
-    space = (space_wanted + options.block_size - 1) / options.block_size * options.block_size;
-    // Over-reserve to align the base to kBaseAlignment: offsets aligned to A are then pointers aligned to A for
-    // any A up to it (over-aligned requests), and blocks are huge-page aligned.
-    base = ReserveAddressSpace(&space, std::max(min_space, options.block_size), options.block_size,
-                               std::max(options.block_size, kBaseAlignment), error);
-    if (base == nullptr) return false;
-    options.capacity = space;
-    options.limit = std::min(options.limit == 0 ? space : options.limit, space);
-    char* const mem = base;
-    options.on_release = [mem](uint64_t offset, uint64_t length) {
-      // Give the pages back: the block is free for every group, its contents are dead.
-      madvise(mem + offset, length, MADV_DONTNEED);
-    };
-    pool = gtbm::Pool::Create(options, error);
-    return pool != nullptr;
-  }
-
-  ~Arena() {
-    if (base != nullptr) munmap(base, space);
-  }
-};
-
-class GtbmAllocator final : public tensorflow::Allocator {
- public:
-  GtbmAllocator() {
-    g_host_inputs.store(FlagFromEnv(kHostInputsEnv, true), std::memory_order_relaxed);
-    const uint64_t default_limit = std::min(PhysicalMemory(), kDefaultMaxLimit);
-    const uint64_t limit = BytesFromEnv(kLimitEnv, default_limit);
-    const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
-    // 2 MiB blocks, smaller for small budgets so that the budget holds at least kMinBlocksPerLimit blocks.
-    uint64_t auto_block = kDefaultBlockSize;
-    while (auto_block > page && auto_block * kMinBlocksPerLimit > limit) auto_block /= 2;
-    uint64_t block = BytesFromEnv(kBlockSizeEnv, auto_block);
-    if (block % page != 0 || (block & (block - 1)) != 0) {
-      std::fprintf(stderr, "dymem_tf GTBM: %s must be a power-of-two multiple of the page size (%llu); using %llu\n",
-                   kBlockSizeEnv, static_cast<unsigned long long>(page),
-                   static_cast<unsigned long long>(auto_block));
-      block = auto_block;
-    }
-
-    gtbm::PoolOptions options;
-    options.policy = gtbm::Policy::kGtbm;
-    options.limit = limit;
-    options.block_size = block;
-    options.alignment = tensorflow::Allocator::kAllocatorAlignment;
-    options.release_cache = BytesFromEnv(kReleaseCacheEnv, std::min(kMaxDefaultReleaseCache,
-                                                                    limit / kReleaseCacheBudgetDivisor),
-                                         /*allow_zero=*/true);
-    // The address space covers the budget and at least the default budget, so the limit can later be raised
-    // up to it; NORESERVE makes the unused part free.
-    if (!device_.Init(options, std::max(limit, default_limit), limit, &error_)) {
-      std::fprintf(stderr, "dymem_tf GTBM: cannot create the pool: %s; every allocation will fail\n",
-                   error_.c_str());
-      return;
-    }
-
-    // The host-inputs arena: no budget (limit = its whole range), one group, 2 MiB blocks.
-    gtbm::PoolOptions host;
-    host.policy = gtbm::Policy::kGtbmNoGroups;
-    host.block_size = kDefaultBlockSize;
-    host.alignment = tensorflow::Allocator::kAllocatorAlignment;
-    host.release_cache = kHostReleaseCache;
-    std::string host_error;
-    if (!host_.Init(host, std::max(PhysicalMemory(), kDefaultMaxLimit), kMinHostSpace, &host_error)) {
-      std::fprintf(stderr,
-                   "dymem_tf GTBM: no host-inputs arena (%s): input-pipeline tensors count against the device "
-                   "budget\n",
-                   host_error.c_str());
-    }
-  }
-
-  std::string Name() override { return "gtbm"; }
-
-  void* AllocateRaw(size_t alignment, size_t num_bytes) override {
-    if (!device_.pool) return nullptr;
-    if (alignment > kBaseAlignment) {
-      std::fprintf(stderr, "dymem_tf GTBM: alignment %zu is not supported (at most %llu)\n", alignment,
-                   static_cast<unsigned long long>(kBaseAlignment));
-      return nullptr;
-    }
-    const tsl::profiler::MemoryDebugAnnotation& annotation =
-        tsl::profiler::ScopedMemoryDebugAnnotation::CurrentAnnotation();
-    int group = Classify(annotation);
-    gtbm::AllocTag tag;
-    tag.op_name = std::string_view(annotation.pending_op_name.data(), annotation.pending_op_name.size());
-    tag.step_id = annotation.pending_step_id;
-    if (group == kHost) {
-      if (host_.pool) {
-        const uint64_t offset = host_.pool->Allocate(num_bytes, gtbm::kPersistent, alignment, &tag);
-        if (offset != gtbm::kInvalidOffset) return host_.base + offset;
-        LogFailure(host_.pool.get(), num_bytes, alignment, kHost, tag.op_name);
-        return nullptr;
-      }
-      group = gtbm::kPersistent;  // no host arena: count it, as with DYMEM_HOST_INPUTS=0
-    }
-    const uint64_t offset = device_.pool->Allocate(num_bytes, group, alignment, &tag);
-    if (offset == gtbm::kInvalidOffset) {
-      LogFailure(device_.pool.get(), num_bytes, alignment, group, tag.op_name);
-      return OverflowToHost(num_bytes, alignment, &tag);
-    }
-    return device_.base + offset;
-  }
-
-  // A refused allocation of a function's instantiation (rule d at the top of this file) is served from the host
-  // arena instead: TF's code there does not check for null and would crash the process. Null otherwise.
-  void* OverflowToHost(size_t num_bytes, size_t alignment, gtbm::AllocTag* tag) {
-    if (!host_.pool || !IsFunctionInstantiation(tag->op_name)) return nullptr;
-    const uint64_t offset = host_.pool->Allocate(num_bytes, gtbm::kPersistent, alignment, tag);
-    if (offset == gtbm::kInvalidOffset) return nullptr;
-    std::fprintf(stderr, "dymem_tf GTBM: served the %zu bytes from host memory instead: TensorFlow's function "
-                 "instantiation (constant folding) cannot handle a refused allocation\n", num_bytes);
-    return host_.base + offset;
-  }
-
-  void DeallocateRaw(void* ptr) override {
-    if (ptr == nullptr) return;
-    const Arena* arena = ArenaOf(ptr);
-    if (arena == nullptr || arena->pool->Free(arena->OffsetOf(ptr)) == 0) {
-      std::fprintf(stderr, "dymem_tf GTBM: DeallocateRaw(%p) of a pointer it did not allocate (ignored)\n", ptr);
-    }
-  }
-
-  bool TracksAllocationSizes() const override { return device_.pool != nullptr; }
-
-  size_t RequestedSize(const void* ptr) const override {
-    uint64_t requested = 0;
-    if (const Arena* arena = ArenaOf(ptr)) arena->pool->Lookup(arena->OffsetOf(ptr), &requested, nullptr, nullptr);
-    return requested;
-  }
-
-  size_t AllocatedSize(const void* ptr) const override {
-    uint64_t allocated = 0;
-    if (const Arena* arena = ArenaOf(ptr)) arena->pool->Lookup(arena->OffsetOf(ptr), nullptr, &allocated, nullptr);
-    return allocated;
-  }
-
-  // The device pool only: the host-inputs arena is host memory (see dymem_gtbm_get_stats for it).
-  std::optional<tensorflow::AllocatorStats> GetStats() override {
-    if (!device_.pool) return std::nullopt;
-    const gtbm::PoolStats s = device_.pool->Stats();
-    tensorflow::AllocatorStats stats;
-    stats.num_allocs = s.num_allocs;
-    stats.bytes_in_use = s.bytes_in_use;
-    stats.peak_bytes_in_use = s.peak_bytes_in_use;
-    stats.largest_alloc_size = s.largest_alloc_size;
-    stats.bytes_limit = s.bytes_limit;
-    stats.bytes_reserved = s.bytes_reserved;
-    stats.peak_bytes_reserved = s.peak_bytes_reserved;
-    stats.bytes_reservable_limit = s.bytes_limit;
-    stats.largest_free_block_bytes = s.largest_free_block;
-    stats.pool_bytes = s.bytes_reserved;
-    stats.peak_pool_bytes = s.peak_bytes_reserved;
-    return stats;
-  }
-
-  bool ClearStats() override {
-    if (!device_.pool) return false;
-    device_.pool->ClearCounters();
-    if (host_.pool) host_.pool->ClearCounters();
-    return true;
-  }
-
-  tsl::AllocatorMemoryType GetMemoryType() const override { return tsl::AllocatorMemoryType::kHostPageable; }
-
-  // The device arena's pool (nullptr when it could not be reserved).
-  gtbm::Pool* pool() { return device_.pool.get(); }
-  // nullptr when the host-inputs arena could not be reserved.
-  gtbm::Pool* host_pool() { return host_.pool.get(); }
-  // Why the device arena could not be set up (empty when it was).
-  const std::string& error() const { return error_; }
-
- private:
-  // The arena (device or host inputs) holding `ptr`, or nullptr.
-  const Arena* ArenaOf(const void* ptr) const {
-    if (device_.Owns(ptr)) return &device_;
-    if (host_.Owns(ptr)) return &host_;
-    return nullptr;
-  }
-
-  // Logs a refused allocation with the pool's state (the first kMaxFailureLogs refusals only).
-  void LogFailure(gtbm::Pool* pool, size_t num_bytes, size_t alignment, int group, std::string_view op) {
-    // Out-of-budget is an expected, recoverable condition (TF raises ResourceExhausted): log the first few only.
-    const int n = failures_logged_.fetch_add(1, std::memory_order_relaxed);
-    if (n >= kMaxFailureLogs) return;
-    const gtbm::PoolStats s = pool->Stats();
-    std::fprintf(stderr,
-                 "dymem_tf GTBM: out of %s allocating %zu bytes (alignment %zu, group %s, op '%.*s'): "
-                 "in use %lld, reserved %lld, limit %lld, largest free block %lld%s\n",
-                 group == kHost ? "host-inputs address space" : "budget", num_bytes, alignment,
-                 group == kHost ? "host" : gtbm::GroupName(group), static_cast<int>(op.size()), op.data(),
-                 static_cast<long long>(s.bytes_in_use), static_cast<long long>(s.bytes_reserved),
-                 static_cast<long long>(s.bytes_limit), static_cast<long long>(s.largest_free_block),
-                 n + 1 == kMaxFailureLogs ? " (further failures are not logged)" : "");
-  }
-
-  static constexpr int kMaxFailureLogs = 10;
-  Arena device_;  // the emulated device: GTBM groups under the budget
-  Arena host_;    // host inputs: not capped, not in GetStats()
-  std::string error_;
-  std::atomic<int> failures_logged_{0};
-};
 
 // The process-wide instance. TF's AllocatorFactoryRegistry (a leaked singleton) keeps the pointer returned by
 // CreateAllocator for the life of the process, so the instance is never destroyed; the sub-allocator shares it so
@@ -515,7 +133,7 @@ GtbmAllocator* Instance() {
   std::lock_guard<std::mutex> lock(g_instance_mu);
   a = g_instance.load(std::memory_order_relaxed);
   if (a == nullptr) {
-    a = new GtbmAllocator();
+    a = NewCpuAllocator();
     g_instance.store(a, std::memory_order_release);
   }
   return a;
@@ -576,7 +194,7 @@ constexpr int kNumHostStats = static_cast<int>(sizeof(kHostStatNames) / sizeof(k
 void HostStats(gtbm::Pool* host, int64_t out[kNumHostStats]) {
   const gtbm::PoolStats s = host != nullptr ? host->Stats() : gtbm::PoolStats();
   const int64_t values[kNumHostStats] = {
-      g_host_inputs.load(std::memory_order_relaxed) && host != nullptr ? 1 : 0,
+      HostInputsEnabled() && host != nullptr ? 1 : 0,
       s.bytes_in_use, s.peak_bytes_in_use, s.bytes_reserved, s.peak_bytes_reserved, s.num_allocs,
       s.live_allocations, s.largest_alloc_size, s.capacity,
   };
@@ -599,16 +217,6 @@ GtbmAllocator* ActiveAllocator() {
   return a;
 }
 
-template <typename F>
-int Guard(F&& f) {
-  try {
-    return f();
-  } catch (const std::exception& e) {
-    return SetError(std::string("internal error: ") + e.what());
-  } catch (...) {
-    return SetError("internal error");
-  }
-}
 
 }  // namespace
 }  // namespace dymem
@@ -645,45 +253,20 @@ void dymem_gtbm_pop_mobility(void) { dymem::PopOverride(); }
 int dymem_gtbm_set_mobility_map(const char* text) {
   return dymem::Guard([&]() -> int {
     if (text == nullptr) return dymem::SetError("null mobility map");
-    auto map = std::make_shared<dymem::MobilityMap>();
-    std::string_view rest(text);
-    int lineno = 0;
-    while (!rest.empty()) {
-      const size_t nl = rest.find('\n');
-      std::string_view line = rest.substr(0, nl);
-      rest = nl == std::string_view::npos ? std::string_view() : rest.substr(nl + 1);
-      ++lineno;
-      if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
-      if (line.empty()) continue;
-      const size_t tab = line.rfind('\t');
-      int group = -1;
-      if (tab == std::string_view::npos || tab == 0 || !gtbm::ParseGroup(line.substr(tab + 1), &group)) {
-        return dymem::SetError("mobility map line " + std::to_string(lineno) + ": expected 'op_name<TAB>group', got '" +
-                               std::string(line) + "'");
-      }
-      map->names.push_back(std::make_unique<std::string>(line.substr(0, tab)));
-      map->groups[*map->names.back()] = group;
-    }
-    const int n = static_cast<int>(map->groups.size());
-    std::shared_ptr<const dymem::MobilityMap> published = std::move(map);
-    std::atomic_store(&dymem::g_mobility_map, published);
-    dymem::g_has_mobility_map.store(n > 0, std::memory_order_release);
-    return n;
+    std::string error;
+    const int n = dymem::InstallMobilityMap(text, &error);
+    return n < 0 ? dymem::SetError(error) : n;
   });
 }
 
 // Removes the op-name -> mobility map; returns 0.
 int dymem_gtbm_clear_mobility_map(void) {
-  dymem::g_has_mobility_map.store(false, std::memory_order_release);
-  std::atomic_store(&dymem::g_mobility_map, std::shared_ptr<const dymem::MobilityMap>());
+  dymem::ClearMobilityMap();
   return 0;
 }
 
-// Number of entries in the mobility map.
-int dymem_gtbm_mobility_map_size(void) {
-  std::shared_ptr<const dymem::MobilityMap> map = std::atomic_load(&dymem::g_mobility_map);
-  return map ? static_cast<int>(map->groups.size()) : 0;
-}
+// Number of entries in the op-name -> mobility map.
+int dymem_gtbm_mobility_map_size(void) { return dymem::MobilityMapSize(); }
 
 // Budget on reserved bytes. set: fails below the bytes in use or above the reserved address space.
 int dymem_gtbm_set_limit(int64_t bytes) {
@@ -757,7 +340,7 @@ int dymem_gtbm_set_host_inputs(int enabled) {
   dymem::GtbmAllocator* a = dymem::ActiveAllocator();
   if (a == nullptr) return -1;
   if (enabled && a->host_pool() == nullptr) return dymem::SetError("the host-inputs arena could not be reserved");
-  dymem::g_host_inputs.store(enabled != 0, std::memory_order_relaxed);
+  dymem::SetHostInputsEnabled(enabled != 0);
   return 0;
 }
 
@@ -765,7 +348,7 @@ int dymem_gtbm_set_host_inputs(int enabled) {
 int dymem_gtbm_host_inputs(void) {
   dymem::GtbmAllocator* a = dymem::ActiveAllocator();
   if (a == nullptr) return -1;
-  return dymem::g_host_inputs.load(std::memory_order_relaxed) && a->host_pool() != nullptr ? 1 : 0;
+  return dymem::HostInputsEnabled() && a->host_pool() != nullptr ? 1 : 0;
 }
 
 // Trace recording: start (discarding any previous trace) with room for max_records allocations, stop, dump as
