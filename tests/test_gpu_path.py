@@ -104,7 +104,45 @@ def test_device_memory_stats_read_the_gpus_when_the_step_trains_on_gpus(monkeypa
     assert resets == ["GPU:0", "GPU:1"]
     cb = callback.DymemCallback(memory_budget="1MiB", verbose=0)
     cb._cap_device_at_budget()
-    assert cb._saved_limit is None  # the CPU pool keeps its limit
+    assert cb._saved_limit == {}  # the CPU pool keeps its limit
+
+
+def test_gpus_that_gtbm_serves_are_measured_and_capped_through_its_pools(monkeypatch):
+    """With every training GPU served by GTBM (DYMEM_GTBM_GPU=1), the probe reads GTBM's GPU pools (reserved bytes:
+    the fragmentation is measured) and the budget caps them for the fit; a GPU on TF's allocator among them sends
+    everything back to get_memory_info. Faked devices and pools: this machine has no GPU, and the pools' own code is
+    tested through the region allocator on the CPU (test_region_allocator_*)."""
+    import tensorflow as tf
+
+    from dymem_tf.keras import callback
+    from dymem_tf.memory import allocator
+
+    pools = {"GPU:0": {"bytes_in_use": 10, "peak_bytes_in_use": 60, "peak_bytes_reserved": 64},
+             "GPU:1": {"bytes_in_use": 20, "peak_bytes_in_use": 50, "peak_bytes_reserved": 80}}
+    limits = {"GPU:0": 1 << 30, "GPU:1": 1 << 30}
+    served, resets = set(pools), []
+    monkeypatch.setattr(callback, "training_gpus", lambda: list(pools))
+    monkeypatch.setattr(allocator, "is_active", lambda: True)
+    monkeypatch.setattr(allocator, "serves_gpu", lambda gpu: gpu in served)
+    monkeypatch.setattr(allocator, "memory_stats", lambda device=None: dict(pools[device]))
+    monkeypatch.setattr(allocator, "reset_peak_stats", lambda device=None: resets.append(("gtbm", device)))
+    monkeypatch.setattr(allocator, "get_memory_limit", lambda device=None: limits[device])
+    monkeypatch.setattr(allocator, "set_memory_limit", lambda value, device=None: limits.__setitem__(device, value))
+    monkeypatch.setattr(tf.config.experimental, "reset_memory_stats", lambda gpu: resets.append(("tf", gpu)))
+    monkeypatch.setattr(tf.config.experimental, "get_memory_info", lambda gpu: {"current": 1, "peak": 2})
+    assert callback.device_memory_stats() == pools["GPU:1"]  # the largest reserved peak
+    callback.reset_device_peaks()
+    assert ("gtbm", "GPU:0") in resets and ("gtbm", "GPU:1") in resets
+    cb = callback.DymemCallback(memory_budget="256MiB", verbose=0)
+    cb._others_bytes = 0
+    cb._cap_device_at_budget()
+    assert limits == {"GPU:0": 256 << 20, "GPU:1": 256 << 20}
+    cb._restore_device_limit()
+    assert limits == {"GPU:0": 1 << 30, "GPU:1": 1 << 30}
+    served.discard("GPU:1")  # one GPU on TF's allocator: GTBM's pools no longer describe the device set
+    assert callback.device_memory_stats() == {"bytes_in_use": 1, "peak_bytes_in_use": 2, "peak_bytes_reserved": 2}
+    cb._cap_device_at_budget()
+    assert cb._saved_limit == {} and limits["GPU:0"] == 1 << 30
 
 
 def test_device_memory_stats_are_gtbms_on_the_cpu():
@@ -201,7 +239,6 @@ def test_the_kernel_registry_is_read_once_per_op_type_and_device_type(monkeypatc
 # GTBM serving GPU memory (issue #12, item 2): opt-in DYMEM_GTBM_GPU=1. No GPU here: what runs is the opt-in without
 # a GPU, the symbols and layout the hook relies on, TF's memory-growth rule, and the region + placement code of the
 # hook through a host stand-in for TF's GPU sub-allocator.
-import ctypes  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import re  # noqa: E402

@@ -398,22 +398,27 @@ class DymemCallback(keras.callbacks.Callback):
         self._say(f"dymem_tf: first step of the {stage + ' ' if stage else ''}plan: {plan.measured_summary()}")
 
     def _cap_device_at_budget(self) -> None:
-        """On the CPU, cap the GTBM device at the budget for this ``fit`` (the budget is the device there), so that a
-        probe that needs more raises instead of succeeding over the budget; :meth:`_restore_device_limit` undoes it.
-        On a GPU nothing is capped: GTBM serves the CPU device only, and TF's GPU allocator has a fixed limit. What
-        the device held besides this model when ``fit`` began (other models of the process) is added to the cap."""
-        self._saved_limit = None
-        if training_gpus() or not allocator.is_active():
+        """Cap the GTBM device at the budget for this ``fit`` (the budget is the device there), so that a probe that
+        needs more raises instead of succeeding over the budget; :meth:`_restore_device_limit` undoes it. That is the
+        CPU device, or every training GPU when GTBM serves them all (``DYMEM_GTBM_GPU=1``); GPUs on TF's allocator
+        keep its fixed limit. What the device held besides this model when ``fit`` began (other models of the
+        process) is added to the cap."""
+        self._saved_limit = {}
+        gpus = training_gpus()
+        devices = gtbm_gpus(gpus) if gpus else ([None] if allocator.is_active() else [])
+        if not devices:
             return
         cap = self.budget_bytes + self._others_bytes  # other models the process holds keep their memory
-        if cap < allocator.get_memory_limit():
-            self._saved_limit = allocator.get_memory_limit()
-            allocator.set_memory_limit(cap)
+        for device in devices:
+            limit = allocator.get_memory_limit(device=device)
+            if cap < limit:
+                allocator.set_memory_limit(cap, device=device)
+                self._saved_limit[device] = limit
 
     def _restore_device_limit(self) -> None:
-        saved, self._saved_limit = getattr(self, "_saved_limit", None), None
-        if saved is not None:
-            allocator.set_memory_limit(saved)
+        saved, self._saved_limit = getattr(self, "_saved_limit", None) or {}, {}
+        for device, limit in saved.items():
+            allocator.set_memory_limit(limit, device=device)
 
     def _too_close(self, measured: int) -> planner.BudgetTooSmallError:
         """The refusal after the least-memory plan fitted with less than PROBE_SLACK of the budget to spare."""
@@ -689,9 +694,18 @@ def _logical_gpus() -> tuple[str, ...]:
     return tuple(d.name.split("device:")[-1] for d in tf.config.list_logical_devices("GPU"))
 
 
+def gtbm_gpus(gpus: list[str]) -> list[str]:
+    """``gpus`` when GTBM serves every one of them (opt-in ``DYMEM_GTBM_GPU=1``, see docs/gpu.md), else []: the
+    callback reads and caps GTBM's GPU pools only when they describe the whole training device set."""
+    return list(gpus) if gpus and allocator.is_active() and all(allocator.serves_gpu(g) for g in gpus) else []
+
+
 def reset_device_peaks() -> None:
-    """Reset the peak counters of the training device: every GPU's (TF's allocator), else GTBM's."""
+    """Reset the peak counters of the training device: every GPU's (GTBM's pool where it serves them, else TF's
+    allocator), else GTBM's CPU device."""
     gpus = training_gpus()
+    for gpu in gtbm_gpus(gpus):
+        allocator.reset_peak_stats(device=gpu)
     for gpu in gpus:
         tf.config.experimental.reset_memory_stats(gpu)
     if not gpus and allocator.is_active():
@@ -700,11 +714,15 @@ def reset_device_peaks() -> None:
 
 def device_memory_stats() -> dict | None:
     """The training device's memory, as GTBM names it (``bytes_in_use``, ``peak_bytes_in_use``,
-    ``peak_bytes_reserved``): GTBM's statistics on the CPU; on GPUs, TF's allocator's (``get_memory_info``: in use
-    and peak, taken as reserved too), the largest over the GPUs; None when neither is available."""
+    ``peak_bytes_reserved``): GTBM's statistics on the CPU, and on GPUs that GTBM serves (the GPU with the largest
+    reserved peak); on other GPUs, TF's allocator's (``get_memory_info``: in use and peak, taken as reserved too: its
+    fragmentation is not measured), the largest over the GPUs; None when neither is available."""
     gpus = training_gpus()
     if not gpus:
         return allocator.memory_stats() if allocator.is_active() else None
+    served = gtbm_gpus(gpus)
+    if served:
+        return max((allocator.memory_stats(device=gpu) for gpu in served), key=lambda s: s["peak_bytes_reserved"])
     infos = [tf.config.experimental.get_memory_info(gpu) for gpu in gpus]
     peak, current = max(int(i["peak"]) for i in infos), max(int(i["current"]) for i in infos)
     return {"bytes_in_use": current, "peak_bytes_in_use": peak, "peak_bytes_reserved": peak}
@@ -771,9 +789,12 @@ def _make_train_function_without_xla(model) -> bool:
 
 def _step_stats(pass_, own) -> dict:
     """One step's row for the dashboard: the device's statistics as ``own`` makes them this fit's (less what the
-    device held besides the model when fit began), the host pool's, and the plan's swap figures."""
+    device held besides the model when fit began), the host pool's, and the plan's swap figures. The device is
+    GTBM's pool of the training GPUs where it serves them all, else GTBM's CPU device."""
     stats = {}
-    if allocator.is_active():
+    if gtbm_gpus(training_gpus()):
+        stats.update(own(device_memory_stats()))
+    elif allocator.is_active():
         stats.update(own(allocator.memory_stats()))
     try:
         from dymem_tf.memory import host_pool
