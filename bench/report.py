@@ -547,6 +547,8 @@ def _max_batch_section(results: dict, d: dict) -> str:
         search += " (doubling, then bisection to ~6% of the answer)"
     elif hows:
         search += " (a coarse figure is a lower bound)"
+    if mb.get("source"):
+        return _saved_max_batch_section(mb, lines)
     lines.append(
         f"{mb.get('model')} at {mb.get('image_size')}x{mb.get('image_size')}, GTBM budget {mb.get('budget')} "
         f"(`DYMEM_DEVICE_MEMORY_LIMIT`: an allocation beyond it fails with ResourceExhaustedError as on a full GPU); "
@@ -562,6 +564,31 @@ def _max_batch_section(results: dict, d: dict) -> str:
         rel = ratio(val / base) if base and val is not None and policy != "none" else "-"
         rows.append([policy, shown, rel, trials])
     lines.append(_table(["policy", "largest batch", "vs none", "trials (✓ fits, ✗ does not)"], rows, "lrrl"))
+    lines.append("")
+    lines.append("![largest batch](img/bench_max_batch.png)")
+    return "\n".join(lines)
+
+
+def _saved_max_batch_section(mb: dict, lines: list[str]) -> str:
+    """Section 3 when it comes from ``bench/largest_batch.py``'s saved searches (not run by this suite)."""
+    if mb.get("error"):
+        lines.append(f"Not available: {mb['error']}. Run `python bench/largest_batch.py --write` first.")
+        return "\n".join(lines)
+    lines.append(
+        f"Not re-run by this suite: the figures are those of `{mb['source']}`, whose trials each train "
+        f"{mb.get('steps')} steps on at least 2,000 samples in a fresh process under a {mb.get('budget')} device "
+        f"({mb.get('model')} at {mb.get('image_size')}x{mb.get('image_size')}); see the section \"Largest batch under a "
+        "512 MiB device: trials that last\" below. *none*: no Dymem; *dymem*: `memory_budget=\"auto\"`.")
+    lines.append("")
+    base = mb.get("policies", {}).get("none", {}).get("max_batch")
+    rows = []
+    for policy, p in mb.get("policies", {}).items():
+        val = p.get("max_batch")
+        trials = ", ".join(f"{b}{'✓' if ok else '✗'}" for b, ok in p.get("trials", []))
+        rel = ratio(val / base) if base and val is not None and policy != "none" else "-"
+        rows.append([policy, "-" if val is None else str(val), rel, p.get("how", ""), trials])
+    lines.append(_table(["policy", "largest batch", "vs none", "search", "trials (✓ fits, ✗ does not)"], rows,
+                        "lrrll"))
     lines.append("")
     lines.append("![largest batch](img/bench_max_batch.png)")
     return "\n".join(lines)

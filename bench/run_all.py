@@ -10,8 +10,10 @@ Sections (every number in the generated file comes from the run that wrote it):
    step time relative to ``none`` measured interleaved (policy order rotated every round, median of the rounds).
 2. ``bfc``      measured, CPU: the ``none`` run once more on TensorFlow's BFC allocator
    (``TF_CPU_ALLOCATOR_USE_BFC=true DYMEM_GTBM=0``) against GTBM's peak reserved.
-3. ``maxbatch`` measured, CPU: largest ResNet-50 batch under a 512 MiB budget, none vs dymem
-   (``examples/find_max_batch.max_batch``; ``--quick``: 2-3 trials per policy around an estimate).
+3. ``maxbatch`` measured, CPU: largest ResNet-50 batch under a 512 MiB budget, no Dymem vs ``memory_budget="auto"``.
+   Full mode reads the searches of ``bench/largest_batch.py`` (docs/largest_batch.json: trials of 20 steps on
+   2,000+ samples, 15+ min per search, run separately); ``--quick`` runs 2-3 two-step trials per policy around an
+   estimate (``examples/find_max_batch``), which a run that lasts may not confirm.
 4. ``modelled`` simulator, h200 profile: ``dry_run.trace_train_step`` + ``plan_all``; no training.
 5. ``replay``   GTBM vs best fit vs first fit vs the lower bound on traces recorded from training steps
    (``bench/record_traces.py``, cached in ``build/traces``) and on the public DSA instances.
@@ -60,8 +62,8 @@ FULL = {
                "densenet121": {"image_size": 64, "batch": 16}, "inception_v3": {"image_size": 96, "batch": 16}},
     "steps": 4, "rounds": 2,
     "bfc_models": ("vgg16", "resnet50", "inception_v3"),  # densenet121's extra run would cost ~1 min more
-    "max_batch": {"model": "resnet50", "image_size": 64, "budget": "512MiB", "steps": 2,
-                  "policies": ("none", "dymem"), "search": "bisect"},
+    "max_batch": {"model": "resnet50", "image_size": 64, "budget": "512MiB", "steps": 20,
+                  "policies": ("none", "dymem"), "search": "saved", "optimizer": "sgd"},
     "traces": {"models": ("resnet50", "densenet121", "inception_v3"), "batch": 16, "warmup": 1, "steps": 2,
                "policy": "dymem"},
     "modelled": {"models": ("vgg16", "resnet50", "densenet121", "inception_v3"), "batch": 64, "profile": "h200"},
@@ -266,10 +268,43 @@ def estimate_max_batch(summary: dict | None, budget_bytes: int) -> int | None:
     return max(1, int((budget_bytes - persistent) / per_sample))
 
 
+#: What bench/largest_batch.py writes: per optimizer, per mode, the largest batch and every trial.
+LARGEST_BATCH_JSON = os.path.join(REPO, "docs", "largest_batch.json")
+
+
+def saved_max_batch(cfg: dict, path: str = LARGEST_BATCH_JSON) -> dict:
+    """Section 3 from ``bench/largest_batch.py``'s saved searches (``cfg["max_batch"]["optimizer"]``, modes *plain*
+    and *auto*) in this section's shape: *none* is no Dymem, *dymem* is ``memory_budget="auto"``."""
+    mb = cfg["max_batch"]
+    out = {"model": mb["model"], "image_size": mb["image_size"], "budget": mb["budget"], "steps": mb["steps"],
+           "policies": {}, "source": f"bench/largest_batch.py --optimizers {mb['optimizer']} ({os.path.relpath(path, REPO)})"}
+    try:
+        with open(path) as fh:
+            saved = json.load(fh).get(mb["optimizer"], {})
+    except (OSError, ValueError) as err:
+        out["error"] = f"no saved searches: {err}"
+        return out
+    for policy, mode in (("none", "plain"), ("dymem", "auto")):
+        search = saved.get(mode)
+        if not search:
+            continue
+        budget = units.parse_bytes(mb["budget"])
+        trials = [(t["batch"], t.get("outcome") == "trained" and t.get("steps_run") == mb["steps"]
+                   and max(t.get("peaks") or [budget + 1]) <= budget) for t in search.get("trials", [])]
+        how = f"largest_batch.py --modes {mode}" + (f" at commit {search['commit']}" if search.get("commit") else "")
+        out["policies"][policy] = {"max_batch": search.get("largest"), "exact": True, "trials": trials, "how": how}
+    out["search"] = out["source"]
+    return out
+
+
 def run_max_batch(cfg: dict, matrix: dict | None, progress: Progress, save) -> dict:
     import find_max_batch
 
     mb = cfg["max_batch"]
+    if mb["search"] == "saved":
+        out = saved_max_batch(cfg)
+        progress.note(f"section 3 read from {out['source']}")
+        return out
     budget_bytes = units.parse_bytes(mb["budget"])
     summary = report.summarize_matrix(matrix) if matrix else {}
     out = {"model": mb["model"], "image_size": mb["image_size"], "budget": mb["budget"], "steps": mb["steps"],
@@ -429,7 +464,7 @@ def _estimate_jobs(cfg: dict, sections: set[str]) -> int:
         n += len(cfg["models"]) * len(POLICIES) * cfg["rounds"]
     if "bfc" in sections:
         n += len(cfg["bfc_models"])
-    if "maxbatch" in sections:
+    if "maxbatch" in sections and cfg["max_batch"]["search"] != "saved":
         n += len(cfg["max_batch"]["policies"]) * (6 if cfg["max_batch"]["search"] == "bisect" else 3)
     if "traces" in sections:
         n += len(cfg["traces"]["models"])

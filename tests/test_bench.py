@@ -317,7 +317,6 @@ def test_max_batch_search_records_trials(monkeypatch, search):
 
 
 def test_budget_reliability_cli_checks_its_arguments_and_renders_a_saved_run(tmp_path):
-    import json
     import subprocess
     import sys
 
@@ -416,3 +415,27 @@ def test_run_all_keeps_the_sections_other_scripts_wrote(tmp_path):
     kept = run_all._kept_sections(str(path))
     assert [kept.index(x) < kept.index(y) for x, y in (("BR", "LB"), ("LB", "TD"))] == [True, True]
     assert "free text" not in kept and "# old" not in kept
+
+
+def test_section_3_reads_the_searches_that_last(tmp_path):
+    """Full mode takes section 3 from bench/largest_batch.py's saved 20-step searches: a trial fits only when it
+    trained every step under the budget, and the anchor ratio is auto over plain."""
+    def trial(batch, outcome, peak_mib, steps=20):
+        return {"batch": batch, "outcome": outcome, "steps_run": steps, "peaks": [peak_mib * MiB] * steps}
+
+    saved = {"sgd": {"plain": {"largest": 30, "trials": [trial(30, "trained", 500), trial(40, "oom", 0, 1),
+                                                          trial(35, "trained", 513)]},
+                     "auto": {"largest": 150, "commit": "abc1234",
+                              "trials": [trial(150, "trained", 480), trial(160, "refused", 0, 0)]}}}
+    path = tmp_path / "largest_batch.json"
+    path.write_text(json.dumps(saved))
+    out = run_all.saved_max_batch(run_all.FULL, str(path))
+    assert out["policies"]["none"]["max_batch"] == 30 and out["policies"]["dymem"]["max_batch"] == 150
+    assert out["policies"]["none"]["trials"] == [(30, True), (40, False), (35, False)]  # 513 MiB > 512 MiB
+    assert "abc1234" in out["policies"]["dymem"]["how"]
+    d = report.derive({"meta": {}, "max_batch": out})
+    assert d["anchors"]["max_batch_ratio"] == pytest.approx(5.0)
+    md = report.render_markdown({"meta": {}, "max_batch": out})
+    assert "Not re-run by this suite" in md and "150✓, 160✗" in md
+    missing = run_all.saved_max_batch(run_all.FULL, str(tmp_path / "nope.json"))
+    assert "error" in missing and "largest_batch.py --write" in report.render_markdown({"meta": {}, "max_batch": missing})
