@@ -181,11 +181,36 @@ def forced_auto_jit_flag() -> str | None:
     return None
 
 
-@contextlib.contextmanager
 def autoclustering_off():
     """Run the ``tf.function`` calls inside with XLA auto-clustering explicitly off (``global_jit_level=OFF``),
     on this thread only, whatever ``tf.config.optimizer.set_jit`` says: a function instantiated inside keeps its
     ops out of XLA clusters. TF builds each call's ``config_proto`` from the thread's function call options."""
+    from tensorflow.core.protobuf import config_pb2
+
+    return _global_jit_level(config_pb2.OptimizerOptions.OFF)
+
+
+def autoclustering_on():
+    """Run the ``tf.function`` calls inside with XLA auto-clustering on (``global_jit_level=ON_2``), on this thread
+    only, as ``tf.config.optimizer.set_jit("autoclustering")`` would. On the CPU, XLA clusters only with
+    ``TF_XLA_FLAGS=--tf_xla_cpu_global_jit`` set before TensorFlow starts (see :func:`cpu_autoclustering_enabled`)."""
+    from tensorflow.core.protobuf import config_pb2
+
+    return _global_jit_level(config_pb2.OptimizerOptions.ON_2)
+
+
+def cpu_autoclustering_enabled() -> bool:
+    """Whether ``TF_XLA_FLAGS`` lets auto-clustering cluster ops placed on the CPU (``--tf_xla_cpu_global_jit``)."""
+    for token in os.environ.get("TF_XLA_FLAGS", "").split():
+        name, _, value = token.partition("=")
+        if name == "--tf_xla_cpu_global_jit":
+            return value.strip().lower() not in ("0", "false")
+    return False
+
+
+@contextlib.contextmanager
+def _global_jit_level(level):
+    """The ``tf.function`` calls inside run with ``global_jit_level=level`` (this thread only)."""
     from tensorflow.core.protobuf import config_pb2
     from tensorflow.python.eager import context
 
@@ -194,7 +219,7 @@ def autoclustering_off():
     options = copy.copy(ctx.function_call_options)
     config = config_pb2.ConfigProto()
     config.ParseFromString(options.config_proto_serialized)
-    config.graph_options.optimizer_options.global_jit_level = config_pb2.OptimizerOptions.OFF
+    config.graph_options.optimizer_options.global_jit_level = level
     options.config_proto_serialized = config
     ctx.function_call_options = options
     try:

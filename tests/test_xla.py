@@ -1,9 +1,10 @@
 """XLA and the callback (issue #12, item 4): XLA is off for a train step that swaps, and given back when the plan
 swaps nothing; auto-clustering (``tf.config.optimizer.set_jit``) is turned off for the rewritten step only.
 
-Why ``DymemCallback(xla="auto")`` (clusters between the swap ops) is not offered is in docs/gpu.md: XLA's clustering
-passes run before Dymem's pass, and on TF 2.21's CPU auto-jit they put the whole step into clusters (the pass then
-sees no gradient op; ``test_auto_clustering_is_off_for_the_rewritten_step_only`` shows it).
+By default Dymem's pass runs after XLA's clustering passes, which on TF 2.21's CPU auto-jit put the whole step into
+clusters (the pass then sees no gradient op; ``test_auto_clustering_is_off_for_the_rewritten_step_only`` shows it).
+``DymemCallback(xla="auto")`` moves the pass before them: the step is auto-clustered around its swap ops
+(``test_xla_auto_clusters_the_step_around_its_swap_ops``).
 """
 from __future__ import annotations
 
@@ -157,3 +158,66 @@ def test_auto_clustering_is_off_for_the_rewritten_step_only(python_subprocess):
     assert "auto-clustering (tf.config.optimizer.set_jit)" in proc.stdout
     assert "the plan swaps nothing, so the train step runs with XLA" in proc.stdout
     np.testing.assert_allclose(none_loss, clustered_loss, rtol=1e-4)
+
+
+XLA_AUTO = r"""
+import json, keras, numpy as np, tensorflow as tf
+import dymem_tf
+from dymem_tf.memory import allocator, host_pool
+keras.utils.set_random_seed(1)
+inp = keras.Input((32, 32, 3))
+h = inp
+for filters in (16, 32):
+    h = keras.layers.Conv2D(filters, 3, padding="same", activation="relu")(h)
+    h = keras.layers.Conv2D(filters, 3, padding="same", activation="relu")(h)
+    h = keras.layers.MaxPooling2D()(h)
+model = keras.Model(inp, keras.layers.Dense(10)(keras.layers.GlobalAveragePooling2D()(h)))
+model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=MODE_JIT)
+rng = np.random.default_rng(0)
+x, y = rng.uniform(size=(48, 32, 32, 3)).astype("float32"), rng.integers(0, 10, 48)
+callbacks = []
+if MODE == "auto":
+    callbacks = [dymem_tf.DymemCallback(xla="auto", min_swap_bytes=0, verbose=1)]
+else:
+    tf.config.optimizer.set_jit("autoclustering")
+allocator.reset_peak_stats()
+hist = model.fit(x, y, batch_size=16, shuffle=False, verbose=0, callbacks=callbacks)
+print("RESULT " + json.dumps({"loss": hist.history["loss"], "peak": allocator.memory_stats()["peak_bytes_in_use"],
+                              "swaps": len(callbacks[0].plan.swaps) if callbacks else 0,
+                              "host_peak": host_pool.host_pool_stats()["peak_bytes_in_use"]}))
+"""
+
+
+def _xla_auto_run(python_subprocess, mode: str, jit_compile: bool = False) -> tuple[dict, str]:
+    code = XLA_AUTO.replace("MODE_JIT", str(jit_compile)).replace("MODE", repr(mode))
+    proc = python_subprocess(code, env={"TF_XLA_FLAGS": "--tf_xla_cpu_global_jit", "TF_CPP_MIN_LOG_LEVEL": "0",
+                                        "TF_ENABLE_ONEDNN_OPTS": "0"}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.split("RESULT ", 1)[1]), proc.stdout + proc.stderr
+
+
+def test_xla_auto_clusters_the_step_around_its_swap_ops(python_subprocess):
+    """``xla="auto"`` (CPU auto-jit): the pass plans and inserts the swaps before XLA's clustering passes, XLA compiles
+    clusters of the step (the only function run with clustering on), the swap ops run (the host pool holds the
+    swapped tensors), the loss matches the plainly auto-clustered run's and the measured peak is lower than it;
+    ``jit_compile=True`` is replaced by auto-clustering, with a message."""
+    auto, auto_log = _xla_auto_run(python_subprocess, "auto", jit_compile=True)
+    clustered, clustered_log = _xla_auto_run(python_subprocess, "clustered")
+    assert "Compiled cluster using XLA" in clustered_log
+    assert "Compiled cluster using XLA" in auto_log, auto_log[-3000:]
+    assert "auto-clustered around them instead" in auto_log
+    assert auto["swaps"] > 0 and auto["host_peak"] > 0
+    np.testing.assert_allclose(auto["loss"], clustered["loss"], rtol=1e-5)
+    assert auto["peak"] < clustered["peak"], (auto, clustered)
+
+
+def test_xla_auto_warns_on_the_cpu_without_cpu_auto_jit(monkeypatch):
+    from dymem_tf.keras import callback
+
+    monkeypatch.delenv("TF_XLA_FLAGS", raising=False)
+    cb = dymem_tf.DymemCallback(xla="auto", verbose=0)
+    with pytest.warns(RuntimeWarning, match="--tf_xla_cpu_global_jit"):
+        cb._say_auto_clustering([])
+    assert callback.XLA_MODES == (None, "auto")
+    with pytest.raises(ValueError, match="unknown xla 'on'"):
+        dymem_tf.DymemCallback(xla="on")

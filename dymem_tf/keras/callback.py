@@ -18,6 +18,8 @@ from dymem_tf.passes import graph_pass, step_pass
 from dymem_tf.planning import device_profiles, first_step, memory_model, planner, simulator
 
 POLICIES = planner.POLICIES
+#: ``DymemCallback(xla=...)``: None (no XLA while the step swaps) or "auto" (auto-clustering around the swap ops).
+XLA_MODES = (None, "auto")
 
 
 class DymemCallback(keras.callbacks.Callback):
@@ -52,13 +54,20 @@ class DymemCallback(keras.callbacks.Callback):
             guarded) and plan again from what it measured (see :mod:`dymem_tf.planning.first_step`); on the CPU the GTBM
             device is capped at the budget for the ``fit``. ``False`` plans for the budget from the model alone,
             with the fixed default headroom.
+        xla: ``None`` (default): a step that swaps runs without XLA (an XLA cluster would swallow the swap ops); a
+            plan that swaps nothing gives the step back to the XLA settings you chose. ``"auto"``: the train step
+            runs with XLA auto-clustering *around* the swap ops: Dymem's pass plans and inserts them before XLA's
+            clustering passes (still after Grappler), the swap ops have no XLA kernel and stay outside, and clusters
+            form between them. ``jit_compile=True`` (one cluster for the whole step) still cannot be kept. On the
+            CPU, XLA clusters only with ``TF_XLA_FLAGS=--tf_xla_cpu_global_jit``. The planner does not model XLA's
+            own buffers; under a ``memory_budget`` the calibrated first step measures them. See docs/gpu.md.
         verbose: 0 silent, 1 prints the plan summary when the step is traced.
     """
 
     def __init__(self, memory_budget=None, policy: str = "dymem", device=None, swapin_ahead: int = 1,
                  min_swap_bytes: int = 1 << 16, log_dir: str | None = None, trace_allocations: bool = False,
                  defer_updates: bool = True, calibrate: bool = True, offload_optimizer_state: bool = True,
-                 verbose: int = 1):
+                 xla: str | None = None, verbose: int = 1):
         super().__init__()
         compat.check_versions()  # a clear error now, not a missing attribute inside fit
         if not isinstance(policy, str) or policy not in POLICIES:
@@ -81,6 +90,9 @@ class DymemCallback(keras.callbacks.Callback):
             raise TypeError(f"offload_optimizer_state must be True or False, got {offload_optimizer_state!r}")
         if not isinstance(calibrate, bool):
             raise TypeError(f"calibrate must be True or False, got {calibrate!r}")
+        if xla not in XLA_MODES:
+            raise ValueError(f"unknown xla {xla!r}: choose None (no XLA while the step swaps) or 'auto' "
+                             "(auto-clustering around the swap ops)")
         if isinstance(verbose, bool):
             verbose = int(verbose)
         if not isinstance(verbose, int) or verbose not in (0, 1, 2):
@@ -96,6 +108,7 @@ class DymemCallback(keras.callbacks.Callback):
         self.trace_allocations = trace_allocations
         self.calibrate = calibrate
         self.offload_optimizer_state = offload_optimizer_state
+        self.xla = xla
         self.verbose = verbose
         self.pass_ = step_pass.StepPass(step_pass.PassConfig(
             policy=policy, budget_bytes=self.budget_bytes, device=self.profile, swapin_ahead=swapin_ahead,
@@ -195,6 +208,9 @@ class DymemCallback(keras.callbacks.Callback):
         asked = []
         if _make_train_function_without_xla(model):
             asked.append("jit_compile=True")
+        if self.xla == "auto":
+            self._say_auto_clustering(asked)
+            return []  # the step stays auto-clustered whatever its plan
         if compat.autoclustering_requested():
             asked.append("auto-clustering (tf.config.optimizer.set_jit)")
         forced = compat.forced_auto_jit_flag()
@@ -207,6 +223,24 @@ class DymemCallback(keras.callbacks.Callback):
                       "off if the plan swaps: an XLA cluster would swallow the swap ops. A plan that swaps nothing "
                       "gives the step back to XLA.")
         return asked
+
+    def _say_auto_clustering(self, asked: list[str]) -> None:
+        """``xla="auto"``: say how the step runs, and warn when XLA cannot cluster it on this machine."""
+        if asked:
+            self._say("dymem_tf: jit_compile=True would compile the whole train step as one XLA cluster, which "
+                      "would swallow the swap ops: with xla='auto' the step is auto-clustered around them instead.")
+        if not training_gpus() and not compat.cpu_autoclustering_enabled():
+            self._warn("dymem_tf: xla='auto' on the CPU: XLA clusters CPU ops only with "
+                       "TF_XLA_FLAGS=--tf_xla_cpu_global_jit set before TensorFlow starts; without it the step runs "
+                       "unclustered.")
+
+    def _step_clustering(self):
+        """The XLA auto-clustering the train step's calls run under: on around the swap ops with ``xla="auto"``,
+        explicitly off where the user turned it on for every function (it would swallow the swap ops), else as
+        TF's configuration says."""
+        if self.xla == "auto":
+            return compat.autoclustering_on()
+        return compat.autoclustering_off() if compat.autoclustering_requested() else contextlib.nullcontext()
 
     def _restore_xla(self) -> None:
         """The plan of the train function's first step swaps nothing: from the next step on, run the train step as
@@ -235,9 +269,9 @@ class DymemCallback(keras.callbacks.Callback):
             seen_records = len(callback.pass_.records)
             seen = seen_records + len(callback.pass_.skipped)
             before = callback._peak_stats(reset=first)
-            xla_off = compat.autoclustering_off() if compat.autoclustering_requested() else contextlib.nullcontext()
+            clustering = callback._step_clustering()
             try:
-                with graph_pass.armed(callback.pass_), xla_off:
+                with graph_pass.armed(callback.pass_, before_xla=callback.xla == "auto"), clustering:
                     outputs = train_function(iterator)
             except tf.errors.ResourceExhaustedError:
                 callback._measure_first_step(seen_records, before, "out_of_memory")

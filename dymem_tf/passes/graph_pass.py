@@ -82,6 +82,8 @@ def _library():
         lib.dymem_pass_graph_def.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_char_p)]
         lib.dymem_pass_graph_def.restype = ctypes.c_int64
         lib.dymem_pass_fail.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+        lib.dymem_pass_set_before_xla.argtypes = [ctypes.c_int]
+        lib.dymem_pass_set_before_xla.restype = ctypes.c_int
         _state["lib"] = lib
     return _state["lib"]
 
@@ -112,18 +114,23 @@ def _install() -> None:
 
 
 @contextlib.contextmanager
-def armed(listener: Callable[[PassCall], None]):
-    """Offer graphs instantiated inside this block to ``listener`` (the innermost block wins)."""
+def armed(listener: Callable[[PassCall], None], before_xla: bool = False):
+    """Offer graphs instantiated inside this block to ``listener`` (the innermost block wins).
+
+    ``before_xla``: offer them before XLA's auto-clustering passes instead of after (for a step that is to be
+    auto-clustered around its swap ops); the graph is Grappler's either way."""
     _install()
     lib = _library()
     with _lock:
         _listeners.append(listener)
         lib.dymem_pass_arm(1)
+        previous = lib.dymem_pass_set_before_xla(int(before_xla))
     try:
         yield
     finally:
         with _lock:
             _listeners.remove(listener)
+            lib.dymem_pass_set_before_xla(previous)
             lib.dymem_pass_arm(-1)
 
 

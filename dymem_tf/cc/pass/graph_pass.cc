@@ -34,8 +34,14 @@ using Handler = int (*)(void* call, const char* function_name, const char* graph
 constexpr int kContinue = 0;
 constexpr int kFail = 1;
 
+// The two phases of POST_REWRITE_FOR_EXEC the pass is registered at: before XLA's clustering passes (phases 3-60)
+// and after them. Only the one Python chose acts (kAfterXla unless the step is to be auto-clustered).
+constexpr int kBeforeXla = 1;
+constexpr int kAfterXla = 100;
+
 std::atomic<Handler> g_handler{nullptr};
 std::atomic<int> g_armed{0};
+std::atomic<int> g_phase{kAfterXla};
 std::atomic<int64_t> g_handled{0};
 
 // State of one handler call, passed to Python as an opaque pointer.
@@ -99,12 +105,14 @@ std::string FunctionName(const tensorflow::GraphOptimizationPassOptions& options
   return options.function_def != nullptr ? options.function_def->signature().name() : std::string();
 }
 
+template <int kPhase>
 class DymemStepPass : public tensorflow::GraphOptimizationPass {
  public:
-  // Offers the graph to the Python planner when armed; a planner failure leaves the graph as it was.
+  // Offers the graph to the Python planner when armed for this phase; a planner failure leaves the graph as it was.
   absl::Status Run(const tensorflow::GraphOptimizationPassOptions& options) override {
     Handler handler = g_handler.load();
-    if (handler == nullptr || g_armed.load() <= 0 || options.graph == nullptr || *options.graph == nullptr) {
+    if (handler == nullptr || g_armed.load() <= 0 || g_phase.load() != kPhase || options.graph == nullptr ||
+        *options.graph == nullptr) {
       return absl::OkStatus();
     }
     tensorflow::Graph* graph = options.graph->get();
@@ -121,11 +129,21 @@ class DymemStepPass : public tensorflow::GraphOptimizationPass {
   }
 };
 
+using DymemStepPassAfterXla = DymemStepPass<kAfterXla>;
+using DymemStepPassBeforeXla = DymemStepPass<kBeforeXla>;
+
 }  // namespace
 }  // namespace dymem
 
-// After XLA's clustering passes (phases 3-60 of the same grouping): swap ops never land inside a cluster.
-REGISTER_OPTIMIZATION(tensorflow::OptimizationPassRegistry::POST_REWRITE_FOR_EXEC, 100, dymem::DymemStepPass);
+// After XLA's clustering passes (phases 3-60 of the same grouping): swap ops never land inside a cluster. The
+// default: a step that swaps runs without XLA.
+REGISTER_OPTIMIZATION(tensorflow::OptimizationPassRegistry::POST_REWRITE_FOR_EXEC, dymem::kAfterXla,
+                      dymem::DymemStepPassAfterXla);
+// Before them, for a step auto-clustered around its swap ops (DymemCallback(xla="auto")): the swap ops have no XLA
+// kernel, so MarkForCompilationPass leaves them out, and a cluster cannot hold both ends of a swap (that would
+// close a cycle through the swap ops): clusters form between them and every swapped tensor is a cluster output.
+REGISTER_OPTIMIZATION(tensorflow::OptimizationPassRegistry::POST_REWRITE_FOR_EXEC, dymem::kBeforeXla,
+                      dymem::DymemStepPassBeforeXla);
 
 extern "C" {
 
@@ -136,6 +154,11 @@ __attribute__((visibility("default"))) void dymem_pass_set_handler(dymem::Handle
 
 // Arms (+1) or disarms (-1) the pass; it offers graphs to the handler while the count is positive.
 __attribute__((visibility("default"))) int dymem_pass_arm(int delta) { return dymem::g_armed.fetch_add(delta) + delta; }
+
+// Makes the pass act before XLA's clustering passes (1) or after them (0, the default); returns the previous choice.
+__attribute__((visibility("default"))) int dymem_pass_set_before_xla(int before) {
+  return dymem::g_phase.exchange(before ? dymem::kBeforeXla : dymem::kAfterXla) == dymem::kBeforeXla ? 1 : 0;
+}
 
 // How many graphs were offered to the handler since the library was loaded.
 __attribute__((visibility("default"))) int64_t dymem_pass_handled(void) { return dymem::g_handled.load(); }
