@@ -70,14 +70,14 @@ def bring_back_variables(variables) -> int:
     """:func:`bring_back_variable` for each of ``variables`` on a CPU device (for a distributed variable, each
     replica's); returns how many were offloaded."""
     count = 0
-    for v in _components(variables):
+    for v in variable_components(variables):
         handle = variable_handle(v)
         if handle is not None and "GPU" not in (handle.device or "").upper():
             count += bring_back_variable(v)
     return count
 
 
-def _components(variables):
+def variable_components(variables):
     """Each variable, or for a distributed one its per-replica variables (``.values``)."""
     for v in variables:
         if variable_handle(v) is not None:

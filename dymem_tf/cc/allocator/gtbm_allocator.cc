@@ -245,6 +245,10 @@ int dymem_gtbm_is_active(void) {
 // inputs are off); any other value pushes "no override" (keeps push/pop balanced).
 void dymem_gtbm_push_mobility(int group) { dymem::PushOverride(group); }
 
+// As dymem_gtbm_push_mobility, but an override the thread already has wins (the variable swap-in's default
+// "mobile" gives way to a caller's explicit group, e.g. persistent when dymem_tf re-places the weights).
+void dymem_gtbm_push_default_mobility(int group) { dymem::PushDefaultOverride(group); }
+
 // Ends the calling thread's innermost dymem_gtbm_push_mobility.
 void dymem_gtbm_pop_mobility(void) { dymem::PopOverride(); }
 

@@ -94,6 +94,11 @@ int CurrentOverride() {
   return depth > 0 ? t_override[depth - 1] : -1;
 }
 
+void PushDefaultOverride(int group) {
+  const int current = CurrentOverride();
+  PushOverride(current >= 0 ? current : group);
+}
+
 void PushOverride(int group) {
   if (t_override_depth < kMaxOverrideDepth) {
     t_override[t_override_depth] = (group >= 0 && group <= kHost) ? group : -1;

@@ -21,6 +21,8 @@ int CurrentOverride();
 void PushOverride(int group);
 // Drops the calling thread's innermost override (no-op when it has none).
 void PopOverride();
+// Pushes the calling thread's innermost override again when there is one, else `group` (balanced like a push).
+void PushDefaultOverride(int group);
 
 // Replaces the op-name -> group map from "op_name<TAB>group" lines; returns the entry count, or -1 with *error set
 // (map unchanged) on a bad line.

@@ -16,6 +16,7 @@ namespace {
 
 struct MobilityHooks {
   void (*push)(int) = nullptr;
+  void (*push_default)(int) = nullptr;
   void (*pop)() = nullptr;
 };
 
@@ -35,6 +36,7 @@ int FindGtbmLibrary(struct dl_phdr_info* info, size_t /*size*/, void* data) {
 MobilityHooks ResolveMobilityHooks() {
   MobilityHooks hooks;
   void* push = dlsym(RTLD_DEFAULT, "dymem_gtbm_push_mobility");
+  void* push_default = dlsym(RTLD_DEFAULT, "dymem_gtbm_push_default_mobility");
   void* pop = dlsym(RTLD_DEFAULT, "dymem_gtbm_pop_mobility");
 #if defined(__linux__)
   if (push == nullptr || pop == nullptr) {
@@ -44,6 +46,7 @@ MobilityHooks ResolveMobilityHooks() {
     void* handle = path.empty() ? nullptr : dlopen(path.c_str(), RTLD_NOW | RTLD_NOLOAD);
     if (handle != nullptr) {
       push = dlsym(handle, "dymem_gtbm_push_mobility");
+      push_default = dlsym(handle, "dymem_gtbm_push_default_mobility");
       pop = dlsym(handle, "dymem_gtbm_pop_mobility");
     }
   }
@@ -51,6 +54,8 @@ MobilityHooks ResolveMobilityHooks() {
   if (push != nullptr && pop != nullptr) {  // both or neither: an unbalanced push would leak a tag
     hooks.push = reinterpret_cast<void (*)(int)>(push);
     hooks.pop = reinterpret_cast<void (*)()>(pop);
+    // the same library exports both pushes; without the second, a default push is a plain one
+    hooks.push_default = reinterpret_cast<void (*)(int)>(push_default != nullptr ? push_default : push);
   }
   return hooks;
 }
@@ -66,8 +71,9 @@ const MobilityHooks& Hooks() {
 
 void GetMobilityHooks() { Hooks(); }
 
-ScopedMobility::ScopedMobility(int group) {
-  if (Hooks().push != nullptr) Hooks().push(group);
+ScopedMobility::ScopedMobility(int group, bool yield_to_caller) {
+  void (*push)(int) = yield_to_caller ? Hooks().push_default : Hooks().push;
+  if (push != nullptr) push(group);
 }
 
 ScopedMobility::~ScopedMobility() {

@@ -14,7 +14,8 @@ void GetMobilityHooks();
 // Tags the allocations made on this thread while it lives (GTBM keeps the tag in a thread-local stack).
 class ScopedMobility {
  public:
-  explicit ScopedMobility(int group);
+  // `yield_to_caller`: a group the thread already set (allocator.mobility in Python) wins over `group`.
+  explicit ScopedMobility(int group, bool yield_to_caller = false);
   ~ScopedMobility();
   ScopedMobility(const ScopedMobility&) = delete;
   ScopedMobility& operator=(const ScopedMobility&) = delete;

@@ -145,7 +145,7 @@ class DymemVariableSwapInOp : public OpKernel {
     Tensor device;
     absl::Status s;
     {
-      ScopedMobility mobile(kMobilityMobile);
+      ScopedMobility mobile(kMobilityMobile, /*yield_to_caller=*/true);
       s = ctx->allocate_temp(host.dtype(), host.shape(), &device);
     }
     OP_REQUIRES_OK(ctx, s);  // out of memory: the variable stays offloaded, its value intact
