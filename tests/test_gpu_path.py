@@ -131,6 +131,7 @@ def test_gpus_that_gtbm_serves_are_measured_and_capped_through_its_pools(monkeyp
     monkeypatch.setattr(tf.config.experimental, "reset_memory_stats", lambda gpu: resets.append(("tf", gpu)))
     monkeypatch.setattr(tf.config.experimental, "get_memory_info", lambda gpu: {"current": 1, "peak": 2})
     assert callback.device_memory_stats() == pools["GPU:1"]  # the largest reserved peak
+    assert callback.trace_device() is False  # two GPUs: one plan per replica, no single pool to trace
     callback.reset_device_peaks()
     assert ("gtbm", "GPU:0") in resets and ("gtbm", "GPU:1") in resets
     cb = callback.DymemCallback(memory_budget="256MiB", verbose=0)
@@ -139,6 +140,9 @@ def test_gpus_that_gtbm_serves_are_measured_and_capped_through_its_pools(monkeyp
     assert limits == {"GPU:0": 256 << 20, "GPU:1": 256 << 20}
     cb._restore_device_limit()
     assert limits == {"GPU:0": 1 << 30, "GPU:1": 1 << 30}
+    monkeypatch.setattr(callback, "training_gpus", lambda: ["GPU:0"])
+    assert callback.trace_device() == "GPU:0"  # the probe and the dashboard trace that GPU's pool
+    monkeypatch.setattr(callback, "training_gpus", lambda: list(pools))
     served.discard("GPU:1")  # one GPU on TF's allocator: GTBM's pools no longer describe the device set
     assert callback.device_memory_stats() == {"bytes_in_use": 1, "peak_bytes_in_use": 2, "peak_bytes_reserved": 2}
     cb._cap_device_at_budget()
@@ -150,6 +154,7 @@ def test_device_memory_stats_are_gtbms_on_the_cpu():
     from dymem_tf.memory import allocator
 
     assert callback.training_gpus() == []
+    assert callback.trace_device() is (None if allocator.is_active() else False)
     stats = callback.device_memory_stats()
     assert (stats is None) == (not allocator.is_active())
     if stats is not None:
@@ -313,6 +318,10 @@ def test_gpu_device_arguments():
         allocator.memory_stats("GPU:0")
     with pytest.raises(allocator.GtbmNotActiveError):
         allocator.set_memory_limit("1GiB", device="/device:GPU:0")
+    for call in (lambda: allocator.start_trace(10, device="GPU:0"), lambda: allocator.stop_trace("GPU:0"),
+                 lambda: allocator.trace_info("GPU:0"), lambda: allocator.dump_trace("/nonexistent", "GPU:0")):
+        with pytest.raises(allocator.GtbmNotActiveError, match="GPU:0"):  # the GPU pools' trace, none served here
+            call()
     with pytest.raises(ValueError, match="unknown device"):
         allocator.get_memory_limit("TPU:0")
     assert allocator._gpu_index("/job:localhost/replica:0/task:0/device:GPU:3") == 3

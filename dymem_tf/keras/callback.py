@@ -169,7 +169,8 @@ class DymemCallback(keras.callbacks.Callback):
             self._writer = summaries.DymemSummaryWriter(log_dir, profile=self.profile)
             self._plans_written = len(self.pass_.records)  # plans of an earlier fit are not this run's
             if self.trace_allocations:
-                self._writer.start_allocator_trace()
+                traced = trace_device()
+                self._writer.start_allocator_trace(device=None if traced is False else traced)
 
     def on_train_batch_end(self, batch, logs=None):
         if self._writer is not None:
@@ -349,13 +350,15 @@ class DymemCallback(keras.callbacks.Callback):
 
     def _traced_probe(self, run, iterator):
         """Run the probe step with GTBM's trace on and keep the kernel temporaries it measured in the pass
-        (``pass_.memory``, for the budgeted plan and the calibration); without GTBM just run it."""
-        if not allocator.is_active():
+        (``pass_.memory``, for the budgeted plan and the calibration); without GTBM serving the training device
+        (the CPU, or the one training GPU) just run it."""
+        traced = trace_device()
+        if traced is False:
             return run(iterator)
         with tempfile.TemporaryDirectory(prefix="dymem_probe_") as tmp:
             path = os.path.join(tmp, "probe_trace.csv")
             planned = len(self.pass_.records)
-            with allocator.record_step(path) as trace:
+            with allocator.record_step(path, device=traced) as trace:
                 outputs = run(iterator)
             new = self.pass_.records[planned:]
             if len(new) == 1 and not trace["dropped"]:  # one plan (not one per replica), whole trace
@@ -759,6 +762,16 @@ def gtbm_gpus(gpus: list[str]) -> list[str]:
     """``gpus`` when GTBM serves every one of them (opt-in ``DYMEM_GTBM_GPU=1``, see docs/gpu.md), else []: the
     callback reads and caps GTBM's GPU pools only when they describe the whole training device set."""
     return list(gpus) if gpus and allocator.is_active() and all(allocator.serves_gpu(g) for g in gpus) else []
+
+
+def trace_device():
+    """The GTBM pool whose trace shows the training step: None (the CPU device), ``"GPU:<k>"`` (the one training
+    GPU, when GTBM serves it), or False when GTBM serves neither (or the step trains on several GPUs)."""
+    gpus = training_gpus()
+    if not gpus:
+        return None if allocator.is_active() else False
+    served = gtbm_gpus(gpus)
+    return served[0] if len(served) == 1 else False
 
 
 def reset_device_peaks() -> None:

@@ -70,6 +70,7 @@ Native C API (``_dymem_gtbm``; every ``int`` function returns 0 / a count on suc
     int         dymem_gtbm_gpu_trace_start(int tf_device_id, int64_t max_records);
     int         dymem_gtbm_gpu_trace_stop(int tf_device_id);
     int         dymem_gtbm_gpu_trace_dump(int tf_device_id, const char* path);
+    int         dymem_gtbm_gpu_trace_info(int tf_device_id, int64_t* out, int n);
     int         dymem_gtbm_region_selftest(int threads, int64_t ops, uint64_t seed, int64_t region_bytes,
                                            int64_t base_alignment, int64_t refuse_above, int64_t* out, int n);
     int         dymem_replay_run(const char* csv, const char* policy, int64_t block_size, int64_t alignment,
@@ -207,6 +208,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
             "dymem_gtbm_gpu_set_limit": (c_int, [c_int, i64]),
             "dymem_gtbm_gpu_get_limit": (i64, [c_int]),
             "dymem_gtbm_gpu_reset_peak_stats": (c_int, [c_int]),
+            "dymem_gtbm_gpu_trace_start": (c_int, [c_int, i64]),
+            "dymem_gtbm_gpu_trace_stop": (c_int, [c_int]),
+            "dymem_gtbm_gpu_trace_dump": (c_int, [c_int, c_char_p]),
+            "dymem_gtbm_gpu_trace_info": (c_int, [c_int, i64p, c_int]),
             "dymem_gtbm_region_selftest": (c_int, [c_int, i64, ctypes.c_uint64, i64, i64, i64, i64p, c_int]),
         }
         for name, (restype, argtypes) in signatures.items():
@@ -623,43 +628,67 @@ def _loaded_library() -> ctypes.CDLL:
 # --------------------------------------------------------------------------------------------------------------
 # Trace recording.
 
-def start_trace(max_records: int = DEFAULT_MAX_TRACE_RECORDS) -> None:
+def start_trace(max_records: int = DEFAULT_MAX_TRACE_RECORDS, device: str | None = None) -> None:
     """Start recording every allocation and free (discarding any previous trace); at most ``max_records``
-    allocations are kept (about 70 bytes each), later ones are counted in ``trace_info()['dropped']``."""
+    allocations are kept (about 70 bytes each), later ones are counted in ``trace_info()['dropped']``.
+    ``device``: None for the CPU device, or ``"GPU:<k>"`` for a GPU that GTBM serves (each pool has its trace)."""
     if isinstance(max_records, bool) or not isinstance(max_records, int) or max_records <= 0:
         raise ValueError(f"max_records must be a positive int, got {max_records!r}")
+    gpu = _gpu_index(device)
+    if gpu is not None:
+        lib = _gpu_library(gpu)
+        _check(lib, lib.dymem_gtbm_gpu_trace_start(gpu, max_records), f"starting the GPU:{gpu} trace")
+        return
     lib = _active_library()
     _check(lib, lib.dymem_gtbm_trace_start(max_records), "starting the GTBM trace")
 
 
-def stop_trace() -> None:
+def stop_trace(device: str | None = None) -> None:
     """Stop recording (the trace is kept until the next start)."""
+    gpu = _gpu_index(device)
+    if gpu is not None:
+        lib = _gpu_library(gpu)
+        _check(lib, lib.dymem_gtbm_gpu_trace_stop(gpu), f"stopping the GPU:{gpu} trace")
+        return
     lib = _active_library()
     _check(lib, lib.dymem_gtbm_trace_stop(), "stopping the GTBM trace")
 
 
-def trace_info() -> dict:
+def trace_info(device: str | None = None) -> dict:
     """``{"active", "records", "dropped", "events", "max_records"}`` of the current trace."""
-    lib = _active_library()
     values = (ctypes.c_int64 * 5)()
-    _check(lib, lib.dymem_gtbm_trace_info(values, 5), "reading the GTBM trace state")
+    gpu = _gpu_index(device)
+    if gpu is not None:
+        lib = _gpu_library(gpu)
+        _check(lib, lib.dymem_gtbm_gpu_trace_info(gpu, values, 5), f"reading the GPU:{gpu} trace state")
+    else:
+        lib = _active_library()
+        _check(lib, lib.dymem_gtbm_trace_info(values, 5), "reading the GTBM trace state")
     info = dict(zip(("active", "records", "dropped", "events", "max_records"), values))
     info["active"] = bool(info["active"])
     return info
 
 
-def dump_trace(path: str | os.PathLike) -> dict:
+def dump_trace(path: str | os.PathLike, device: str | None = None) -> dict:
     """Write the trace as CSV (``id,lower,upper,size,group,offset,op,step,alloc_ns,free_ns``; the first four
     columns are MiniMalloc's, lower/upper are event indices of a half-open lifetime, unfreed buffers end at the last
     event + 1) and return :func:`trace_info`. Replay it with ``python -m dymem_tf.memory.replay PATH``."""
-    lib = _active_library()
-    _check(lib, lib.dymem_gtbm_trace_dump(os.fsencode(os.fspath(path))), "writing the GTBM trace")
-    return trace_info()
+    target = os.fsencode(os.fspath(path))
+    gpu = _gpu_index(device)
+    if gpu is not None:
+        lib = _gpu_library(gpu)
+        _check(lib, lib.dymem_gtbm_gpu_trace_dump(gpu, target), f"writing the GPU:{gpu} trace")
+    else:
+        lib = _active_library()
+        _check(lib, lib.dymem_gtbm_trace_dump(target), "writing the GTBM trace")
+    return trace_info(device)
 
 
 @contextlib.contextmanager
-def record_trace(path: str | os.PathLike, max_records: int = DEFAULT_MAX_TRACE_RECORDS) -> Iterator[None]:
-    """Record the allocations made inside the block and write them to ``path`` as CSV on exit.
+def record_trace(path: str | os.PathLike, max_records: int = DEFAULT_MAX_TRACE_RECORDS,
+                 device: str | None = None) -> Iterator[None]:
+    """Record the allocations made inside the block and write them to ``path`` as CSV on exit (``device``: see
+    :func:`start_trace`).
 
     Example::
 
@@ -668,12 +697,12 @@ def record_trace(path: str | os.PathLike, max_records: int = DEFAULT_MAX_TRACE_R
 
     Warns (RuntimeWarning) when the trace was truncated at ``max_records``.
     """
-    start_trace(max_records)
+    start_trace(max_records, device)
     try:
         yield
     finally:
-        stop_trace()
-        info = dump_trace(path)
+        stop_trace(device)
+        info = dump_trace(path, device)
         if info["dropped"]:
             import warnings
 
@@ -686,23 +715,24 @@ def record_trace(path: str | os.PathLike, max_records: int = DEFAULT_MAX_TRACE_R
 
 
 @contextlib.contextmanager
-def record_step(path: str | os.PathLike, max_records: int = DEFAULT_MAX_TRACE_RECORDS) -> Iterator[dict]:
+def record_step(path: str | os.PathLike, max_records: int = DEFAULT_MAX_TRACE_RECORDS,
+                device: str | None = None) -> Iterator[dict]:
     """Write the allocations made inside the block to ``path`` as CSV on exit (see :func:`dump_trace`).
 
     Unlike :func:`record_trace` it joins a trace already being recorded (a ``DymemCallback(trace_allocations=
     True)`` run) instead of restarting it: the file then holds the whole trace, and the dict yielded gets
     ``first_event``, the event index the block's allocations start at (0 for a trace of its own), and ``dropped``
-    (allocations past ``max_records``, not in the file)."""
-    info = trace_info()
+    (allocations past ``max_records``, not in the file). ``device``: see :func:`start_trace`."""
+    info = trace_info(device)
     own = not info["active"]
     if own:
-        start_trace(max_records)
+        start_trace(max_records, device)
     out = {"first_event": 0 if own else int(info["events"]), "dropped": 0}
     dropped_before = 0 if own else int(info["dropped"])
     try:
         yield out
     finally:
         if own:
-            stop_trace()
-        out["dropped"] = int(dump_trace(path)["dropped"]) - dropped_before
+            stop_trace(device)
+        out["dropped"] = int(dump_trace(path, device)["dropped"]) - dropped_before
 

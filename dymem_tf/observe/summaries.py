@@ -118,6 +118,7 @@ class DymemSummaryWriter:
         self._warned: set[str] = set()
         self._closed = False
         self._tracing = False
+        self._trace_device = None  # the pool being traced (None: the CPU device)
         self._plans = 0  # plans written: each gets a line of plans.jsonl, each step the index of the newest
         self._save_meta()
 
@@ -205,29 +206,33 @@ class DymemSummaryWriter:
         os.replace(tmp, target)
         return True
 
-    def start_allocator_trace(self, max_records: int = DEFAULT_TRACE_RECORDS) -> bool:
-        """Start recording the GTBM allocator's allocations (the first ``max_records``); :meth:`close` stops the
-        recording and saves the trace in the run. Returns False, with a warning, when GTBM does not serve the device
-        in this process."""
+    def start_allocator_trace(self, max_records: int = DEFAULT_TRACE_RECORDS, device: str | None = None) -> bool:
+        """Start recording the GTBM allocator's allocations (the first ``max_records``) of ``device`` (None: the
+        CPU device; ``"GPU:<k>"``: a GPU that GTBM serves); :meth:`close` stops the recording and saves the trace in
+        the run. Returns False, with a warning, when GTBM does not serve the device in this process."""
         self._check_open()
         from dymem_tf.memory import allocator
 
-        if not allocator.is_active():
+        served = allocator.is_active() if device is None else allocator.serves_gpu(device)
+        if not served:
             self._warn("trace", "dymem_tf: no allocator trace for TensorBoard: the GTBM allocator does not serve "
-                                "the device in this process (import dymem_tf right after tensorflow)")
+                                "the device in this process (import dymem_tf right after tensorflow; on GPUs, set "
+                                "DYMEM_GTBM_GPU=1)")
             return False
-        allocator.start_trace(max_records)
+        allocator.start_trace(max_records, device)
         self._tracing = True
+        self._trace_device = device
         return True
 
     def _finish_allocator_trace(self) -> None:
         from dymem_tf.memory import allocator
 
         self._tracing = False
-        allocator.stop_trace()
+        device = getattr(self, "_trace_device", None)
+        allocator.stop_trace(device)
         target = os.path.join(self.plugin_dir, logdata.TRACE_FILE)
         tmp = f"{target}.tmp-{os.getpid()}"
-        info = allocator.dump_trace(tmp)
+        info = allocator.dump_trace(tmp, device)
         os.replace(tmp, target)
         if info.get("dropped"):
             self._meta["notes"].append(f"allocator trace truncated: {info['dropped']} allocations beyond "
