@@ -397,13 +397,7 @@ int64_t dymem_gtbm_trace_count(void) {
 int dymem_gtbm_trace_info(int64_t* out, int n) {
   gtbm::Pool* pool = dymem::ActivePool();
   if (pool == nullptr) return -1;
-  const gtbm::TraceInfo info = pool->GetTraceInfo();
-  const int64_t values[] = {info.active ? 1 : 0, static_cast<int64_t>(info.records),
-                            static_cast<int64_t>(info.dropped), static_cast<int64_t>(info.events),
-                            static_cast<int64_t>(info.max_records)};
-  const int count = static_cast<int>(sizeof(values) / sizeof(values[0]));
-  for (int i = 0; i < std::min(n, count); ++i) out[i] = values[i];
-  return count;
+  return gtbm::FlattenTraceInfo(pool->GetTraceInfo(), out, n);
 }
 
 // Byte-count parser shared with the C++ side (for consistency checks from Python): 0 and *out set, or -1.

@@ -18,7 +18,6 @@
 //   - TensorFlow's allocator is not its plain BFC allocator (TF_GPU_ALLOCATOR=cuda_malloc_async / cuda_malloc /
 //     memory_guard, memory-type recording): there is no sub-allocator to take the region from;
 //   - the region cannot be allocated, even at half the size.
-#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -288,15 +287,8 @@ int dymem_gtbm_gpu_trace_stop(int tf_device_id) {
 // Writes min(n, 5) of {active, records, dropped, events, max_records} of GPU `tf_device_id`'s trace; returns 5.
 int dymem_gtbm_gpu_trace_info(int tf_device_id, int64_t* out, int n) {
   if (out == nullptr || n < 0) return dymem::SetError("invalid output array");
-  return dymem::WithGpuPool(tf_device_id, [&](gtbm::Pool* pool) {
-    const gtbm::TraceInfo info = pool->GetTraceInfo();
-    const int64_t values[] = {info.active ? 1 : 0, static_cast<int64_t>(info.records),
-                              static_cast<int64_t>(info.dropped), static_cast<int64_t>(info.events),
-                              static_cast<int64_t>(info.max_records)};
-    const int count = static_cast<int>(sizeof(values) / sizeof(values[0]));
-    for (int i = 0; i < std::min(n, count); ++i) out[i] = values[i];
-    return count;
-  });
+  return dymem::WithGpuPool(tf_device_id,
+                            [&](gtbm::Pool* pool) { return gtbm::FlattenTraceInfo(pool->GetTraceInfo(), out, n); });
 }
 
 // Writes GPU `tf_device_id`'s trace to `path`.

@@ -157,6 +157,9 @@ struct TraceInfo {
   uint64_t max_records = 0;
 };
 
+// Writes min(n, 5) of {active, records, dropped, events, max_records} into `out`; returns 5.
+int FlattenTraceInfo(const TraceInfo& info, int64_t* out, int n);
+
 class Placer;  // one placement policy (placer.h)
 
 class Pool {

@@ -86,4 +86,13 @@ int FlattenStats(const PoolStats& stats, int64_t* out, int n) {
   return i;
 }
 
+int FlattenTraceInfo(const TraceInfo& info, int64_t* out, int n) {
+  const int64_t values[] = {info.active ? 1 : 0, static_cast<int64_t>(info.records),
+                            static_cast<int64_t>(info.dropped), static_cast<int64_t>(info.events),
+                            static_cast<int64_t>(info.max_records)};
+  const int count = static_cast<int>(sizeof(values) / sizeof(values[0]));
+  for (int i = 0; i < n && i < count; ++i) out[i] = values[i];
+  return count;
+}
+
 }  // namespace gtbm
