@@ -1,5 +1,5 @@
 """The planning pipeline, one function for the callback's pass and the dry run: find offloadable state ▶ defer ▶
-order updates after reads ▶ model the state ▶ plan ▶ check triggers.
+order updates after reads ▶ hold early gradient ops ▶ model the state ▶ plan ▶ check triggers.
 
 :func:`plan_step` takes a captured :class:`~dymem_tf.planning.analysis.StepGraph` and the settings of one plan
 (:class:`PlanSettings`) and returns a :class:`PlannedStep`: the graph planned on (with the deferral edges added),
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from dymem_tf.planning import offload, planner, read_ordering, update_deferral
+from dymem_tf.planning import backward_ordering, offload, planner, read_ordering, update_deferral
 from dymem_tf.planning.analysis import StepGraph
 from dymem_tf.planning.cost_model import CostModel
 from dymem_tf.planning.device_profiles import DeviceProfile
@@ -41,7 +41,8 @@ class PlanSettings:
 @dataclasses.dataclass
 class PlannedStep:
     """One step's plan, the graph it was made on, and the control edges the rewrite adds, ``(before, after)``: the
-    deferrals (gradient op, deferred update op) and the read orderings (user of a read, in-place update)."""
+    deferrals (gradient op, deferred update op), the read orderings (user of a read, in-place update) and the holds
+    (anchor, gradient op ready early)."""
 
     step_graph: StepGraph
     plan: Plan
@@ -63,6 +64,14 @@ def read_orderings_for(step_graph: StepGraph, settings: PlanSettings) -> list[tu
     if not _adds_edges(settings):
         return []
     return _outside_conditionals(step_graph, read_ordering.find_read_orderings(step_graph))
+
+
+def holds_for(step_graph: StepGraph, settings: PlanSettings) -> list[tuple[str, str]]:
+    """The edges holding gradient ops that are ready early until their consumers near (same conditions as the
+    deferral)."""
+    if not _adds_edges(settings):
+        return []
+    return _outside_conditionals(step_graph, backward_ordering.find_holds(step_graph))
 
 
 def _adds_edges(settings: PlanSettings) -> bool:
@@ -113,6 +122,9 @@ def plan_step(step_graph: StepGraph, settings: PlanSettings, copy: bool = False)
     orderings = read_orderings_for(graph, settings)
     if orderings:
         graph = update_deferral.defer(graph, orderings)
+    holds = holds_for(graph, settings)
+    if holds:
+        graph = update_deferral.defer(graph, holds)
     modelled = offload.mark(graph, variables)
     plan = planner.make_plan(
         graph, policy=settings.policy, budget_bytes=settings.budget_bytes,
@@ -127,6 +139,9 @@ def plan_step(step_graph: StepGraph, settings: PlanSettings, copy: bool = False)
         updates = len({update for _, update in orderings})
         plan.notes.append(f"{updates} variable updates ordered after the last use of their reads ({len(orderings)} "
                           "edges): they write in place instead of copying the variable")
+    if holds:
+        plan.notes.append(f"{len(holds)} gradient ops ready early held until their consumers near: their outputs "
+                          "no longer wait through the forward pass")
     if settings.memory is not None:
         plan.notes.append(settings.memory.summary())
     if variables:
@@ -137,4 +152,4 @@ def plan_step(step_graph: StepGraph, settings: PlanSettings, copy: bool = False)
     if untriggered:
         plan.notes.append(f"{untriggered} swap-ins start without a trigger: their layers run only inside "
                           "conditional branches")
-    return PlannedStep(graph, plan, deferrals + orderings)
+    return PlannedStep(graph, plan, deferrals + orderings + holds)
