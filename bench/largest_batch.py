@@ -245,6 +245,8 @@ def measured_fit(model, x, y, batch: int, steps: int, callback=None) -> dict:
     sys.path.insert(0, HERE)
     from model_zoo import StepPeaks
 
+    from dymem_tf.memory import allocator
+
     peaks = StepPeaks()
     callbacks = [peaks] if callback is None else [callback, peaks]
     result = {"outcome": "trained"}
@@ -255,7 +257,12 @@ def measured_fit(model, x, y, batch: int, steps: int, callback=None) -> dict:
         result.update(outcome="refused", error=str(err)[:300])
     except tf.errors.ResourceExhaustedError as err:
         result.update(outcome="oom", error=(err.message or "").splitlines()[0][:200])
-    result.update(steps_run=len(peaks.peaks), peaks=peaks.peaks)
+    overflow = allocator.memory_stats()["overflow_to_host_bytes"]
+    if overflow and result["outcome"] == "trained":
+        # the device refused memory that TF cannot do without (a tensor from a Python value, e.g. the model's
+        # initial weights) and GTBM served it from host memory: a device of this budget would not have held it
+        result.update(outcome="overflow", error=f"{overflow} bytes the device refused were served from host memory")
+    result.update(steps_run=len(peaks.peaks), peaks=peaks.peaks, overflow_to_host_bytes=overflow)
     return result
 
 if __name__ == "__main__":

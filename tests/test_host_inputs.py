@@ -230,3 +230,30 @@ def test_input_pipeline_hook_is_installed_once():
     assert allocator.install_input_pipeline_hook() is True
     assert structure.normalize_element is hooked  # not wrapped twice
     assert hooked.__wrapped__.__module__ == structure.__name__
+
+
+PYTHON_VALUE_SCRIPT = """
+import json
+import numpy as np
+import tensorflow as tf
+import dymem_tf
+from dymem_tf.memory import allocator
+values = [float(i % 97) for i in range(4 << 20)]  # 16 MiB of float32 from a Python list, over the 8 MiB budget
+t = tf.constant(values, dtype=tf.float32)
+print("RESULT" + json.dumps({"same": bool(np.array_equal(t.numpy(), np.array(values, np.float32))),
+                             "host": allocator.memory_stats()["host_inputs_bytes_in_use"],
+                             "overflow": allocator.memory_stats()["overflow_to_host_bytes"]}), flush=True)
+"""
+
+
+def test_a_tensor_from_a_python_value_beyond_the_budget_is_served_from_host_memory(python_subprocess):
+    """TF_NewTensor copies a Python value into its new buffer without checking the allocation: a refusal there would
+    crash the process, so GTBM serves such a refused allocation (no op annotation) from its host arena and says so."""
+    import json
+
+    proc = python_subprocess(PYTHON_VALUE_SCRIPT, env={"DYMEM_DEVICE_MEMORY_LIMIT": "8MiB"})
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
+    assert proc.returncode == 0 and lines, (proc.returncode, proc.stderr[-2000:])
+    out = json.loads(lines[-1][len("RESULT"):])
+    assert out["same"] and out["host"] >= 16 * MiB and out["overflow"] >= 16 * MiB, out
+    assert "a tensor made from a Python value (TF_NewTensor)" in proc.stderr

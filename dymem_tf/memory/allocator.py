@@ -291,8 +291,11 @@ def memory_stats(device: str | None = None) -> dict:
     memory, not counted by the budget; see the module docstring) reports ``host_inputs_enabled`` (1 while its rule
     is on), ``host_inputs_bytes_in_use``, ``host_inputs_peak_bytes_in_use``, ``host_inputs_bytes_reserved``,
     ``host_inputs_peak_bytes_reserved``, ``host_inputs_num_allocs``, ``host_inputs_live_allocations``,
-    ``host_inputs_largest_alloc_size`` and ``host_inputs_capacity`` (its address space). (The swap-out host pool's
-    statistics are :func:`dymem_tf.host_pool_stats`.)
+    ``host_inputs_largest_alloc_size`` and ``host_inputs_capacity`` (its address space); ``overflow_to_host_allocs``
+    / ``overflow_to_host_bytes`` count the device allocations it served because the device refused them and
+    TensorFlow could not have handled the refusal (a function's instantiation, a tensor made from a Python value):
+    memory a real device of this budget would not have had. (The swap-out host pool's statistics are
+    :func:`dymem_tf.host_pool_stats`.)
 
     ``device``: None or ``"CPU:0"`` for the CPU device (above); ``"GPU:<k>"`` for a GPU that GTBM serves
     (:func:`serves_gpu`): the same keys without the ``host_inputs_*`` ones (a GPU has no host-inputs region).

@@ -39,7 +39,9 @@
 //      Iterator*, e.g. a step's "IteratorGetNext", which re-creates or produces pipeline tensors on the calling
 //      thread) or an eagerly run dataset constructor (a bare op name containing "Dataset").
 //   d. only when the device pool refuses it, whatever the host-inputs setting: the annotation names a whole
-//      function being instantiated (see IsFunctionInstantiation), whose constant folding cannot handle a refusal.
+//      function being instantiated (see IsFunctionInstantiation), whose constant folding cannot handle a refusal,
+//      or there is no annotation at all: a tensor made from a Python value (TF_NewTensor copies into the buffer
+//      without checking it), which would crash the process; a GPU would hold such a tensor in host memory too.
 // Why not "no annotation means host": tensors converted from Python values carry no annotation, but so do the
 // buffers that variables adopt: TF's AssignVariableOp takes over its input's buffer when it is the only reference,
 // so tf.Variable(numpy_array), Variable.assign(numpy_array) and Keras's set_weights would leave weights uncounted.
@@ -187,16 +189,19 @@ constexpr const char* kHostStatNames[] = {
     "host_inputs_enabled",           "host_inputs_bytes_in_use",      "host_inputs_peak_bytes_in_use",
     "host_inputs_bytes_reserved",    "host_inputs_peak_bytes_reserved", "host_inputs_num_allocs",
     "host_inputs_live_allocations",  "host_inputs_largest_alloc_size", "host_inputs_capacity",
+    "overflow_to_host_allocs",       "overflow_to_host_bytes",
 };
 constexpr int kNumHostStats = static_cast<int>(sizeof(kHostStatNames) / sizeof(kHostStatNames[0]));
 
-// Writes the host-inputs arena's values in kHostStatNames order (all zeros without an arena).
-void HostStats(gtbm::Pool* host, int64_t out[kNumHostStats]) {
+// Writes the host-inputs arena's values in kHostStatNames order (all zeros without an arena), with the device
+// allocations it took over because the device refused them (RegionAllocator::OverflowToHost).
+void HostStats(const RegionAllocator& a, int64_t out[kNumHostStats]) {
+  gtbm::Pool* host = a.host_pool();
   const gtbm::PoolStats s = host != nullptr ? host->Stats() : gtbm::PoolStats();
   const int64_t values[kNumHostStats] = {
       HostInputsEnabled() && host != nullptr ? 1 : 0,
       s.bytes_in_use, s.peak_bytes_in_use, s.bytes_reserved, s.peak_bytes_reserved, s.num_allocs,
-      s.live_allocations, s.largest_alloc_size, s.capacity,
+      s.live_allocations, s.largest_alloc_size, s.capacity, a.overflow_allocs(), a.overflow_bytes(),
   };
   std::copy(values, values + kNumHostStats, out);
 }
@@ -312,7 +317,7 @@ int dymem_gtbm_get_stats(int64_t* out, int n) {
     if (out == nullptr || n < 0) return dymem::SetError("invalid output array");
     const int device = gtbm::FlattenStats(a->pool()->Stats(), out, n);
     int64_t host[dymem::kNumHostStats];
-    dymem::HostStats(a->host_pool(), host);
+    dymem::HostStats(*a, host);
     for (int i = 0; i < dymem::kNumHostStats && device + i < n; ++i) out[device + i] = host[i];
     return device + dymem::kNumHostStats;
   });

@@ -211,11 +211,15 @@ void* RegionAllocator::AllocateHost(size_t num_bytes, size_t alignment, const gt
 }
 
 void* RegionAllocator::OverflowToHost(size_t num_bytes, size_t alignment, const gtbm::AllocTag& tag) {
-  if (host_.pool() == nullptr || !IsFunctionInstantiation(tag.op_name)) return nullptr;
+  const bool instantiation = IsFunctionInstantiation(tag.op_name);
+  if (host_.pool() == nullptr || !(instantiation || tag.op_name.empty())) return nullptr;
   const uint64_t offset = host_.pool()->Allocate(num_bytes, gtbm::kPersistent, alignment, &tag);
   if (offset == gtbm::kInvalidOffset) return nullptr;
-  std::fprintf(stderr, "dymem_tf GTBM: served the %zu bytes from host memory instead: TensorFlow's function "
-               "instantiation (constant folding) cannot handle a refused allocation\n", num_bytes);
+  overflow_allocs_.fetch_add(1, std::memory_order_relaxed);
+  overflow_bytes_.fetch_add(static_cast<int64_t>(num_bytes), std::memory_order_relaxed);
+  std::fprintf(stderr, "dymem_tf GTBM: served the %zu bytes from host memory instead: %s cannot handle a refused "
+               "allocation\n", num_bytes, instantiation ? "TensorFlow's function instantiation (constant folding)"
+                                                        : "a tensor made from a Python value (TF_NewTensor)");
   return host_.At(offset);
 }
 

@@ -123,12 +123,16 @@ class RegionAllocator final : public tensorflow::Allocator {
   int GroupOf(const void* ptr) const;
   // Largest alignment AllocateRaw honours.
   uint64_t max_alignment() const { return device_.base_alignment(); }
+  // How many refused device allocations OverflowToHost served from the host region, and their bytes.
+  int64_t overflow_allocs() const { return overflow_allocs_.load(std::memory_order_relaxed); }
+  int64_t overflow_bytes() const { return overflow_bytes_.load(std::memory_order_relaxed); }
 
  private:
   // Serves `num_bytes` from the host-inputs region; nullptr when it is full.
   void* AllocateHost(size_t num_bytes, size_t alignment, const gtbm::AllocTag& tag);
-  // A refused device allocation of a function's instantiation goes to the host region (TF's constant folding
-  // cannot handle a refusal); nullptr otherwise.
+  // A refused device allocation of a function's instantiation (TF's constant folding cannot handle a refusal) or
+  // without any op annotation (a tensor from a Python value: TF_NewTensor does not check) goes to the host region;
+  // nullptr otherwise.
   void* OverflowToHost(size_t num_bytes, size_t alignment, const gtbm::AllocTag& tag);
   // The region holding `ptr`, or nullptr.
   const Region* RegionOf(const void* ptr) const;
@@ -141,6 +145,8 @@ class RegionAllocator final : public tensorflow::Allocator {
   Region host_;
   std::string error_;
   std::atomic<int> failures_logged_{0};
+  std::atomic<int64_t> overflow_allocs_{0};
+  std::atomic<int64_t> overflow_bytes_{0};
 };
 
 // The options of a device's region: all of `total_bytes` (the limit TensorFlow computed for the device), taken at
