@@ -28,6 +28,9 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--offload-state", action="store_true",
                       help="with --budget, let dymem keep optimizer state in host memory between its uses, as the "
                            "callback does under a budget on the CPU device")
+    plan.add_argument("--offload-weights", action="store_true",
+                      help="with --budget, let dymem also keep weights in host memory between their forward and "
+                           "backward uses, as the callback does under a budget on the CPU device")
     check = sub.add_parser("selfcheck", help="check dymem_tf on this machine's devices (GTBM, swap ops, copies, "
                                              "training); exit 1 on a failure")
     check.add_argument("--no-training", action="store_true", help="skip the tiny training run (the slowest check)")
@@ -65,26 +68,28 @@ def main(argv=None) -> int:
           f"train step, {len(traced.step_graph.layers) if traced.step_graph is not None else '?'} dependency layers, "
           f"persistent "
           f"{units.format_bytes(traced.persistent_bytes)}, device profile {profile.name}")
-    if args.offload_state and budget is None:
-        print("error: --offload-state needs a --budget (state is offloaded only where a budget needs it)",
-              file=sys.stderr)
-        return 2
-    plans = dry_run.plan_all(traced, policies, budget, profile, offload_variables=args.offload_state)
+    for flag, asked in (("--offload-state", args.offload_state), ("--offload-weights", args.offload_weights)):
+        if asked and budget is None:
+            print(f"error: {flag} needs a --budget (it offloads only where a budget needs it)", file=sys.stderr)
+            return 2
+    plans = dry_run.plan_all(traced, policies, budget, profile, offload_variables=args.offload_state,
+                             offload_weights=args.offload_weights)
     rows = []
     for policy, plan in plans.items():
         if isinstance(plan, Exception):
-            rows.append((policy, "-", "-", "-", "-", "-", f"error: {plan}"))
+            rows.append((policy, "-", "-", "-", "-", "-", "-", f"error: {plan}"))
             continue
         pred = plan.predicted
-        rows.append((policy, str(len(plan.swaps) - len(plan.offloaded_variables)),
-                     str(len(plan.offloaded_variables)), units.format_bytes(pred["peak_bytes"]),
+        rows.append((policy, str(len(plan.feature_maps)), str(len(plan.offloaded_variables)),
+                     str(len(plan.offloaded_weights)), units.format_bytes(pred["peak_bytes"]),
                      f"{pred['step_time_s'] * 1e3:.1f}", f"{pred['stall_s'] * 1e3:.1f}", ""))
     if "dymem" in plans and not isinstance(plans["dymem"], Exception):
         print(plans["dymem"].summary())
         if args.save:
             plans["dymem"].save(args.save)
             print(f"plan saved to {args.save}")
-    print(tabulate(rows, headers=("policy", "swaps", "state", "pred. peak", "step ms", "stall ms", ""), tablefmt="plain",
+    print(tabulate(rows, headers=("policy", "swaps", "state", "weights", "pred. peak", "step ms", "stall ms", ""),
+                   tablefmt="plain",
                    disable_numparse=True))
     return 0
 

@@ -569,7 +569,9 @@ def schedule_from_plan(plan: dict, first_backward_layer: int | None = None, swap
             ins.append(entry)
         swaps.append({
             "tensor": s["tensor"], "producer": s.get("producer"), "bytes": s["bytes"],
-            "kind": s.get("kind", "tensor"),  # "variable": optimizer state in host memory between its uses
+            # "variable": optimizer state in host memory between its uses; "weight": a weight there but for its
+            # forward and backward stays
+            "kind": s.get("kind", "tensor"),
             "producer_layer": s.get("producer_layer"),
             "swap_out": swap_out.get(s["tensor"], {"start_layer": s.get("producer_layer"), "end_layer": None}),
             "swap_ins": ins,

@@ -125,8 +125,19 @@ def test_cli_dry_run_offloads_optimizer_state_where_the_budget_needs_it():
     assert int(row[2]) > 0
 
 
+def test_cli_dry_run_offloads_weights_where_the_budget_needs_it():
+    proc = run_cli("plan", "--model", "mobilenet", "--batch", "1", "--image-size", "32", "--policy", "dymem",
+                   "--budget", "20MiB", "--device", "cpu", "--offload-state", "--offload-weights")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "offloaded weights:" in out, out
+    row = [line.split() for line in out.splitlines() if line.startswith("dymem ")][0]
+    assert int(row[3]) > 0, row
+
+
 @pytest.mark.parametrize("args, message", [
     (("plan",), "the following arguments are required: --model"),
+    (("plan", "--model", "mobilenet", "--offload-weights"), "error: --offload-weights needs a --budget"),
     (("plan", "--model", "mobilenet", "--budget", "12 parsecs"), "error: invalid byte count '12 parsecs'"),
     (("plan", "--model", "mobilenet", "--offload-state"), "error: --offload-state needs a --budget"),
 ])

@@ -658,6 +658,13 @@ def test_the_schedule_keeps_whether_a_swap_is_offloaded_optimizer_state():
         {"tensor": "conv/Relu:0", "bytes": 64, "producer_layer": 1, "swap_ins": []},
         {"tensor": "adam_m:0", "bytes": 32, "producer_layer": 0, "kind": "variable",
          "swap_ins": [{"trigger_op": "g", "trigger_layer": 6, "consumers": ["read_m"],
+                       "start_layer_of_consumers": 7}]},
+        {"tensor": "kernel:0", "bytes": 32, "producer_layer": 0, "kind": "weight",
+         "route": {"reads": ["read_k"], "clones": [], "reroutes": [["g", "read_k"]], "writes": ["upd"]},
+         "swap_ins": [{"trigger_op": "f0", "trigger_layer": 1, "consumers": ["f1"], "start_layer_of_consumers": 2},
+                      {"trigger_op": "g0", "trigger_layer": 6, "consumers": ["g", "upd"],
                        "start_layer_of_consumers": 7}]}]}
     schedule = logdata.schedule_from_plan(plan)
-    assert [s["kind"] for s in schedule["swaps"]] == ["tensor", "variable"]  # a plan from before kinds: "tensor"
+    # a plan from before kinds: "tensor"
+    assert [s["kind"] for s in schedule["swaps"]] == ["tensor", "variable", "weight"]
+    assert len(schedule["swaps"][2]["swap_ins"]) == 2

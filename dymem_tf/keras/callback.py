@@ -50,6 +50,10 @@ class DymemCallback(keras.callbacks.Callback):
             ``v``, momentum, ...) in host memory between its uses where the budget needs it: each such variable
             comes to the device before its update and goes back after it (see :mod:`dymem_tf.planning.offload`;
             CPU device only for now). Training is bit-identical; the copies cost a round trip per step.
+        offload_weights: with a ``memory_budget``, let the planner also keep weights in host memory between their
+            uses where the budget needs it: each such weight comes to the device for its forward users and again
+            for its backward users and its update (see :mod:`dymem_tf.planning.offload`; CPU device only for now).
+            Training is bit-identical; each costs three copies per step.
         calibrate: with a ``memory_budget``, run the first step as a measured probe (least memory, variables
             guarded) and plan again from what it measured (see :mod:`dymem_tf.planning.first_step`); on the CPU the GTBM
             device is capped at the budget for the ``fit``. ``False`` plans for the budget from the model alone,
@@ -67,7 +71,7 @@ class DymemCallback(keras.callbacks.Callback):
     def __init__(self, memory_budget=None, policy: str = "dymem", device=None, swapin_ahead: int = 1,
                  min_swap_bytes: int = 1 << 16, log_dir: str | None = None, trace_allocations: bool = False,
                  defer_updates: bool = True, calibrate: bool = True, offload_optimizer_state: bool = True,
-                 xla: str | None = None, verbose: int = 1):
+                 xla: str | None = None, verbose: int = 1, offload_weights: bool = True):
         super().__init__()
         compat.check_versions()  # a clear error now, not a missing attribute inside fit
         if not isinstance(policy, str) or policy not in POLICIES:
@@ -88,6 +92,8 @@ class DymemCallback(keras.callbacks.Callback):
             raise TypeError(f"trace_allocations must be True or False, got {trace_allocations!r}")
         if not isinstance(offload_optimizer_state, bool):
             raise TypeError(f"offload_optimizer_state must be True or False, got {offload_optimizer_state!r}")
+        if not isinstance(offload_weights, bool):
+            raise TypeError(f"offload_weights must be True or False, got {offload_weights!r}")
         if not isinstance(calibrate, bool):
             raise TypeError(f"calibrate must be True or False, got {calibrate!r}")
         if xla not in XLA_MODES:
@@ -108,12 +114,13 @@ class DymemCallback(keras.callbacks.Callback):
         self.trace_allocations = trace_allocations
         self.calibrate = calibrate
         self.offload_optimizer_state = offload_optimizer_state
+        self.offload_weights = offload_weights
         self.xla = xla
         self.verbose = verbose
         self.pass_ = step_pass.StepPass(step_pass.PassConfig(
             policy=policy, budget_bytes=self.budget_bytes, device=self.profile, swapin_ahead=swapin_ahead,
             min_swap_bytes=min_swap_bytes, defer_updates=defer_updates, offload_variables=offload_optimizer_state,
-            verbose=verbose))
+            offload_weights=offload_weights, verbose=verbose))
         self._writer = None
         self._headroom = self.pass_.config.headroom
         self._exit_guard = None
@@ -132,12 +139,22 @@ class DymemCallback(keras.callbacks.Callback):
 
     def _begin_fit(self):
         model = self.model
-        _build_optimizer(model)
-        weights = step_pass.persistent_bytes(model)
         offload = self._offloads_state()
+        # what the device holds besides this model (other models of the process): not this fit's to budget; read
+        # before the optimizer builds, since offloaded state is made in host memory (a device that holds the
+        # weights need not hold it all at once)
+        stats = device_memory_stats()
+        held = _device_resident_bytes(model) if offload else step_pass.persistent_bytes(model)
+        self._others_bytes = max(int(stats["bytes_in_use"]) - held, 0) if stats is not None else 0
+        _build_optimizer(model, in_host_memory=offload and allocator.is_active())
+        weights = step_pass.persistent_bytes(model)
         resident = step_pass.persistent_bytes(model, optimizer=not offload)  # what must stay on the device
+        if offload and self._offloads_weights():  # at least the largest weight, and those too small to move
+            resident = _resident_weight_bytes(model, self.pass_.config.min_swap_bytes)
         if self.budget_bytes is not None and resident > self.budget_bytes:
-            what = "the model's weights alone" if offload else "the model's weights and optimizer state"
+            what = ("the model's weights that must stay on the device (its largest weight and those smaller than "
+                    "min_swap_bytes)" if offload and self._offloads_weights()
+                    else "the model's weights alone" if offload else "the model's weights and optimizer state")
             raise planner.BudgetTooSmallError(
                 f"memory_budget {_fmt(self.budget_bytes)} is smaller than {what} ({_fmt(resident)}); raise the "
                 "budget or use a smaller model.")
@@ -147,12 +164,9 @@ class DymemCallback(keras.callbacks.Callback):
         self.pass_.last_skipped = None  # an earlier fit's step is not this one's
         self.pass_.observed_batch_size = _observed_batch_size(fit_locals)
         self.pass_.persistent_bytes = weights
-        # what the device holds besides this model (other models of the process): not this fit's to budget
-        stats = device_memory_stats()
-        self._others_bytes = max(int(stats["bytes_in_use"]) - weights, 0) if stats is not None else 0
         if offload:  # the state starts in host memory: each plan brings back only what it needs, when it needs it
-            if _offload_optimizer_state(model, self.pass_.config.min_swap_bytes):
-                _compact_weights(model)
+            _offload_optimizer_state(model, self.pass_.config.min_swap_bytes)
+            _compact_weights(model)  # what stays (and state made in the host arena) is packed on the device
         # A new train function: its first call instantiates it, and the graph pass plans that instantiation. Under
         # a budget that first step is the probe (dymem_tf.planning.first_step): least memory, measured, variables guarded.
         guard = self.budget_bytes is not None and self.policy != "none" and self.calibrate
@@ -190,8 +204,8 @@ class DymemCallback(keras.callbacks.Callback):
             self._exit_guard.release()
             self._exit_guard = None
         self._restore_device_limit()
-        if self._offloads_state():
-            _bring_back_offloaded(self.model)  # the device holds the whole optimizer state again after fit
+        if self._offloads_state():  # the device holds the whole optimizer state (and every weight) again after fit
+            _bring_back_offloaded(self.model, weights=self._offloads_weights())
         # Later fit() calls without this callback must trace the plain step again.
         self.model.train_function = None
         if self._writer is not None:
@@ -203,6 +217,11 @@ class DymemCallback(keras.callbacks.Callback):
         policy, ``offload_optimizer_state``, and the CPU device (see :mod:`dymem_tf.planning.offload`)."""
         return (self.budget_bytes is not None and self.policy == "dymem" and self.offload_optimizer_state
                 and not training_gpus())
+
+    def _offloads_weights(self) -> bool:
+        """Whether this fit's plans may keep weights in host memory between their uses (as for state, and
+        ``offload_weights``)."""
+        return self._offloads_state() and self.offload_weights
 
     def _turn_off_xla(self, model) -> list[str]:
         """Build the train function without XLA and note which XLA settings the user asked for (they come back
@@ -606,15 +625,50 @@ def _compact_weights(model) -> int:
         return swap_ops.bring_back_variables(variables)
 
 
-def _bring_back_offloaded(model) -> int:
-    """Swap every optimizer variable that a plan left in host memory back onto the device; returns how many."""
+def _device_resident_bytes(model) -> int:
+    """Bytes of the model's and its optimizer's variables that are in device memory now (not offloaded; CPU
+    device, where the offloading kernels run)."""
+    from dymem_tf.ops import swap_ops
+
+    optimizer = getattr(model, "optimizer", None)
+    variables = list(model.variables) + list(getattr(optimizer, "variables", []) if optimizer is not None else [])
+    seen, total = set(), 0
+    for var in swap_ops.variable_components(variables):
+        if id(var) not in seen and var.dtype != tf.string:
+            seen.add(id(var))
+            total += 0 if swap_ops.variable_is_offloaded(var) else step_pass.variable_bytes(var)
+    return total
+
+
+def _resident_weight_bytes(model, min_bytes: int) -> int:
+    """Bytes of the model's variables that stay on the device while weights may be offloaded: those smaller than
+    ``min_bytes`` (never moved), and the largest other one (its stays put it on the device once at least)."""
+    sizes = [step_pass.variable_bytes(v) for v in model.variables]
+    movable = [b for b in sizes if b >= min_bytes]
+    return sum(b for b in sizes if b < min_bytes) + max(movable, default=0)
+
+
+def _bring_back_offloaded(model, weights: bool = False) -> int:
+    """Swap every optimizer variable (and with ``weights`` every model variable) that a plan left in host memory
+    back onto the device; returns how many."""
     optimizer = getattr(model, "optimizer", None)
     variables = list(getattr(optimizer, "variables", [])) if optimizer is not None else []
+    if weights:
+        variables += [v for v in model.variables if all(v is not u for u in variables)]
     if not variables:
         return 0
     from dymem_tf.ops import swap_ops
 
-    return swap_ops.bring_back_variables(variables)
+    try:
+        return swap_ops.bring_back_variables(variables)
+    except tf.errors.ResourceExhaustedError:
+        # a model trained with its weights and state offloaded need not fit the device whole: what does not fit
+        # stays in host memory, where reads see its value and the next fit's plan finds it
+        left = sum(swap_ops.variable_is_offloaded(v) for v in swap_ops.variable_components(variables))
+        compat.warn_user(f"dymem_tf: {left} of the model's and optimizer's variables stay in host memory after fit: "
+                         "the device cannot hold all of them at once. Their values are intact and readable "
+                         "(get_weights, checkpoints); the next fit with DymemCallback moves them as its plan needs.")
+        return 0
 
 
 _ONEDNN_WARNED = []
@@ -826,7 +880,7 @@ def default_device_profile() -> str:
     return "a100"
 
 
-def _build_optimizer(model) -> None:
+def _build_optimizer(model, in_host_memory: bool = False) -> None:
     """Create the optimizer's slot variables now, as its first ``apply`` would (zeros, under the model's strategy),
     so that the persistent bytes the planner works with include them: Keras builds Adam's ``m`` and ``v`` lazily,
     and without them a ResNet-50 step was planned with a third of its persistent memory.
@@ -834,14 +888,19 @@ def _build_optimizer(model) -> None:
     Only when every layer of the model is built, as Keras's own symbolic build requires: an optimizer is built for
     a fixed set of variables, and a subclassed model whose layers create theirs at its first call (a ``Dense`` in
     ``call``) would otherwise get an optimizer that rejects them (Keras's ``test_callbacks_can_update_state_at_
-    batch_boundary``: weights made in ``__init__`` plus such a layer)."""
+    batch_boundary``: weights made in ``__init__`` plus such a layer).
+
+    ``in_host_memory``: make them in GTBM's host arena (not the device), for a fit that offloads optimizer state:
+    the state moves to the host pool next, and what stays on the device comes back to it packed
+    (:func:`_compact_weights`)."""
     optimizer = getattr(model, "optimizer", None)
     if optimizer is None or getattr(optimizer, "built", True) or not model.trainable_variables:
         return
     if not compat.all_layers_built(model):
         return
     try:
-        with model.distribute_strategy.scope():
+        with model.distribute_strategy.scope(), (allocator.host_memory() if in_host_memory
+                                                  else contextlib.nullcontext()):
             optimizer.build(model.trainable_variables)
     except Exception:  # pylint: disable=broad-except  (an optimizer that cannot build early builds at its step)
         pass

@@ -145,11 +145,14 @@ def encode_plan(swaps, control_edges=()) -> str:
 
     Swap-out ``x:k`` is named ``x/dymem_swap_out_k``, its i-th swap-in ``x/dymem_swap_in_k_i``. A decision with
     ``kind == "variable"`` (optimizer state offloaded between its uses) becomes one ``var`` record, its ops named by
-    :func:`variable_op_names`.
+    :func:`variable_op_names`; one with ``kind == "weight"`` the records of :func:`_weight_records`.
     """
     lines = []
     for decision in swaps:
         producer, port = split_tensor_name(decision.tensor)
+        if getattr(decision, "kind", "tensor") == "weight":
+            lines += _weight_records(decision)
+            continue
         if getattr(decision, "kind", "tensor") == "variable":
             swap_in = decision.swap_ins[0]
             evict, in_name, out_name = variable_op_names(decision.tensor)
@@ -164,6 +167,51 @@ def encode_plan(swaps, control_edges=()) -> str:
                              + ",".join(swap_in.consumers))
     lines += [f"ctrl\t{a}\t{b}" for a, b in control_edges]
     return "\n".join(lines) + "\n"
+
+
+def _weight_records(decision) -> list[str]:
+    """The records keeping a weight in host memory but for its two stays on the device (``cc/pass/step_plan.h``).
+
+    Evict at the step's start; first stay: a swap-in keeping the host copy, after its trigger, before the forward
+    reads, and a swap-out that drops the device copy after the reads' forward users; second stay: after that
+    swap-out and its trigger a swap-in, a ``DymemVariableRead`` (with copies of the alias ops) that the backward
+    users are rerouted to, the update's reads and writes after the swap-in, the writes after the backward users, and
+    a swap-out copying the value back after all of them."""
+    producer, port = split_tensor_name(decision.tensor)
+    route, (first, second) = decision.route, decision.swap_ins
+    names = weight_op_names(decision.tensor)
+    evict, in_f, out_f, in_b, read_b, out_b = (names[k] for k in ("evict", "in_fwd", "out_fwd", "in_bwd", "read_bwd",
+                                                                   "out_bwd"))
+    lines = [f"vout\t{producer}\t{port}\t{evict}\t0", f"vin\t{producer}\t{port}\t{in_f}\t1",
+             f"vout\t{producer}\t{port}\t{out_f}\t1", f"vin\t{producer}\t{port}\t{in_b}\t0"]
+    if route.reroutes:  # backward users read the weight again
+        lines.append(f"vread\t{producer}\t{port}\t{read_b}\t{route.reads[0]}")
+    copy_of = {read: read_b for read in route.reads}
+    for alias, source in route.clones:
+        copy_of[alias] = f"{alias}/dymem_weight_copy"
+        lines.append(f"clone\t{alias}\t{copy_of[alias]}\t{copy_of[source]}")
+    rerouted = []
+    for consumer, source in route.reroutes:
+        lines.append(f"reroute\t{consumer}\t{source}\t0\t{copy_of[source]}")
+        rerouted.append(consumer)
+    lines.append(f"vout\t{producer}\t{port}\t{out_b}\t0")
+    edges = [(evict, in_f)] + ([(first.trigger_op, in_f)] if first.trigger_op else [])
+    edges += [(in_f, read) for read in route.reads]
+    edges += [(user, out_f) for user in list(route.reads) + list(first.consumers)]
+    edges += [(out_f, in_b)] + ([(in_b, read_b)] if route.reroutes else [])
+    edges += [(second.trigger_op, in_b)] if second.trigger_op else []
+    edges += [(in_b, user) for user in second.consumers if user not in rerouted]
+    edges += [(user, out_b) for user in second.consumers]
+    edges += [(user, write) for user in rerouted for write in route.writes]
+    return lines + [f"ctrl\t{a}\t{b}" for a, b in dict.fromkeys(edges)]
+
+
+def weight_op_names(tensor: str) -> dict[str, str]:
+    """Node names of the ops that keep the weight whose resource is ``tensor`` off the device: ``evict``,
+    ``in_fwd``, ``out_fwd``, ``in_bwd``, ``read_bwd``, ``out_bwd``."""
+    op, port = split_tensor_name(tensor)
+    return {k: f"{op}/dymem_weight_{port}_{k}" for k in ("evict", "in_fwd", "out_fwd", "in_bwd", "read_bwd",
+                                                          "out_bwd")}
 
 
 def split_tensor_name(tensor: str) -> tuple[str, int]:

@@ -45,6 +45,7 @@ class PassConfig:
     swapin_ahead: int = 1
     min_swap_bytes: int = 1 << 16
     offload_variables: bool = True  # optimizer state off the device between its uses, under a budget (CPU only)
+    offload_weights: bool = True  # weights in host memory between their uses, under a budget (CPU only)
     defer_updates: bool = True  # see dymem_tf.planning.update_deferral and DymemCallback(defer_updates=...)
     headroom: float = planner.DEFAULT_HEADROOM  # share of the budget the planner leaves free
     verbose: int = 1
@@ -60,12 +61,15 @@ class RewriteReport:
     rerouted_inputs: int = 0
     deferral_edges: int = 0
     offloaded_variables: int = 0  # optimizer variables offloaded between their uses (part of swapped_tensors)
+    offloaded_weights: int = 0  # weights kept in host memory between their uses (part of swapped_tensors)
 
     def summary(self) -> str:
         text = (f"{self.swapped_tensors} tensors swapped: {len(self.swap_out_ops)} swap-outs, "
                 f"{len(self.swap_in_ops)} swap-ins, {self.rerouted_inputs} consumer inputs rerouted")
         if self.offloaded_variables:
             text += f"; {self.offloaded_variables} of them optimizer variables offloaded between their uses"
+        if self.offloaded_weights:
+            text += f"; {self.offloaded_weights} of them weights kept in host memory between their uses"
         return text
 
 
@@ -220,7 +224,8 @@ class StepPass:
             persistent_bytes=self.persistent_bytes, profile=cfg.device, batch_size=batch,
             min_swap_bytes=cfg.min_swap_bytes, swapin_ahead=cfg.swapin_ahead,
             headroom=0.0 if self.probe else cfg.headroom, defer_updates=cfg.defer_updates,
-            offload_variables=self._may_offload(ops), least_memory=self.probe,
+            offload_variables=self._may_offload(ops, cfg.offload_variables),
+            offload_weights=self._may_offload(ops, cfg.offload_weights), least_memory=self.probe,
             memory=None if self.probe else self.memory))
         plan = planned.plan
         if self.probe:
@@ -234,10 +239,11 @@ class StepPass:
             plan.notes.append(OBSERVED_NOTE.format(observed))
         return planned
 
-    def _may_offload(self, ops) -> bool:
-        """Whether this step's plan may offload optimizer state: when asked, under a budget (or for the probe), and
-        on the CPU device, where the variable kernels run and a read between steps sees host memory."""
-        if not self.config.offload_variables or not (self.probe or self.config.budget_bytes is not None):
+    def _may_offload(self, ops, asked: bool) -> bool:
+        """Whether this step's plan may offload optimizer state (or weights): when ``asked``, under a budget (or for
+        the probe), and on the CPU device, where the variable kernels run and a read between steps sees host
+        memory."""
+        if not asked or not (self.probe or self.config.budget_bytes is not None):
             return False
         return all("GPU" not in (op.device or "").upper() for op in ops)
 
@@ -289,6 +295,13 @@ def rewrite_report(plan, deferrals) -> RewriteReport:
     """What the pass inserts for ``plan``: the names :func:`dymem_tf.passes.graph_pass.encode_plan` gives the ops."""
     report = RewriteReport(swapped_tensors=len(plan.swaps), deferral_edges=len(deferrals))
     for decision in plan.swaps:
+        if decision.kind == "weight":
+            names = graph_pass.weight_op_names(decision.tensor)
+            report.offloaded_weights += 1
+            report.swap_out_ops += [names["evict"], names["out_fwd"], names["out_bwd"]]
+            report.swap_in_ops += [names["in_fwd"], names["in_bwd"]]
+            report.rerouted_inputs += len(decision.route.reroutes)
+            continue
         if decision.kind == "variable":
             evict, swap_in, swap_out = graph_pass.variable_op_names(decision.tensor)
             report.offloaded_variables += 1

@@ -1,4 +1,4 @@
-"""The planning pipeline, one function for the callback's pass and the dry run: find offloadable state ▶ defer ▶
+"""The planning pipeline, one function for the callback's pass and the dry run: find offloadable state and weights ▶ defer ▶
 order updates after reads ▶ hold early gradient ops ▶ model the state ▶ plan ▶ check triggers.
 
 :func:`plan_step` takes a captured :class:`~dymem_tf.planning.analysis.StepGraph` and the settings of one plan
@@ -33,6 +33,9 @@ class PlanSettings:
     #: let the dymem policy offload optimizer state between its uses (dymem_tf.planning.offload); the pass enables
     #: it under a budget only
     offload_variables: bool = False
+    #: let the dymem policy keep weights in host memory between their uses (dymem_tf.planning.offload); the pass
+    #: enables it under a budget only
+    offload_weights: bool = False
     least_memory: bool = False  # without a budget: the least-memory plan (the first step's probe)
     #: kernel temporaries measured in a traced step of this graph (the first step's probe), or None
     memory: MeasuredMemory | None = None
@@ -106,6 +109,13 @@ def drop_conditional_triggers(plan: Plan, step_graph: StepGraph) -> int:
     return dropped
 
 
+def weights_for(step_graph: StepGraph, settings: PlanSettings) -> list[offload.OffloadableWeight]:
+    """The weights the plan may offload: only for the dymem policy with ``offload_weights`` and deferral on."""
+    if not (settings.offload_weights and settings.defer_updates and settings.policy == "dymem"):
+        return []
+    return offload.find_offloadable_weights(step_graph)
+
+
 def plan_step(step_graph: StepGraph, settings: PlanSettings, copy: bool = False) -> PlannedStep:
     """Defer gradient-independent optimizer ops, plan the swaps, and clear triggers the rewrite cannot place.
 
@@ -117,7 +127,8 @@ def plan_step(step_graph: StepGraph, settings: PlanSettings, copy: bool = False)
     (a ValueError) when no plan fits the budget.
     """
     variables = offloadable_for(step_graph, settings)
-    deferrals = deferrals_for(step_graph, settings, always=offload.early_reads(step_graph, variables))
+    weights = weights_for(step_graph, settings)
+    deferrals = deferrals_for(step_graph, settings, always=offload.early_reads(step_graph, variables, weights))
     graph = update_deferral.defer(step_graph, deferrals, copy=copy) if deferrals or copy else step_graph
     orderings = read_orderings_for(graph, settings)
     if orderings:
@@ -126,13 +137,14 @@ def plan_step(step_graph: StepGraph, settings: PlanSettings, copy: bool = False)
     if holds:
         graph = update_deferral.defer(graph, holds)
     modelled = offload.mark(graph, variables)
+    modelled_weights = offload.mark(graph, weights)
     plan = planner.make_plan(
         graph, policy=settings.policy, budget_bytes=settings.budget_bytes,
-        persistent_bytes=max(settings.persistent_bytes - modelled, 0), profile=settings.profile,
+        persistent_bytes=max(settings.persistent_bytes - modelled - modelled_weights, 0), profile=settings.profile,
         batch_size=settings.batch_size,
         min_swap_bytes=settings.min_swap_bytes, swapin_ahead=settings.swapin_ahead, headroom=settings.headroom,
         least_memory=settings.least_memory,
-        temporaries=settings.memory.held_during(graph) if settings.memory is not None else None)
+        temporaries=settings.memory.held_during(graph) if settings.memory is not None else None, weights=weights)
     if deferrals:
         plan.notes.append(f"{len(deferrals)} gradient-independent optimizer ops deferred to their gradients")
     if orderings:
@@ -148,6 +160,10 @@ def plan_step(step_graph: StepGraph, settings: PlanSettings, copy: bool = False)
         plan.params["offloadable_variable_bytes"] = modelled
         plan.notes.append(f"{len(variables)} optimizer variables ({modelled / 2**20:.1f} MiB) may be offloaded "
                           f"between their uses; {len(plan.offloaded_variables)} are")
+    if weights:
+        plan.params["offloadable_weight_bytes"] = modelled_weights
+        plan.notes.append(f"{len(weights)} weights ({modelled_weights / 2**20:.1f} MiB) may be kept in host memory "
+                          f"between their uses; {len(plan.offloaded_weights)} are")
     untriggered = drop_conditional_triggers(plan, graph)
     if untriggered:
         plan.notes.append(f"{untriggered} swap-ins start without a trigger: their layers run only inside "

@@ -27,6 +27,22 @@ class SwapIn:
 
 
 @dataclass
+class WeightRoute:
+    """How the rewrite reroutes an offloaded weight's users (see :mod:`dymem_tf.planning.offload`).
+
+    ``reads``: the forward pass's reads of the weight, which wait for its first swap-in; ``clones``: ``(alias op,
+    its source)`` pairs, in order, of the forward ops (a ``Reshape`` of the read ...) that the backward users read
+    the weight through: each is copied for them, reading the copy of its source; ``reroutes``: ``(consumer,
+    source)`` pairs, a backward user's inputs that read ``source`` (a read or an alias op) read its backward copy
+    instead; ``writes``: the ops that write the variable in place, after every backward user."""
+
+    reads: list[str]
+    clones: list[list[str]] = field(default_factory=list)
+    reroutes: list[list[str]] = field(default_factory=list)
+    writes: list[str] = field(default_factory=list)
+
+
+@dataclass
 class SwapDecision:
     """A tensor swapped out after its producer runs and swapped back in for its backward consumers.
 
@@ -37,6 +53,11 @@ class SwapDecision:
     ``kind="variable"``: ``tensor`` is a resource variable (optimizer state) offloaded between its uses
     (:mod:`dymem_tf.planning.offload`): it lives in host memory between steps, its one swap-in brings it back
     before ``backward_consumers`` (every op using it) and it goes back to host memory after them.
+
+    ``kind="weight"``: ``tensor`` is a weight's resource variable, in host memory between steps and between its
+    two stays on the device: ``swap_ins[0]`` brings it back for the forward users of its reads (and goes back
+    without a copy after them), ``swap_ins[1]`` for its backward users and its update (it is copied back after
+    them); ``route`` says how the rewrite reroutes those users.
     """
 
     tensor: str
@@ -46,7 +67,9 @@ class SwapDecision:
     forward_consumers: list[str]
     backward_consumers: list[str]
     swap_ins: list[SwapIn]
-    kind: str = "tensor"  # "tensor" (a feature map) or "variable" (optimizer state offloaded between its uses)
+    #: "tensor" (a feature map), "variable" (optimizer state offloaded between its uses) or "weight"
+    kind: str = "tensor"
+    route: WeightRoute | None = None  # kind "weight" only
 
 
 @dataclass
@@ -83,6 +106,16 @@ class Plan:
     def offloaded_variables(self) -> list[SwapDecision]:
         """The decisions that offload a variable (optimizer state) rather than swap a feature map."""
         return [s for s in self.swaps if s.kind == "variable"]
+
+    @property
+    def offloaded_weights(self) -> list[SwapDecision]:
+        """The decisions that keep a weight in host memory between its uses."""
+        return [s for s in self.swaps if s.kind == "weight"]
+
+    @property
+    def feature_maps(self) -> list[SwapDecision]:
+        """The decisions that swap a feature map."""
+        return [s for s in self.swaps if s.kind == "tensor"]
 
     @property
     def num_swap_ins(self) -> int:
@@ -134,7 +167,9 @@ class Plan:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Plan":
         d = dict(d)
-        swaps = [SwapDecision(**{**s, "swap_ins": [SwapIn(**si) for si in s["swap_ins"]]}) for s in d.pop("swaps", [])]
+        swaps = [SwapDecision(**{**s, "swap_ins": [SwapIn(**si) for si in s["swap_ins"]],
+                                 "route": WeightRoute(**s["route"]) if s.get("route") else None})
+                 for s in d.pop("swaps", [])]
         return cls(swaps=swaps, **d)
 
     def to_json(self, indent: int | None = 1) -> str:
@@ -159,13 +194,15 @@ class Plan:
         p = self.predicted
         lines = [f"dymem_tf plan: policy={self.policy} device={self.device} batch={self.batch_size} "
                  f"dependency_layers={self.num_layers}"]
-        offloaded = self.offloaded_variables
-        maps = len(self.swaps) - len(offloaded)
-        lines.append(f"  swapped tensors : {maps} ({mib(self.swapped_bytes - sum(s.bytes for s in offloaded))}), "
-                     f"{self.num_swap_ins - len(offloaded)} swap-ins")
+        offloaded, weights, maps = self.offloaded_variables, self.offloaded_weights, self.feature_maps
+        lines.append(f"  swapped tensors : {len(maps)} ({mib(sum(s.bytes for s in maps))}), "
+                     f"{sum(len(s.swap_ins) for s in maps)} swap-ins")
         if offloaded:
             lines.append(f"  offloaded state : {len(offloaded)} optimizer variables "
                          f"({mib(sum(s.bytes for s in offloaded))}) in host memory between their uses")
+        if weights:
+            lines.append(f"  offloaded weights: {len(weights)} weights ({mib(sum(s.bytes for s in weights))}) in "
+                         "host memory but for their forward and their backward use")
         if "peak_bytes" in p:
             budget = "none" if self.budget_bytes is None else mib(self.budget_bytes)
             fits = "" if self.budget_bytes is None else (

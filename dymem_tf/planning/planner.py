@@ -39,14 +39,14 @@ import bisect
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Literal, Mapping
+from typing import Literal, Mapping, Sequence
 
 import numpy as np
 
-from dymem_tf.planning.analysis import FREE_OP_TYPES, StepGraph, analyse, no_autograph
+from dymem_tf.planning.analysis import ALIAS_OP_TYPES, FREE_OP_TYPES, StepGraph, analyse, no_autograph
 from dymem_tf.planning.cost_model import CostModel, as_cost_model
 from dymem_tf.planning.device_profiles import DeviceProfile
-from dymem_tf.planning.plan import Plan, SwapDecision, SwapIn
+from dymem_tf.planning.plan import Plan, SwapDecision, SwapIn, WeightRoute
 from dymem_tf.planning.simulator import FORWARDING_OP_TYPES, SimResult, Simulator
 from dymem_tf.units import mib
 
@@ -97,6 +97,16 @@ class _Candidate:
     keepers: list[str]  # ops that keep the original buffer alive without reading the tensor (alias consumers)
     groups: list[list[str]]  # consumer groups, each served by one swap-in (execution order)
     min_trigger_layer: int  # no swap-in may start before this layer (after producer and original consumers)
+    kind: str = "tensor"  # or "variable" (optimizer state), "weight" (see dymem_tf.planning.offload)
+    route: WeightRoute | None = None  # kind "weight"
+    #: per swap-in group, the earliest trigger layer where it differs from min_trigger_layer (a weight's second
+    #: stay starts after its forward users)
+    group_min_layers: list[int] | None = None
+
+    @property
+    def from_host(self) -> bool:
+        """Whether its swap-ins copy from host memory it lives in (no swap-out before them)."""
+        return self.kind != "tensor"
 
 
 @dataclass(frozen=True)
@@ -113,8 +123,9 @@ class _Planner:
     """State shared by the policies for one step graph and cost model."""
 
     def __init__(self, sg: StepGraph, cost: CostModel, min_swap_bytes: int, swapin_ahead: int | None,
-                 group_gap_layers: int, temporaries: Mapping[str, int] | None = None):
+                 group_gap_layers: int, temporaries: Mapping[str, int] | None = None, weights: Sequence = ()):
         self.sg = sg
+        self.weights = list(weights)  # offloadable weights (dymem_tf.planning.offload.OffloadableWeight)
         self.cost = cost
         self.min_swap_bytes = max(int(min_swap_bytes), 1)
         self.swapin_ahead = swapin_ahead
@@ -131,6 +142,7 @@ class _Planner:
             last_pos[lay] = i  # positions grow with layers: the last write is the layer's last op
         self.layer_end = self.end[last_pos].tolist() if nl else []
         self.trigger_of_layer = [self._pick_trigger(ops) for ops in sg.layers]
+        self._quiet_triggers: list[str | None] | None = None  # per layer, a trigger that holds no variable
         self._bwd_start: list[tuple[int, str]] | None = None
 
     # ------------------------------------------------------------------------------------------------ helpers
@@ -249,15 +261,62 @@ class _Planner:
             else:
                 groups = self._group_by_gap(swapped, t.bytes)
             p = self.pos[t.producer]
-            out.append(_Candidate(t.name, t.producer, t.bytes, p, self.layer[p], orig2, keepers, groups, min_trig))
+            kind = "variable" if t.variable else "tensor"
+            out.append(_Candidate(t.name, t.producer, t.bytes, p, self.layer[p], orig2, keepers, groups, min_trig,
+                                  kind))
+        if policy == "dymem":
+            out += [c for w in self.weights if (c := self._weight_candidate(w, relaxed)) is not None]
         return out
+
+    def _weight_candidate(self, weight, relaxed: bool) -> _Candidate | None:
+        """An offloadable weight as a candidate with two swap-in groups (its forward users; its backward users and
+        update), or None when it is below the size threshold (unless ``relaxed``), has no forward users, or no
+        dependency layer lies between its forward users and the rest."""
+        if weight.bytes < (1 if relaxed else self.min_swap_bytes) or not weight.forward_users:
+            return None
+        t = self.sg.tensors[weight.tensor]
+        p = self.pos[t.producer]
+        first = sorted(weight.forward_users, key=self.pos.__getitem__)
+        second = sorted(weight.backward_users + weight.update_users, key=self.pos.__getitem__)
+        after_forward = max(self.layer[self.pos[c]] for c in first) + 1
+        if not second or min(self.layer[self.pos[c]] for c in second) <= after_forward:
+            return None  # no layer between the two stays for the second swap-in's trigger
+        return _Candidate(t.name, t.producer, weight.bytes, p, self.layer[p], [], [], [first, second],
+                          self.layer[p] + 1, "weight", weight.route, [self.layer[p] + 1, after_forward])
 
     # ------------------------------------------------------------------------------------------------ triggers
     def _layer_trigger(self, layer: int) -> tuple[str, int]:
         return self.trigger_of_layer[layer], layer
 
-    def _clamp(self, g: int, c_layer: int, cand: _Candidate) -> int:
-        return min(max(g, cand.min_trigger_layer), c_layer - 1)
+    def _trigger(self, cand: _Candidate, group: int, layer: int, c_layer: int) -> tuple[str, int]:
+        """The trigger of ``cand``'s swap-in group ``group`` in ``layer``. A weight's swap-in is never triggered by
+        an op that reads a variable or aliases a read (such an op may wait for a weight's swap-in itself, or be the
+        weight's own read): the nearest layer in its range with another op is taken instead."""
+        if cand.kind != "weight":
+            return self._layer_trigger(layer)
+        if self._quiet_triggers is None:
+            self._quiet_triggers = [self._pick_trigger(q) if (q := [n for n in ops if not self._holds_variable(n)])
+                                    else None for ops in self.sg.layers]
+        lo = self._min_layer(cand, group)
+        for g in list(range(layer, lo - 1, -1)) + list(range(layer + 1, c_layer)):
+            if self._quiet_triggers[g] is not None:
+                return self._quiet_triggers[g], g
+        return self._layer_trigger(layer)
+
+    def _holds_variable(self, name: str) -> bool:
+        """Whether op ``name`` uses a variable's resource or reads only persistent tensors through an alias."""
+        op = self.sg.ops[name]
+        tensors = [self.sg.tensors[t] for t in op.inputs]
+        return any(t.dtype == "resource" for t in tensors) or (
+            op.type in ALIAS_OP_TYPES and bool(tensors) and tensors[0].persistent)
+
+    def _clamp(self, g: int, c_layer: int, cand: _Candidate, group: int = 0) -> int:
+        return min(max(g, self._min_layer(cand, group)), c_layer - 1)
+
+    @staticmethod
+    def _min_layer(cand: _Candidate, group: int) -> int:
+        """The earliest trigger layer of the candidate's swap-in group ``group``."""
+        return cand.group_min_layers[group] if cand.group_min_layers else cand.min_trigger_layer
 
     def _backward_keras_order(self) -> list[tuple[int, str]]:
         """(position of the first gradient-chain op, Keras layer) for every Keras layer, in backward order."""
@@ -298,7 +357,7 @@ class _Planner:
                         g = self._latest_hiding_layer(c0, cand.bytes)
                     else:
                         g = c_layer - 1
-                    triggers[(ci, gi)] = self._layer_trigger(self._clamp(g, c_layer, cand))
+                    triggers[(ci, gi)] = self._trigger(cand, gi, self._clamp(g, c_layer, cand, gi), c_layer)
         out = []
         for ci, cand in enumerate(cands):
             sis = []
@@ -306,9 +365,8 @@ class _Planner:
                 op, lay = triggers[(ci, gi)]
                 sis.append(SwapIn(op, lay, list(group), self.layer[self.pos[group[0]]]))
             bwd = [c for g in cand.groups for c in g]
-            kind = "variable" if self.sg.tensors[cand.tensor].variable else "tensor"
             out.append(SwapDecision(cand.tensor, cand.producer, cand.bytes, cand.prod_layer, list(cand.orig), bwd, sis,
-                                    kind))
+                                    cand.kind, cand.route))
         return out
 
     def _latest_hiding_layer(self, consumer_pos: int, nbytes: int, slot_end: float = math.inf) -> int:
@@ -356,14 +414,14 @@ class _Planner:
             cand = cands[ci]
             c_layer = self.layer[c0]
             latest_start = min(deadline, next_start) - self.h2d(cand.bytes)
-            earliest = max(out_end[ci], self.layer_end[cand.min_trigger_layer])
+            earliest = max(out_end[ci], self.layer_end[self._min_layer(cand, gi)])
             if latest_start < earliest:
                 late.add(ci)
                 if skip_unhideable:
                     continue
             g = self._latest_hiding_layer(c0, cand.bytes, next_start)
             next_start = latest_start
-            out[(ci, gi)] = self._layer_trigger(self._clamp(g, c_layer, cand))
+            out[(ci, gi)] = self._trigger(cand, gi, self._clamp(g, c_layer, cand, gi), c_layer)
         return out, late
 
     def swap_out_ends(self, cands: list[_Candidate]) -> list[float]:
@@ -372,7 +430,8 @@ class _Planner:
         free = 0.0
         for ci in sorted(range(len(cands)), key=lambda i: cands[i].prod_pos):
             cand = cands[ci]
-            free = out[ci] = max(self.end[cand.prod_pos], free) + self.d2h(cand.bytes)
+            if not cand.from_host:  # optimizer state and weights are in host memory already
+                free = out[ci] = max(self.end[cand.prod_pos], free) + self.d2h(cand.bytes)
         return out
 
     def hideable(self, cands: list[_Candidate]) -> list[_Candidate]:
@@ -488,7 +547,7 @@ def make_plan(step_graph: StepGraph, policy: str = "dymem", budget_bytes: int | 
               batch_size: int | None = None, min_swap_bytes: int = DEFAULT_MIN_SWAP_BYTES,
               swapin_ahead: int | None = None, group_gap_layers: int = 3,
               headroom: float = 0.0, least_memory: bool = False,
-              temporaries: Mapping[str, int] | None = None) -> Plan:
+              temporaries: Mapping[str, int] | None = None, weights: Sequence = ()) -> Plan:
     """Plan swaps for one training step.
 
     ``budget_bytes`` caps the predicted device peak (persistent bytes included); None swaps every candidate.
@@ -502,7 +561,9 @@ def make_plan(step_graph: StepGraph, policy: str = "dymem", budget_bytes: int | 
     ``least_memory`` (without a budget): every candidate, hideable or not, with dymem's latest triggers ("jit"):
     the plan the callback's first step under a budget measures (:mod:`dymem_tf.planning.first_step`).
     ``temporaries``: bytes each op holds while it runs besides its outputs, as measured
-    (:mod:`dymem_tf.planning.memory_model`); the simulator adds them.
+    (:mod:`dymem_tf.planning.memory_model`); the simulator adds them. ``weights``: the offloadable weights
+    (:func:`dymem_tf.planning.offload.find_offloadable_weights`, marked as variables in ``step_graph``), which the
+    dymem policy may keep in host memory between their uses like any other candidate.
 
     Raises ValueError for an unknown policy or a budget below the persistent bytes, and
     :class:`BudgetTooSmallError` when no swap set of the policy fits the budget.
@@ -522,7 +583,7 @@ def make_plan(step_graph: StepGraph, policy: str = "dymem", budget_bytes: int | 
     if not 0.0 <= headroom < 1.0:
         raise ValueError(f"headroom must be in [0, 1), got {headroom!r}")
     cost = as_cost_model(profile)
-    pl = _Planner(step_graph, cost, min_swap_bytes, swapin_ahead, group_gap_layers, temporaries)
+    pl = _Planner(step_graph, cost, min_swap_bytes, swapin_ahead, group_gap_layers, temporaries, weights)
     notes: list[str] = []
     target = None
     if budget_bytes is not None:
@@ -725,6 +786,10 @@ def validate_plan(step_graph: StepGraph, plan: Plan) -> list[str]:
                 if c in served:
                     errs.append(f"{s.tensor}: consumer {c} is served twice")
                 served.add(c)
-        if served != set(t.consumers):
+        if s.kind == "weight":  # its stays serve the users of its reads and its other users (the update)
+            missing = set(t.consumers) - set(s.route.reads if s.route else []) - served
+            if missing:
+                errs.append(f"{s.tensor}: users {sorted(missing)} not served by a stay on the device")
+        elif served != set(t.consumers):
             errs.append(f"{s.tensor}: consumers {sorted(set(t.consumers) ^ served)} not served exactly once")
     return errs

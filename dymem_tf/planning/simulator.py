@@ -14,6 +14,9 @@ Model (the planner's view of the runtime):
   device buffer is freed when both its swap-out and its last original-tensor consumer are done; a swap-in allocates
   its buffer when the copy starts and frees it after its last consumer. Persistent bytes (weights, optimizer slots)
   are constant; variable reads alias them and add nothing.
+* Offloaded optimizer state and weights (:mod:`dymem_tf.planning.offload`) come from host memory: a swap-in starts
+  at its trigger, and the last one lives until the copy back after the last use has finished; a weight's first
+  stay (its forward users) ends with them, without a copy.
 * Kernel temporaries (workspaces, im2col buffers), when measured (:mod:`dymem_tf.planning.memory_model`): an op
   holds its bytes from its start to its end.
 * Groups (GTBM): ``persistent``; ``transient`` (ordinary tensors); ``mobile`` (swapped tensors and swap-in buffers).
@@ -209,11 +212,14 @@ class Simulator:
                 raise ValueError(f"plan swaps unknown tensor {s.tensor!r}")
             if t.persistent:
                 raise ValueError(f"plan swaps persistent tensor {s.tensor!r}")
-            if t.variable != (s.kind == "variable"):
+            if t.variable != (s.kind in ("variable", "weight")):
                 raise ValueError(f"plan swaps {s.tensor!r} as a {s.kind}, but it is "
                                  f"{'a variable' if t.variable else 'a feature map'}")
-            if t.variable and (len(s.swap_ins) != 1 or set(s.swap_ins[0].consumers) != set(t.consumers)):
+            if s.kind == "variable" and (len(s.swap_ins) != 1 or set(s.swap_ins[0].consumers) != set(t.consumers)):
                 raise ValueError(f"variable {s.tensor!r} needs one swap-in before all of its uses")
+            if s.kind == "weight":
+                self._validate_weight(s)
+                continue
             if t.alias_of is not None:
                 raise ValueError(f"plan swaps {s.tensor!r}, an alias of {t.alias_of!r}: swap the buffer's owner")
             for si in s.swap_ins:
@@ -231,6 +237,20 @@ class Simulator:
                     if self.pos[c] <= tp:
                         raise ValueError(f"swap-in of {s.tensor!r}: trigger {si.trigger_op!r} does not run "
                                          f"before consumer {c!r}")
+
+    def _validate_weight(self, s: SwapDecision) -> None:
+        """A weight's two stays: each swap-in's trigger runs before its users, the second after the first's users."""
+        if len(s.swap_ins) != 2 or s.route is None:
+            raise ValueError(f"weight {s.tensor!r} needs two swap-ins (forward, backward) and a route")
+        last = self.pos[s.producer]
+        for si in s.swap_ins:
+            if si.trigger_op not in self.pos or any(c not in self.pos for c in si.consumers) or not si.consumers:
+                raise ValueError(f"a swap-in of weight {s.tensor!r} names unknown ops or has no users")
+            tp = self.pos[si.trigger_op]
+            if not last <= tp < min(self.pos[c] for c in si.consumers):
+                raise ValueError(f"a swap-in of weight {s.tensor!r} is not triggered between its previous stay "
+                                 f"and its users")
+            last = max(self.pos[c] for c in si.consumers)
 
     def run(self, swaps: Sequence[SwapDecision], persistent_bytes: int = 0, timeline: bool = True,
             validate: bool = True) -> SimResult:
@@ -345,8 +365,10 @@ class Simulator:
             parts_g += [np.full(len(self.tmp_pos), _TRANSIENT)] * 2
         if n_in:
             sw = np.array([(x[3], x[5], x[2]) for x in swap_ins], dtype=np.int64)
-            # a variable's swap-in lives until its swap-out after the last use has copied it back
-            in_free = np.array([max(end[x[5]], out_end[x[0]]) if variable[x[0]] else end[x[5]] for x in swap_ins])
+            # a variable's (last) swap-in lives until its swap-out after the last use has copied it back; a weight's
+            # first stay ends with its forward users (it goes back without a copy)
+            in_free = np.array([max(end[x[5]], out_end[x[0]]) if variable[x[0]] and x[1] == len(swaps[x[0]].swap_ins) - 1
+                                else end[x[5]] for x in swap_ins])
             parts_t += [np.array(in_start), in_free]
             parts_k1 += [sw[:, 0], sw[:, 1]]
             parts_k2 += [np.full(n_in, 3), np.full(n_in, 2)]

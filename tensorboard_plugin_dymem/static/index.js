@@ -94,6 +94,16 @@ function setAttrs(node, attrs) {
   }
 }
 
+// " (k of them optimizer state ..., j weights ...)" for a swap schedule's summary line, or "".
+function kindNote(swaps) {
+  const state = swaps.filter((s) => s.kind === 'variable').length;
+  const weights = swaps.filter((s) => s.kind === 'weight').length;
+  const parts = [];
+  if (state) parts.push(`${state} of them optimizer state offloaded between its uses`);
+  if (weights) parts.push(`${weights} of them weights in host memory between their uses`);
+  return parts.length ? ` (${parts.join(', ')})` : '';
+}
+
 function message(text, level = 'info', kind = null) {
   return el('div', {class: `dymem-message dymem-message-${level}`, 'data-level': level, 'data-kind': kind, role:
     level === 'error' ? 'alert' : 'status'}, text);
@@ -824,8 +834,7 @@ function renderSchedule(section, data) {
   section.dataset.stalls = String(stalled.length);
   section.append(el('p', {class: 'dymem-caption dymem-schedule-summary'},
       `${swaps.length} swapped tensors, ${formatBytes(bytes)}, ${swapIns.length} swap-ins` +
-      `${swaps.some((s) => s.kind === 'variable') ? ` (${swaps.filter((s) => s.kind === 'variable').length} ` +
-        'of them optimizer state offloaded between its uses)' : ''}; ` +
+      kindNote(swaps) + '; ' +
       `${stalled.length} stalled swap-in${stalled.length === 1 ? '' : 's'} ` +
       `(modelled stall ${formatSeconds(totalStall)}).`));
   if (!swaps.length) {
@@ -865,12 +874,15 @@ function renderSchedule(section, data) {
     const outStart = out.start_layer ?? s.producer_layer;
     const outEnd = Math.max(outStart, out.end_layer ?? outStart + 1);
     const state = s.kind === 'variable';  // optimizer state: in host memory from the step's start to its swap-in
+    const weight = s.kind === 'weight';  // a weight: in host memory but for its forward and its backward stay
     const g = svg('g', {class: `dymem-swap${stall > 0 ? ' dymem-stalled' : ''}`, 'data-tensor': s.tensor,
       'data-kind': s.kind || 'tensor',
       'data-bytes': s.bytes, 'data-producer-layer': s.producer_layer, 'data-swap-ins': s.swap_ins.length,
       'data-trigger-layer': s.swap_ins.length ? s.swap_ins[0].trigger_layer : '',
       'data-consumer-layer': s.swap_ins.length ? s.swap_ins[0].consumer_layer : '', 'data-stall-s': stall},
-    tooltip(`${s.tensor} (${formatBytes(s.bytes)})` + (state ?
+    tooltip(`${s.tensor} (${formatBytes(s.bytes)})` + (weight ?
+      `\nweight: in host memory but for its forward and its backward users, back there by layer ` +
+        `${formatNumber(outEnd)}` : state ?
       `\noptimizer state: in host memory between its uses, back there by layer ${formatNumber(outEnd)}` :
       `\nproduced at layer ${s.producer_layer}, swapped out by layer ${formatNumber(outEnd)}`) + s.swap_ins.map((si) =>
       `\nswap-in triggered by ${si.trigger_op || '?'} (layer ${si.trigger_layer}) for ` +
@@ -878,7 +890,10 @@ function renderSchedule(section, data) {
         `(layer ${si.consumer_layer})${si.stall_s > 0 ? `, stalls ${formatSeconds(si.stall_s)}` : ''}`).join('')));
     const inStart = (si) => si.start_layer ?? si.trigger_layer + 1;
     const hostEnd = Math.min(...s.swap_ins.map(inStart), L);
-    const hostSpans = state ? [[0, hostEnd], [outEnd, L]] : [[outEnd, hostEnd]];
+    const firstStayEnd = (si) => si.end_layer ?? si.consumer_start_layer ?? si.consumer_layer + 0.5;
+    const hostSpans = weight && s.swap_ins.length === 2 ?
+      [[0, inStart(s.swap_ins[0])], [firstStayEnd(s.swap_ins[0]), inStart(s.swap_ins[1])], [outEnd, L]] :
+      state ? [[0, hostEnd], [outEnd, L]] : [[outEnd, hostEnd]];
     for (const [a, b] of hostSpans) {
       g.append(svg('rect', {x: sx(a), y: y + bar * 0.3, width: Math.max(0, sx(b) - sx(a)), height: bar * 0.4,
         class: 'dymem-host'}));

@@ -12,6 +12,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "tensorflow/core/framework/node_def_util.h"
 #include "tensorflow/core/framework/types.h"
 #include "tensorflow/core/graph/node_builder.h"
 
@@ -79,6 +80,54 @@ bool ParseVar(const std::vector<std::string>& f, StepPlan* plan) {
   return true;
 }
 
+// Parses one `vin`, `vout` or `vread` record; false on a malformed one.
+bool ParseVariableOp(const std::vector<std::string>& f, StepPlan* plan) {
+  NodeEditRecord edit;
+  VariableOpRecord& r = edit.variable_op;
+  if (f.size() != 5 || f[1].empty() || f[3].empty() || f[4].empty() || !absl::SimpleAtoi(f[2], &r.port) ||
+      r.port < 0) {
+    return false;
+  }
+  edit.kind = r.kind = f[0];
+  r.resource = f[1];
+  r.name = f[3];
+  if (r.kind == "vread") {
+    r.like = f[4];
+  } else if (f[4] == "0" || f[4] == "1") {
+    r.flag = f[4] == "1";
+  } else {
+    return false;
+  }
+  plan->edits.push_back(std::move(edit));
+  return true;
+}
+
+// Parses one `clone` record; false on a malformed one.
+bool ParseClone(const std::vector<std::string>& f, StepPlan* plan) {
+  if (f.size() != 4 || f[1].empty() || f[2].empty() || f[3].empty()) return false;
+  NodeEditRecord edit;
+  edit.kind = "clone";
+  edit.clone = {f[1], f[2], f[3]};
+  plan->edits.push_back(std::move(edit));
+  return true;
+}
+
+// Parses one `reroute` record; false on a malformed one.
+bool ParseReroute(const std::vector<std::string>& f, StepPlan* plan) {
+  NodeEditRecord edit;
+  RerouteRecord& r = edit.reroute;
+  if (f.size() != 5 || f[1].empty() || f[2].empty() || f[4].empty() || !absl::SimpleAtoi(f[3], &r.port) ||
+      r.port < 0) {
+    return false;
+  }
+  edit.kind = "reroute";
+  r.consumer = f[1];
+  r.source = f[2];
+  r.target = f[4];
+  plan->edits.push_back(std::move(edit));
+  return true;
+}
+
 // The node called `name`, or null (with `error` set).
 Node* Find(const NodeIndex& index, const std::string& name, std::string* error) {
   auto it = index.find(name);
@@ -119,6 +168,58 @@ bool ValidateVariable(const VariableRecord& r, const NodeIndex& index, std::unor
   return true;
 }
 
+// Whether output `port` of `node` is a resource; false with `error` otherwise.
+bool IsResourceOutput(const Node* node, int port, std::string* error) {
+  if (port < node->num_outputs() && node->output_type(port) == tensorflow::DT_RESOURCE) return true;
+  *error = absl::StrCat("output ", port, " of '", node->name(), "' is not a resource");
+  return false;
+}
+
+// Checks one `vin`/`vout`/`vread` record against the graph; false with `error` otherwise.
+bool ValidateVariableOp(const VariableOpRecord& r, const NodeIndex& index, std::string* error) {
+  Node* resource = Find(index, r.resource, error);
+  if (resource == nullptr || !IsResourceOutput(resource, r.port, error)) return false;
+  if (r.kind != "vread") return true;
+  Node* like = Find(index, r.like, error);
+  tensorflow::DataType dtype;
+  if (like == nullptr) return false;
+  if (!tensorflow::GetNodeAttr(like->attrs(), "dtype", &dtype).ok() || !Swappable(dtype)) {
+    *error = absl::StrCat("'", r.like, "' gives no dtype a variable read can take");
+    return false;
+  }
+  return true;
+}
+
+// Checks one edit record; `names` holds the graph's and the plan's earlier node names (new names are added).
+bool ValidateEdit(const NodeEditRecord& edit, const NodeIndex& index, std::unordered_set<std::string>* names,
+                  std::string* error) {
+  auto known = [&](const std::string& name) {
+    if (names->count(name)) return true;
+    *error = absl::StrCat("the plan names node '", name, "', which is neither in the graph nor added before");
+    return false;
+  };
+  auto fresh = [&](const std::string& name) {
+    if (names->insert(name).second) return true;
+    *error = absl::StrCat("node name '", name, "' is already taken");
+    return false;
+  };
+  if (edit.kind == "clone") {
+    return Find(index, edit.clone.node, error) != nullptr && known(edit.clone.input) && fresh(edit.clone.name);
+  }
+  if (edit.kind == "reroute") {
+    const RerouteRecord& r = edit.reroute;
+    Node* consumer = Find(index, r.consumer, error);
+    Node* source = consumer ? Find(index, r.source, error) : nullptr;
+    if (source == nullptr || !known(r.target)) return false;
+    if (InputsReading(consumer, source, r.port).empty()) {
+      *error = absl::StrCat("'", r.consumer, "' does not read ", r.source, ":", r.port);
+      return false;
+    }
+    return true;
+  }
+  return ValidateVariableOp(edit.variable_op, index, error) && fresh(edit.variable_op.name);
+}
+
 // Checks that every name the plan uses exists (and every new name does not); false with `error` otherwise.
 bool Validate(const StepPlan& plan, const NodeIndex& index, std::string* error) {
   std::unordered_set<std::string> outs;
@@ -145,13 +246,23 @@ bool Validate(const StepPlan& plan, const NodeIndex& index, std::string* error) 
       if (Find(index, c, error) == nullptr) return false;
     }
   }
-  for (const ControlEdgeRecord& r : plan.control_edges) {
-    if (Find(index, r.from, error) == nullptr || Find(index, r.to, error) == nullptr) return false;
-  }
   std::unordered_set<std::string> taken(outs);
   taken.insert(ins.begin(), ins.end());
   for (const VariableRecord& r : plan.variables) {
     if (!ValidateVariable(r, index, &taken, error)) return false;
+  }
+  std::unordered_set<std::string> names(taken);
+  for (const auto& entry : index) names.insert(entry.first);
+  for (const NodeEditRecord& edit : plan.edits) {
+    if (!ValidateEdit(edit, index, &names, error)) return false;
+  }
+  for (const ControlEdgeRecord& r : plan.control_edges) {
+    for (const std::string* name : {&r.from, &r.to}) {
+      if (!names.count(*name)) {
+        *error = absl::StrCat("the plan names node '", *name, "', which is not in the graph");
+        return false;
+      }
+    }
   }
   return true;
 }
@@ -303,11 +414,87 @@ bool AddVariableSwaps(const StepPlan& plan, const NodeIndex& index, Graph* graph
   return true;
 }
 
+// The node `name` of the graph or of the plan's added nodes.
+Node* Lookup(const NodeIndex& index, const NodeIndex& added, const std::string& name) {
+  auto it = added.find(name);
+  return it != added.end() ? it->second : index.at(name);
+}
+
+// Adds one `vin`/`vout`/`vread` node; null with `error` on failure.
+Node* AddVariableOp(const VariableOpRecord& r, const NodeIndex& index, Graph* graph, std::string* error) {
+  Node* resource = index.at(r.resource);
+  tensorflow::NodeBuilder builder(r.name, r.kind == "vin" ? "DymemVariableSwapIn"
+                                          : r.kind == "vout" ? "DymemVariableSwapOut" : "DymemVariableRead");
+  builder.Input(tensorflow::NodeBuilder::NodeOut(resource, r.port)).Device(resource->assigned_device_name());
+  if (r.kind == "vin") builder.Attr("keep_host", r.flag);
+  if (r.kind == "vout") builder.Attr("discard", r.flag);
+  absl::Status s;
+  if (r.kind == "vread") {
+    tensorflow::DataType dtype = tensorflow::DT_INVALID;
+    s = tensorflow::GetNodeAttr(index.at(r.like)->attrs(), "dtype", &dtype);
+    builder.Attr("dtype", dtype);
+  }
+  Node* node = nullptr;
+  if (s.ok()) s = builder.Finalize(graph, &node, /*consume=*/true);
+  if (!s.ok()) {
+    *error = absl::StrCat("could not add '", r.name, "': ", s.message());
+    return nullptr;
+  }
+  node->set_assigned_device_name(resource->assigned_device_name());
+  return node;
+}
+
+// Adds a copy of `like` named `name` (attributes, device and data inputs) whose input 0 reads `input`:0; null with
+// `error` on failure.
+Node* AddClone(const Node* like, const std::string& name, Node* input, Graph* graph, std::string* error) {
+  std::vector<tensorflow::NodeBuilder::NodeOut> inputs(like->num_inputs());
+  for (const Edge* e : like->in_edges()) {
+    if (!e->IsControlEdge()) inputs[e->dst_input()] = tensorflow::NodeBuilder::NodeOut(e->src(), e->src_output());
+  }
+  tensorflow::NodeBuilder builder(name, like->type_string());
+  for (int i = 0; i < like->num_inputs(); ++i) {
+    builder.Input(i == 0 ? tensorflow::NodeBuilder::NodeOut(input, 0) : inputs[i]);
+  }
+  for (const auto& attr : like->attrs()) builder.Attr(attr.first, attr.second);
+  Node* node = nullptr;
+  absl::Status s = builder.Device(like->assigned_device_name()).Finalize(graph, &node, /*consume=*/true);
+  if (!s.ok()) {
+    *error = absl::StrCat("could not clone '", like->name(), "' as '", name, "': ", s.message());
+    return nullptr;
+  }
+  node->set_assigned_device_name(like->assigned_device_name());
+  return node;
+}
+
+// Applies the edit records in order; false with `error` on failure.
+bool ApplyEdits(const StepPlan& plan, const NodeIndex& index, Graph* graph, NodeIndex* added, UndoLog* log,
+                std::string* error) {
+  for (const NodeEditRecord& edit : plan.edits) {
+    if (edit.kind == "reroute") {
+      const RerouteRecord& r = edit.reroute;
+      if (!RerouteConsumer(graph, index.at(r.consumer), index.at(r.source), r.port, Lookup(index, *added, r.target),
+                           log)) {
+        *error = absl::StrCat("'", r.consumer, "' does not read ", r.source, ":", r.port);
+        return false;
+      }
+      continue;
+    }
+    Node* node = edit.kind == "clone"
+                     ? AddClone(index.at(edit.clone.node), edit.clone.name, Lookup(index, *added, edit.clone.input),
+                                graph, error)
+                     : AddVariableOp(edit.variable_op, index, graph, error);
+    if (node == nullptr) return false;
+    log->added_nodes.push_back(node);
+    (*added)[node->name()] = node;
+  }
+  return true;
+}
+
 // Adds the plan's control edges.
-void AddControlEdges(const StepPlan& plan, const NodeIndex& index, Graph* graph, UndoLog* log) {
+void AddControlEdges(const StepPlan& plan, const NodeIndex& index, const NodeIndex& added, Graph* graph,
+                     UndoLog* log) {
   for (const ControlEdgeRecord& r : plan.control_edges) {
-    const Edge* e = graph->AddControlEdge(index.at(r.from), index.at(r.to));
-    if (e != nullptr) log->added_control_edges.push_back(e);
+    AddLoggedControlEdge(graph, Lookup(index, added, r.from), Lookup(index, added, r.to), log);
   }
 }
 
@@ -320,7 +507,9 @@ bool ParseStepPlan(const std::string& text, StepPlan* plan, std::string* error) 
     if (line.empty()) continue;
     std::vector<std::string> f = Fields(line);
     bool ok = (f[0] == "out" && ParseOut(f, plan)) || (f[0] == "in" && ParseIn(f, plan)) ||
-              (f[0] == "ctrl" && ParseCtrl(f, plan)) || (f[0] == "var" && ParseVar(f, plan));
+              (f[0] == "ctrl" && ParseCtrl(f, plan)) || (f[0] == "var" && ParseVar(f, plan)) ||
+              ((f[0] == "vin" || f[0] == "vout" || f[0] == "vread") && ParseVariableOp(f, plan)) ||
+              (f[0] == "clone" && ParseClone(f, plan)) || (f[0] == "reroute" && ParseReroute(f, plan));
     if (!ok) {
       *error = absl::StrCat("plan line ", lineno, " is malformed: '", line, "'");
       return false;
@@ -337,8 +526,8 @@ bool ApplyStepPlan(const StepPlan& plan, Graph* graph, std::string* error) {
   NodeIndex added;
   bool ok = AddSwapOuts(plan, index, graph, &added, &log, error) &&
             AddSwapIns(plan, index, graph, &added, &log, error) &&
-            AddVariableSwaps(plan, index, graph, &log, error);
-  if (ok) AddControlEdges(plan, index, graph, &log);
+            AddVariableSwaps(plan, index, graph, &log, error) && ApplyEdits(plan, index, graph, &added, &log, error);
+  if (ok) AddControlEdges(plan, index, added, graph, &log);
   if (ok && !Acyclic(*graph)) {
     *error = "the plan would make the graph cyclic";
     ok = false;

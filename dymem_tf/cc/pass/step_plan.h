@@ -12,6 +12,16 @@
 // in host memory) at the step's start, a swap-in (DymemVariableSwapIn) after the evict and the trigger and before
 // every listed consumer, and a swap-out (DymemVariableSwapOut) after every consumer. The consumers must be all the
 // ops that read the resource (control edges only: no data input changes).
+//
+// Weights offloaded between their uses are written with smaller records, applied in the order given (each may name
+// nodes that an earlier record of the plan adds):
+//   vin     <resource node> <output port> <name> <keep_host 0|1>     a DymemVariableSwapIn
+//   vout    <resource node> <output port> <name> <discard 0|1>       a DymemVariableSwapOut
+//   vread   <resource node> <output port> <name> <read node>         a DymemVariableRead of the read node's dtype
+//   clone   <node> <name> <input node>                               a copy of the node (attributes, device, data
+//                                                                    inputs) whose input 0 is `input node`:0
+//   reroute <consumer> <source node> <source port> <new source>      the consumer's data inputs that read the
+//                                                                    source now read `new source`:0
 #ifndef DYMEM_TF_CC_PASS_STEP_PLAN_H_
 #define DYMEM_TF_CC_PASS_STEP_PLAN_H_
 
@@ -50,11 +60,43 @@ struct VariableRecord {
   std::vector<std::string> consumers;
 };
 
+// One `vin`, `vout` or `vread` record.
+struct VariableOpRecord {
+  std::string kind;  // "vin", "vout" or "vread"
+  std::string resource;
+  int port = 0;
+  std::string name;
+  bool flag = false;  // keep_host (vin) or discard (vout)
+  std::string like;   // vread: the ReadVariableOp whose dtype the read takes
+};
+
+struct CloneRecord {
+  std::string node;
+  std::string name;
+  std::string input;
+};
+
+struct RerouteRecord {
+  std::string consumer;
+  std::string source;
+  int port = 0;
+  std::string target;
+};
+
+// A `vin`, `vout`, `vread`, `clone` or `reroute` record (`kind` says which), in plan order.
+struct NodeEditRecord {
+  std::string kind;
+  VariableOpRecord variable_op;
+  CloneRecord clone;
+  RerouteRecord reroute;
+};
+
 struct StepPlan {
   std::vector<SwapOutRecord> swap_outs;
   std::vector<SwapInRecord> swap_ins;
   std::vector<ControlEdgeRecord> control_edges;
   std::vector<VariableRecord> variables;
+  std::vector<NodeEditRecord> edits;
 };
 
 // Parses the text form above into `plan`; false with `error` set on a malformed line.
