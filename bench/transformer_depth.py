@@ -1,4 +1,5 @@
-"""Deepest GPT-style decoder under a fixed device budget: feature-map swapping alone against optimizer state offloaded.
+"""Deepest GPT-style decoder under a fixed device budget: feature-map swapping alone against optimizer state and weights
+offloaded.
 
     python bench/transformer_depth.py --write          # all three modes; writes docs/benchmarks.md's section
     python bench/transformer_depth.py --steps 5        # quicker, writes nothing
@@ -11,7 +12,9 @@ budget. Modes:
 
 * ``plain``: no Dymem callback;
 * ``features``: ``DymemCallback(memory_budget="auto", offload_optimizer_state=False)``: feature maps only;
-* ``state``: ``DymemCallback(memory_budget="auto")``: feature maps and optimizer state (AdamW's m and v).
+* ``state``: ``DymemCallback(memory_budget="auto", offload_weights=False)``: feature maps and optimizer state
+  (AdamW's m and v);
+* ``weights``: ``DymemCallback(memory_budget="auto")``: feature maps, optimizer state and weights.
 
 The search doubles the number of blocks from ``--start`` until a trial fails, then bisects.
 """
@@ -29,7 +32,7 @@ REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 import largest_batch  # noqa: E402  (the search, the fit test and the section writer are shared)
 BEGIN, END = "<!-- transformer-depth:begin -->", "<!-- transformer-depth:end -->"
-MODES = ("plain", "features", "state")
+MODES = ("plain", "features", "state", "weights")
 MiB = 1 << 20
 
 
@@ -66,23 +69,40 @@ def deepest(mode: str, args, budget_bytes: int, log) -> tuple[int, list[dict]]:
 def report(results: dict, args, seconds: float) -> str:
     """The Markdown section for docs/benchmarks.md."""
     got = {m: results[m]["deepest"] for m in results}
-    ratio = (f"{got['state'] / got['features']:.2f}x" if got.get("features") and "state" in got else "-")
+    # a mode none of whose trials failed stopped at the search's limit: its depth is a lower bound
+    from dymem_tf.units import parse_bytes
+
+    capped = {m for m in results if results[m]["trials"]
+              and all(largest_batch.fits(t, parse_bytes(args.budget), args.steps) for t in results[m]["trials"])}
+
+    def depth(mode: str) -> str:
+        return "-" if mode not in got else f"≥ {got[mode]}" if mode in capped else str(got[mode])
+
+    def ratio(mode: str) -> str:
+        if not (got.get("features") and got.get(mode)):
+            return "-"
+        return f"{'≥ ' if mode in capped else ''}{got[mode] / got['features']:.2f}x"
+
     late = [(m, t) for m in results for t in results[m]["trials"] if largest_batch.late_oom(t)]
     failed = ", ".join(f"{m} {t['layers']} blocks (step {t['steps_run'] + 1})" for m, t in late) or "none"
-    lines = [BEGIN, "## Deepest decoder-only LM under a fixed budget: optimizer state offloaded", "",
+    lines = [BEGIN, "## Deepest decoder-only LM under a fixed budget: optimizer state and weights offloaded", "",
              f"`python bench/transformer_depth.py --write` on this 2-core CPU machine ({seconds / 60:.0f} min; GTBM "
              f"is the emulated device, oneDNN off). `bench/model_zoo.gpt_decoder`: GPT-2-style blocks "
              f"{args.dim} wide, {args.seq} tokens, batch {args.batch}, AdamW; device capped at {args.budget}. "
              f"Every trial is a fresh process that trains {args.steps} steps on max({args.samples}, batch x "
              f"{args.steps}) samples and fits when every step trained with its measured peak under the budget. "
              "*plain*: no callback; *features*: `DymemCallback(memory_budget=\"auto\", "
-             "offload_optimizer_state=False)` (feature maps only); *state*: `DymemCallback(memory_budget=\"auto\")` "
-             "(feature maps and optimizer state).", "",
-             "| plain | features | state | state / features | trials | out of memory after step 1 |",
-             "| --- | --- | --- | --- | --- | --- |",
-             f"| {got.get('plain', '-')} | {got.get('features', '-')} | {got.get('state', '-')} | {ratio} | "
+             "offload_optimizer_state=False)` (feature maps only); *state*: `DymemCallback(memory_budget=\"auto\", "
+             "offload_weights=False)` (feature maps and optimizer state); *weights*: "
+             "`DymemCallback(memory_budget=\"auto\")` (feature maps, optimizer state and weights).", "",
+             "| plain | features | state | weights | state / features | weights / features | trials | "
+             "out of memory after step 1 |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |",
+             f"| {depth('plain')} | {depth('features')} | {depth('state')} | "
+             f"{depth('weights')} | {ratio('state')} | {ratio('weights')} | "
              f"{sum(len(r['trials']) for r in results.values())} | {failed} |",
-             "", "Deepest model (blocks) per mode; every trial (blocks, outcome, each step's peak) is in "
+             "", f"Deepest model (blocks) per mode (\"≥\": every trial fitted up to the search's limit of "
+             f"{args.limit} blocks); every trial (blocks, outcome, each step's peak) is in "
              "[docs/transformer_depth.json](transformer_depth.json).", END]
     return "\n".join(lines)
 
@@ -102,7 +122,8 @@ def run_child(args) -> dict:
     samples = max(args.samples, args.batch * args.steps)
     model, x, y = gpt_decoder(args.batch, samples, 0, seq=args.seq, dim=args.dim, layers=args.layers)
     callback = None if args.mode == "plain" else dymem_tf.DymemCallback(
-        memory_budget="auto", verbose=0, offload_optimizer_state=args.mode == "state")
+        memory_budget="auto", verbose=0, offload_optimizer_state=args.mode in ("state", "weights"),
+        offload_weights=args.mode == "weights")
     result = largest_batch.measured_fit(model, x, y, args.batch, args.steps, callback)
     result["samples"] = samples
     return result

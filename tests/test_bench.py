@@ -386,7 +386,7 @@ def test_transformer_depth_search_and_report(monkeypatch):
     import transformer_depth
 
     budget = 192 << 20
-    limit = {"plain": 6, "features": 9, "state": 19}
+    limit = {"plain": 6, "features": 9, "state": 19, "weights": 27}
 
     def fake(layers, mode, args):
         if mode == "state" and layers == 32:  # an out-of-memory error after the first step: a depth that fails
@@ -398,13 +398,51 @@ def test_transformer_depth_search_and_report(monkeypatch):
     monkeypatch.setattr(transformer_depth, "trial", fake)
     args = types.SimpleNamespace(start=4, limit=256, steps=20, samples=2000, batch=8, dim=256, seq=64,
                                  budget="192MiB")
+    capped = transformer_depth.report({"features": {"deepest": 9, "trials": [
+        {"outcome": "trained", "steps_run": 20, "peaks": [1], "layers": 9}]}, "weights": {"deepest": 32, "trials": [
+        {"outcome": "trained", "steps_run": 20, "peaks": [1], "layers": 32}]}}, args, 1.0)
+    assert "| - | ≥ 9 | - | ≥ 32 | - | ≥ 3.56x |" in capped
     results = {}
     for mode in limit:
         best, trials = transformer_depth.deepest(mode, args, budget, lambda s: None)
         assert best == limit[mode]
         results[mode] = {"deepest": best, "trials": trials}
     text = transformer_depth.report(results, args, 60.0)
-    assert "| 6 | 9 | 19 | 2.11x |" in text and "state 32 blocks (step 4)" in text
+    assert "| 6 | 9 | 19 | 27 | 2.11x | 3.00x |" in text and "state 32 blocks (step 4)" in text
+
+
+def test_offload_step_time_interleaves_rounds_and_reports_ratios(monkeypatch):
+    """Rounds rotate the configurations; each ratio is against plain of the same round; the report gives the plan
+    counts and the modelled H200 copy time of the budgeted runs (runs faked: the real ones train for minutes)."""
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    import offload_step_time as ost
+
+    script = os.path.join(REPO, "bench", "offload_step_time.py")
+    bad = subprocess.run([sys.executable, script, "--rounds", "x"], capture_output=True, text=True)
+    assert bad.returncode == 2
+    seen = []
+    slow = {"plain": 1.0, "dymem": 1.1, "loose": 1.12, "tight": 1.6}
+
+    def fake(config, args, budget):
+        seen.append((config, budget))
+        t = 0.1 * slow[config]
+        out = {"times": [5.0, 2.0] + [t] * 6, "peaks": [200 << 20]}
+        if budget is not None:
+            out.update(feature_maps=3, state=0 if config == "loose" else 8, weights=0 if config == "loose" else 4,
+                       h2d_bytes=12 << 20, d2h_bytes=6 << 20, h200_copy_s=0.004, h200_step_s=0.012,
+                       h200_no_swap_step_s=0.010, h200_compute_s=0.010, stage="calibrated")
+        return out
+
+    monkeypatch.setattr(ost, "run", fake)
+    args = types.SimpleNamespace(rounds=2, loose=0.85, tight=0.55, layers=8, batch=8, dim=256, seq=64, steps=8)
+    data = ost.measure(args, lambda s: None)
+    assert [c for c, _ in seen] == ["plain", "plain", "dymem", "loose", "tight", "dymem", "loose", "tight", "plain"]
+    assert data["budgets"]["tight"] == int(0.55 * (200 << 20)) and data["budgets"]["dymem"] is None
+    summary = ost.summarise(data)
+    assert summary["tight"]["ratio"] == pytest.approx(1.6) and summary["plain"]["ratio"] == pytest.approx(1.0)
+    text = ost.report(data, args, 60.0)
+    assert "| dymem, tight budget | 160 | 1.60x [1.60, 1.60] | 200 | 3 | 8 | 4 | 18.0 MiB | 4.00 ms" in text
+    assert "1.20x |" in text
 
 
 def test_run_all_keeps_the_sections_other_scripts_wrote(tmp_path):
