@@ -78,8 +78,19 @@ def _child(name: str, args) -> dict:
         model, x, y = build(batch * args.identity_steps)
         cb = dymem_tf.DymemCallback(verbose=0)
         loss = fit(model, x, y, args.identity_steps, [cb]).history["loss"]
-        return {"identical": loss == base and all(np.array_equal(a, b) for a, b in zip(base_w, model.weights)),
-                "repeatable": repeatable,
+        identical = loss == base and all(np.array_equal(a, b) for a, b in zip(base_w, model.weights))
+        # under a budget the first step is the probe: the least-memory plan, with every feature map swapped and
+        # optimizer state and weights offloaded; the budget is the whole (uncapped) device, so later steps run the
+        # calibrated plan that swaps nothing
+        model, x, y = build(batch * args.identity_steps)
+        budgeted = dymem_tf.DymemCallback(memory_budget="8GiB", verbose=0)
+        loss_b = fit(model, x, y, args.identity_steps, [budgeted]).history["loss"]
+        probe = budgeted.records[0].plan if budgeted.records else None
+        return {"identical": identical, "repeatable": repeatable,
+                "identical_budgeted": loss_b == base and all(np.array_equal(a, b)
+                                                             for a, b in zip(base_w, model.weights)),
+                "probe_kinds": [len(probe.feature_maps), len(probe.offloaded_variables),
+                                len(probe.offloaded_weights)] if probe is not None else None,
                 "swaps": len(cb.plan.swaps) if cb.plan is not None else 0,
                 "skipped": [s.kind for s in cb.skipped]}
 
@@ -208,18 +219,24 @@ def report(results: list[dict], args, seconds: float) -> str:
              f"the emulated device (oneDNN off). Budgets B = W + f x (P0 - W), W = weights + optimizer state, "
              f"P0 = the measured no-swap peak; each budgeted run trains {args.steps} steps on {args.samples} "
              "samples. *auto* is `memory_budget=\"auto\"`; *none* is `memory_budget=None` under the same cap, run where "
-             "*auto* refused.", "",
-             "| model | batch | bit-identical (3 steps) | swaps | W MiB | P0 MiB | f | B MiB | auto | auto max peak MiB "
-             "| none | probe pred./meas. MiB | calibrated pred./meas. MiB |",
-             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | --- | --- | --- |"]
+             "*auto* refused. *Bit-identical* compares losses and every weight after 3 steps with op determinism on, "
+             "against a plain run: without a budget, and under a budget, whose first step (the probe) swaps every "
+             "feature map and offloads optimizer state and weights (*probe offloads*: feature maps / state / "
+             "weights).", "",
+             "| model | batch | bit-identical (3 steps): no budget / budget | probe offloads | swaps | W MiB | P0 MiB | f | "
+             "B MiB | auto | auto max peak MiB | none | probe pred./meas. MiB | calibrated pred./meas. MiB |",
+             "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | --- | --- | --- |"]
     raw_err, cal_err, violations = [], [], []
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['model']} | – | error: {r['error'][:120]!r} |" + " |" * 10)
+            lines.append(f"| {r['model']} | – | error: {r['error'][:120]!r} |" + " |" * 11)
             continue
-        ident = "yes" if r["identical"] else "**no**"
+        def yes(flag):
+            return "–" if flag is None else "yes" if flag else "**no**"
+
+        ident = f"{yes(r['identical'])} / {yes(r.get('identical_budgeted'))}"
         if r.get("repeatable") is False:
-            ident = f"{'yes' if r['identical'] else 'no'}, but two plain runs differ too"
+            ident = f"{ident.replace('**', '')}, but two plain runs differ too"
         if r["skipped"]:
             ident += f" (unmodified: {', '.join(sorted(set(r['skipped'])))})"
         for run in r["runs"]:
@@ -227,7 +244,8 @@ def report(results: list[dict], args, seconds: float) -> str:
             peak = max(auto["peaks"]) if auto["peaks"] else None
             probe = f"{_mib(auto.get('probe_predicted'))} / {_mib(auto.get('probe_measured'))}"
             cal = f"{_mib(auto.get('calibrated_predicted'))} / {_mib(auto.get('calibrated_measured'))}"
-            lines.append(f"| {r['model']} | {r['batch']} | {ident} | {r['swaps']} | {_mib(r['persistent'])} | "
+            kinds = " / ".join(map(str, r["probe_kinds"])) if r.get("probe_kinds") else "–"
+            lines.append(f"| {r['model']} | {r['batch']} | {ident} | {kinds} | {r['swaps']} | {_mib(r['persistent'])} | "
                          f"{_mib(r['p0'])} | {run['fraction']} | {_mib(run['budget'])} | {_outcome(auto)} | "
                          f"{_mib(peak)} | {_outcome(none)} | {probe} | {cal} |")
             if auto.get("probe_measured"):

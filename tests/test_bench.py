@@ -334,7 +334,9 @@ def test_budget_reliability_cli_checks_its_arguments_and_renders_a_saved_run(tmp
               "p0": 96 << 20, "persistent": 2 << 20, "runs": [run]}
     args = types.SimpleNamespace(argv=[], steps=20, samples=2000)
     text = budget_reliability.report([result], args, 60.0)
-    assert "| gan | 64 | yes | 3 |" in text and "trained 20 steps" in text and "Budget violations" in text
+    assert "| gan | 64 | yes / – | – | 3 |" in text and "trained 20 steps" in text and "Budget violations" in text
+    result.update(identical_budgeted=False, probe_kinds=[5, 2, 4])
+    assert "| gan | 64 | yes / **no** | 5 / 2 / 4 | 3 |" in budget_reliability.report([result], args, 60.0)
     assert "median 16.7%" in text  # |50 - 60| / 60 on the probe
 
 
