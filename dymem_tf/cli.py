@@ -77,18 +77,20 @@ def main(argv=None) -> int:
     rows = []
     for policy, plan in plans.items():
         if isinstance(plan, Exception):
-            rows.append((policy, "-", "-", "-", "-", "-", "-", f"error: {plan}"))
+            rows.append((policy, "-", "-", "-", "-", "-", "-", "-", f"error: {plan}"))
             continue
         pred = plan.predicted
         rows.append((policy, str(len(plan.feature_maps)), str(len(plan.offloaded_variables)),
-                     str(len(plan.offloaded_weights)), units.format_bytes(pred["peak_bytes"]),
+                     str(len(plan.offloaded_weights)), str(len(plan.recomputed)),
+                     units.format_bytes(pred["peak_bytes"]),
                      f"{pred['step_time_s'] * 1e3:.1f}", f"{pred['stall_s'] * 1e3:.1f}", ""))
     if "dymem" in plans and not isinstance(plans["dymem"], Exception):
         print(plans["dymem"].summary())
         if args.save:
             plans["dymem"].save(args.save)
             print(f"plan saved to {args.save}")
-    print(tabulate(rows, headers=("policy", "swaps", "state", "weights", "pred. peak", "step ms", "stall ms", ""),
+    print(tabulate(rows, headers=("policy", "swaps", "state", "weights", "recompute", "pred. peak", "step ms",
+                                  "stall ms", ""),
                    tablefmt="plain",
                    disable_numparse=True))
     return 0

@@ -48,3 +48,15 @@ def run_python(code: str, env: dict | None = None, timeout: int = 600) -> subpro
 @pytest.fixture
 def python_subprocess():
     return run_python
+
+
+@pytest.fixture
+def deterministic():
+    """Op determinism on for the test (restored after): bit-identity checks."""
+    from tensorflow.python.framework import config as tf_config
+
+    was_on = tf_config.is_op_determinism_enabled()
+    tf_config.enable_op_determinism()
+    yield
+    if not was_on:
+        tf_config.disable_op_determinism()

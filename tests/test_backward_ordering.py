@@ -1,7 +1,6 @@
 """Gradient ops that are ready early held until their consumers near (dymem_tf.planning.backward_ordering)."""
 import keras
 import numpy as np
-import pytest
 
 import dymem_tf
 from dymem_tf.planning import pipeline, simulator
@@ -88,14 +87,3 @@ def test_a_gelu_net_holds_its_gradient_chains_and_trains_bit_identically(determi
     assert losses == plain
     for a, b in zip(plain_weights, [w.numpy() for w in model.weights]):
         np.testing.assert_array_equal(a, b)
-
-
-@pytest.fixture
-def deterministic():
-    from tensorflow.python.framework import config as tf_config
-
-    was_on = tf_config.is_op_determinism_enabled()
-    tf_config.enable_op_determinism()
-    yield
-    if not was_on:
-        tf_config.disable_op_determinism()

@@ -125,7 +125,8 @@ def test_encode_plan_writes_the_weight_records():
     names = graph_pass.weight_op_names("w:0")
     assert lines[:6] == [f"vout\tw\t0\t{names['evict']}\t0", f"vin\tw\t0\t{names['in_fwd']}\t1",
                          f"vout\tw\t0\t{names['out_fwd']}\t1", f"vin\tw\t0\t{names['in_bwd']}\t0",
-                         f"vread\tw\t0\t{names['read_bwd']}\trw", "clone\trs\trs/dymem_weight_copy\t" + names["read_bwd"]]
+                         f"vread\tw\t0\t{names['read_bwd']}\trw",
+                         "clone\trs\trs/dymem_weight_copy\t0:" + names["read_bwd"]]
     assert f"reroute\tg1\trs\t0\trs/dymem_weight_copy" in lines and f"reroute\tgx\trw\t0\t{names['read_bwd']}" in lines
     edges = {tuple(line.split("\t")[1:]) for line in lines if line.startswith("ctrl")}
     assert {(names["in_fwd"], "rw"), ("f2", names["out_fwd"]), (names["out_fwd"], names["in_bwd"]),

@@ -153,6 +153,9 @@ def encode_plan(swaps, control_edges=()) -> str:
         if getattr(decision, "kind", "tensor") == "weight":
             lines += _weight_records(decision)
             continue
+        if getattr(decision, "kind", "tensor") == "recompute":
+            lines += _recompute_records(decision)
+            continue
         if getattr(decision, "kind", "tensor") == "variable":
             swap_in = decision.swap_ins[0]
             evict, in_name, out_name = variable_op_names(decision.tensor)
@@ -189,7 +192,7 @@ def _weight_records(decision) -> list[str]:
     copy_of = {read: read_b for read in route.reads}
     for alias, source in route.clones:
         copy_of[alias] = f"{alias}/dymem_weight_copy"
-        lines.append(f"clone\t{alias}\t{copy_of[alias]}\t{copy_of[source]}")
+        lines.append(f"clone\t{alias}\t{copy_of[alias]}\t0:{copy_of[source]}")
     rerouted = []
     for consumer, source in route.reroutes:
         lines.append(f"reroute\t{consumer}\t{source}\t0\t{copy_of[source]}")
@@ -204,6 +207,33 @@ def _weight_records(decision) -> list[str]:
     edges += [(user, out_b) for user in second.consumers]
     edges += [(user, write) for user in rerouted for write in route.writes]
     return lines + [f"ctrl\t{a}\t{b}" for a, b in dict.fromkeys(edges)]
+
+
+def _recompute_records(decision) -> list[str]:
+    """The records recomputing a tensor for its backward consumers (``cc/pass/step_plan.h``): a copy of each op of
+    the chain (reading the copies of the chain's earlier ops), after the trigger; copies of the alias ops the
+    consumers read it through; the consumers rerouted to the copies."""
+    route, (swap_in,) = decision.recompute, decision.swap_ins
+    copy_of = {op: recompute_op_name(op) for op, _ in route.ops}
+    copy_of.update({alias: recompute_op_name(alias) for alias in route.aliases})
+    lines = []
+    for op, inputs in route.ops:
+        remapped = ",".join(f"{k}:{copy_of[source]}" for k, source in inputs)
+        lines.append(f"clone\t{op}\t{copy_of[op]}\t{remapped}")
+    last = route.ops[-1][0]
+    for alias in route.aliases:
+        lines.append(f"clone\t{alias}\t{copy_of[alias]}\t0:{copy_of[last]}")
+    _, port = split_tensor_name(decision.tensor)
+    for consumer, source in route.reroutes:
+        lines.append(f"reroute\t{consumer}\t{source}\t{port if source == last else 0}\t{copy_of[source]}")
+    if swap_in.trigger_op:
+        lines += [f"ctrl\t{swap_in.trigger_op}\t{copy_of[op]}" for op, _ in route.ops]
+    return lines
+
+
+def recompute_op_name(op: str) -> str:
+    """Node name of the copy of ``op`` a recomputation runs."""
+    return f"{op}/dymem_recompute"
 
 
 def weight_op_names(tensor: str) -> dict[str, str]:

@@ -62,6 +62,7 @@ class RewriteReport:
     deferral_edges: int = 0
     offloaded_variables: int = 0  # optimizer variables offloaded between their uses (part of swapped_tensors)
     offloaded_weights: int = 0  # weights kept in host memory between their uses (part of swapped_tensors)
+    recomputed: int = 0  # feature maps computed again for the backward pass (part of swapped_tensors)
 
     def summary(self) -> str:
         text = (f"{self.swapped_tensors} tensors swapped: {len(self.swap_out_ops)} swap-outs, "
@@ -70,6 +71,8 @@ class RewriteReport:
             text += f"; {self.offloaded_variables} of them optimizer variables offloaded between their uses"
         if self.offloaded_weights:
             text += f"; {self.offloaded_weights} of them weights kept in host memory between their uses"
+        if self.recomputed:
+            text += f"; {self.recomputed} of them recomputed instead"
         return text
 
 
@@ -295,6 +298,10 @@ def rewrite_report(plan, deferrals) -> RewriteReport:
     """What the pass inserts for ``plan``: the names :func:`dymem_tf.passes.graph_pass.encode_plan` gives the ops."""
     report = RewriteReport(swapped_tensors=len(plan.swaps), deferral_edges=len(deferrals))
     for decision in plan.swaps:
+        if decision.kind == "recompute":
+            report.recomputed += 1
+            report.rerouted_inputs += len(decision.recompute.reroutes)
+            continue
         if decision.kind == "weight":
             names = graph_pass.weight_op_names(decision.tensor)
             report.offloaded_weights += 1

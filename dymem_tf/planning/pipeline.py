@@ -1,5 +1,6 @@
-"""The planning pipeline, one function for the callback's pass and the dry run: find offloadable state and weights ▶ defer ▶
-order updates after reads ▶ hold early gradient ops ▶ model the state ▶ plan ▶ check triggers.
+"""The planning pipeline, one function for the callback's pass and the dry run: find offloadable state and
+weights ▶ defer ▶ order updates after reads ▶ hold early gradient ops ▶ model the state ▶ find recomputable
+tensors ▶ plan ▶ check triggers.
 
 :func:`plan_step` takes a captured :class:`~dymem_tf.planning.analysis.StepGraph` and the settings of one plan
 (:class:`PlanSettings`) and returns a :class:`PlannedStep`: the graph planned on (with the deferral edges added),
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from dymem_tf.planning import backward_ordering, offload, planner, read_ordering, update_deferral
+from dymem_tf.planning import backward_ordering, offload, planner, read_ordering, recompute, update_deferral
 from dymem_tf.planning.analysis import StepGraph
 from dymem_tf.planning.cost_model import CostModel
 from dymem_tf.planning.device_profiles import DeviceProfile
@@ -36,6 +37,9 @@ class PlanSettings:
     #: let the dymem policy keep weights in host memory between their uses (dymem_tf.planning.offload); the pass
     #: enables it under a budget only
     offload_weights: bool = False
+    #: let the dymem policy recompute cheap feature maps instead of keeping or swapping them, where hidden round
+    #: trips do not fit the budget (dymem_tf.planning.recompute)
+    recompute: bool = True
     least_memory: bool = False  # without a budget: the least-memory plan (the first step's probe)
     #: kernel temporaries measured in a traced step of this graph (the first step's probe), or None
     memory: MeasuredMemory | None = None
@@ -116,6 +120,14 @@ def weights_for(step_graph: StepGraph, settings: PlanSettings) -> list[offload.O
     return offload.find_offloadable_weights(step_graph)
 
 
+def recomputable_for(step_graph: StepGraph, settings: PlanSettings) -> list[recompute.Recomputable]:
+    """The tensors the plan may recompute: only for the dymem policy with ``recompute`` (found on the graph with
+    its ordering edges: where the backward consumers run decides what is still on the device)."""
+    if not (settings.recompute and settings.policy == "dymem"):
+        return []
+    return recompute.find_recomputable(step_graph, settings.min_swap_bytes)
+
+
 def plan_step(step_graph: StepGraph, settings: PlanSettings, copy: bool = False) -> PlannedStep:
     """Defer gradient-independent optimizer ops, plan the swaps, and clear triggers the rewrite cannot place.
 
@@ -138,13 +150,15 @@ def plan_step(step_graph: StepGraph, settings: PlanSettings, copy: bool = False)
         graph = update_deferral.defer(graph, holds)
     modelled = offload.mark(graph, variables)
     modelled_weights = offload.mark(graph, weights)
+    recomputable = recomputable_for(graph, settings)
     plan = planner.make_plan(
         graph, policy=settings.policy, budget_bytes=settings.budget_bytes,
         persistent_bytes=max(settings.persistent_bytes - modelled - modelled_weights, 0), profile=settings.profile,
         batch_size=settings.batch_size,
         min_swap_bytes=settings.min_swap_bytes, swapin_ahead=settings.swapin_ahead, headroom=settings.headroom,
         least_memory=settings.least_memory,
-        temporaries=settings.memory.held_during(graph) if settings.memory is not None else None, weights=weights)
+        temporaries=settings.memory.held_during(graph) if settings.memory is not None else None, weights=weights,
+        recomputable=recomputable)
     if deferrals:
         plan.notes.append(f"{len(deferrals)} gradient-independent optimizer ops deferred to their gradients")
     if orderings:
@@ -160,6 +174,9 @@ def plan_step(step_graph: StepGraph, settings: PlanSettings, copy: bool = False)
         plan.params["offloadable_variable_bytes"] = modelled
         plan.notes.append(f"{len(variables)} optimizer variables ({modelled / 2**20:.1f} MiB) may be offloaded "
                           f"between their uses; {len(plan.offloaded_variables)} are")
+    if plan.recomputed:
+        plan.notes.append(f"{len(recomputable)} feature maps could be recomputed from tensors on the device anyway; "
+                          f"{len(plan.recomputed)} are")
     if weights:
         plan.params["offloadable_weight_bytes"] = modelled_weights
         plan.notes.append(f"{len(weights)} weights ({modelled_weights / 2**20:.1f} MiB) may be kept in host memory "

@@ -43,6 +43,22 @@ class WeightRoute:
 
 
 @dataclass
+class RecomputeRoute:
+    """How the rewrite recomputes a tensor (see :mod:`dymem_tf.planning.recompute`).
+
+    ``ops``: ``[op, [[k, source op], ...]]`` in execution order: each op is copied, its input ``k`` reading the
+    copy of ``source op`` (an earlier op of the chain), its other inputs as they are; the last op produces the
+    tensor. ``aliases``: alias ops of the tensor copied to read its copy; ``reroutes``: ``(consumer, source)``
+    pairs, the consumer's inputs that read ``source`` (the tensor's producer or one of ``aliases``) read the copy of
+    ``source``; ``leaves``: the tensors the chain reads."""
+
+    ops: list[list] = field(default_factory=list)
+    aliases: list[str] = field(default_factory=list)
+    reroutes: list[list[str]] = field(default_factory=list)
+    leaves: list[str] = field(default_factory=list)
+
+
+@dataclass
 class SwapDecision:
     """A tensor swapped out after its producer runs and swapped back in for its backward consumers.
 
@@ -58,6 +74,9 @@ class SwapDecision:
     two stays on the device: ``swap_ins[0]`` brings it back for the forward users of its reads (and goes back
     without a copy after them), ``swap_ins[1]`` for its backward users and its update (it is copied back after
     them); ``route`` says how the rewrite reroutes those users.
+
+    ``kind="recompute"``: ``tensor`` is not kept for ``backward_consumers`` but computed again for them, by
+    copies of the ops in ``recompute`` (its one swap-in's trigger starts them); nothing is copied to host memory.
     """
 
     tensor: str
@@ -67,9 +86,10 @@ class SwapDecision:
     forward_consumers: list[str]
     backward_consumers: list[str]
     swap_ins: list[SwapIn]
-    #: "tensor" (a feature map), "variable" (optimizer state offloaded between its uses) or "weight"
+    #: "tensor" (a feature map), "variable" (optimizer state offloaded between its uses), "weight" or "recompute"
     kind: str = "tensor"
     route: WeightRoute | None = None  # kind "weight" only
+    recompute: RecomputeRoute | None = None  # kind "recompute" only
 
 
 @dataclass
@@ -116,6 +136,11 @@ class Plan:
     def feature_maps(self) -> list[SwapDecision]:
         """The decisions that swap a feature map."""
         return [s for s in self.swaps if s.kind == "tensor"]
+
+    @property
+    def recomputed(self) -> list[SwapDecision]:
+        """The decisions that recompute a feature map instead of keeping it."""
+        return [s for s in self.swaps if s.kind == "recompute"]
 
     @property
     def num_swap_ins(self) -> int:
@@ -168,7 +193,8 @@ class Plan:
     def from_dict(cls, d: dict[str, Any]) -> "Plan":
         d = dict(d)
         swaps = [SwapDecision(**{**s, "swap_ins": [SwapIn(**si) for si in s["swap_ins"]],
-                                 "route": WeightRoute(**s["route"]) if s.get("route") else None})
+                                 "route": WeightRoute(**s["route"]) if s.get("route") else None,
+                                 "recompute": RecomputeRoute(**s["recompute"]) if s.get("recompute") else None})
                  for s in d.pop("swaps", [])]
         return cls(swaps=swaps, **d)
 
@@ -203,6 +229,10 @@ class Plan:
         if weights:
             lines.append(f"  offloaded weights: {len(weights)} weights ({mib(sum(s.bytes for s in weights))}) in "
                          "host memory but for their forward and their backward use")
+        recomputed = self.recomputed
+        if recomputed:
+            lines.append(f"  recomputed      : {len(recomputed)} feature maps ({mib(sum(s.bytes for s in recomputed))})"
+                         " computed again for the backward pass instead of kept")
         if "peak_bytes" in p:
             budget = "none" if self.budget_bytes is None else mib(self.budget_bytes)
             fits = "" if self.budget_bytes is None else (

@@ -46,7 +46,7 @@ import numpy as np
 from dymem_tf.planning.analysis import ALIAS_OP_TYPES, FREE_OP_TYPES, StepGraph, analyse, no_autograph
 from dymem_tf.planning.cost_model import CostModel, as_cost_model
 from dymem_tf.planning.device_profiles import DeviceProfile
-from dymem_tf.planning.plan import Plan, SwapDecision, SwapIn, WeightRoute
+from dymem_tf.planning.plan import Plan, RecomputeRoute, SwapDecision, SwapIn, WeightRoute
 from dymem_tf.planning.simulator import FORWARDING_OP_TYPES, SimResult, Simulator
 from dymem_tf.units import mib
 
@@ -97,8 +97,10 @@ class _Candidate:
     keepers: list[str]  # ops that keep the original buffer alive without reading the tensor (alias consumers)
     groups: list[list[str]]  # consumer groups, each served by one swap-in (execution order)
     min_trigger_layer: int  # no swap-in may start before this layer (after producer and original consumers)
-    kind: str = "tensor"  # or "variable" (optimizer state), "weight" (see dymem_tf.planning.offload)
+    kind: str = "tensor"  # or "variable" (optimizer state), "weight" (dymem_tf.planning.offload), "recompute"
     route: WeightRoute | None = None  # kind "weight"
+    recompute: RecomputeRoute | None = None  # kind "recompute" (dymem_tf.planning.recompute)
+    cost_s: float = 0.0  # modelled time its copies (or recomputation) take: the tie-break between equal sizes
     #: per swap-in group, the earliest trigger layer where it differs from min_trigger_layer (a weight's second
     #: stay starts after its forward users)
     group_min_layers: list[int] | None = None
@@ -106,7 +108,12 @@ class _Candidate:
     @property
     def from_host(self) -> bool:
         """Whether its swap-ins copy from host memory it lives in (no swap-out before them)."""
-        return self.kind != "tensor"
+        return self.kind in ("variable", "weight")
+
+    @property
+    def copies(self) -> bool:
+        """Whether it goes through the copy channels (a recomputation does not)."""
+        return self.kind != "recompute"
 
 
 @dataclass(frozen=True)
@@ -123,9 +130,11 @@ class _Planner:
     """State shared by the policies for one step graph and cost model."""
 
     def __init__(self, sg: StepGraph, cost: CostModel, min_swap_bytes: int, swapin_ahead: int | None,
-                 group_gap_layers: int, temporaries: Mapping[str, int] | None = None, weights: Sequence = ()):
+                 group_gap_layers: int, temporaries: Mapping[str, int] | None = None, weights: Sequence = (),
+                 recomputable: Sequence = ()):
         self.sg = sg
         self.weights = list(weights)  # offloadable weights (dymem_tf.planning.offload.OffloadableWeight)
+        self.recomputable = list(recomputable)  # dymem_tf.planning.recompute.Recomputable
         self.cost = cost
         self.min_swap_bytes = max(int(min_swap_bytes), 1)
         self.swapin_ahead = swapin_ahead
@@ -262,11 +271,44 @@ class _Planner:
                 groups = self._group_by_gap(swapped, t.bytes)
             p = self.pos[t.producer]
             kind = "variable" if t.variable else "tensor"
+            cost = (0.0 if t.variable else self.d2h(t.bytes)) + len(groups) * self.h2d(t.bytes)
             out.append(_Candidate(t.name, t.producer, t.bytes, p, self.layer[p], orig2, keepers, groups, min_trig,
-                                  kind))
+                                  kind, cost_s=cost))
         if policy == "dymem":
             out += [c for w in self.weights if (c := self._weight_candidate(w, relaxed)) is not None]
+        if policy == "dymem" and relaxed:  # no copy to hide: offered once the hidden round trips fall short
+            out += [c for r in self.recomputable if (c := self._recompute_candidate(r)) is not None]
         return out
+
+    def _recompute_candidate(self, r) -> _Candidate | None:
+        """A recomputable tensor as a candidate: one group (its backward consumers), triggered after its forward
+        consumers; None when no layer lies between them."""
+        sg = self.sg
+        t = sg.tensors[r.tensor]
+        p = self.pos[t.producer]
+        later = set(r.backward_consumers)
+        keep = [c for c in sg.buffer_consumers(r.tensor) if c not in later]
+        min_trig = max([self.layer[p] + 1] + [self.layer[self.pos[c]] for c in keep])
+        if self.layer[self.pos[r.backward_consumers[0]]] <= min_trig:
+            return None
+        from dymem_tf.planning.recompute import route_of
+
+        cost = float(sum(self.sim.dur[self.pos[op]] for op in r.ops))
+        return _Candidate(r.tensor, t.producer, t.bytes, p, self.layer[p], keep, [], [list(r.backward_consumers)],
+                          min_trig, "recompute", recompute=route_of(sg, r), cost_s=cost)
+
+    def _consistent(self, cands: list[_Candidate]) -> list[_Candidate]:
+        """``cands`` less the recomputations whose leaves would not be on the device: a leaf another candidate
+        swaps, offloads or recomputes (earlier-produced recomputations are kept first)."""
+        if not any(c.kind == "recompute" for c in cands):
+            return cands
+        gone = {self.sg.buffer_of(c.tensor) for c in cands if c.kind != "recompute"}
+        kept = set()
+        for c in sorted((c for c in cands if c.kind == "recompute"), key=lambda c: c.prod_pos):
+            if not any(self.sg.buffer_of(leaf) in gone for leaf in c.recompute.leaves):
+                kept.add(c.tensor)
+                gone.add(c.tensor)
+        return [c for c in cands if c.kind != "recompute" or c.tensor in kept]
 
     def _weight_candidate(self, weight, relaxed: bool) -> _Candidate | None:
         """An offloadable weight as a candidate with two swap-in groups (its forward users; its backward users and
@@ -282,7 +324,9 @@ class _Planner:
         if not second or min(self.layer[self.pos[c]] for c in second) <= after_forward:
             return None  # no layer between the two stays for the second swap-in's trigger
         return _Candidate(t.name, t.producer, weight.bytes, p, self.layer[p], [], [], [first, second],
-                          self.layer[p] + 1, "weight", weight.route, [self.layer[p] + 1, after_forward])
+                          self.layer[p] + 1, "weight", weight.route,
+                          group_min_layers=[self.layer[p] + 1, after_forward],
+                          cost_s=2 * self.h2d(weight.bytes) + self.d2h(weight.bytes))
 
     # ------------------------------------------------------------------------------------------------ triggers
     def _layer_trigger(self, layer: int) -> tuple[str, int]:
@@ -340,24 +384,31 @@ class _Planner:
         (later triggers, less memory, queueing stalls possible), ``"jit"`` triggers one layer before the consumers
         (least memory, copies not hidden). The other policies have fixed trigger rules.
         """
+        cands = self._consistent(cands)
         triggers: dict[tuple[int, int], tuple[str, int]] = {}
         if policy == "dymem" and mode == "queue":
-            triggers, _ = self._alap(cands)
-        else:
-            for ci, cand in enumerate(cands):
-                for gi, group in enumerate(cand.groups):
-                    c0 = self.pos[group[0]]
-                    c_layer = self.layer[c0]
-                    if policy == "vdnn":
-                        triggers[(ci, gi)] = self._vdnn_trigger(group[0], c_layer, cand)
-                        continue
-                    if policy == "tflms":
-                        g = c_layer - (1 if self.swapin_ahead is None else max(int(self.swapin_ahead), 1))
-                    elif mode == "isolated":
-                        g = self._latest_hiding_layer(c0, cand.bytes)
-                    else:
-                        g = c_layer - 1
-                    triggers[(ci, gi)] = self._trigger(cand, gi, self._clamp(g, c_layer, cand, gi), c_layer)
+            copying = [ci for ci, c in enumerate(cands) if c.copies]
+            alap, _ = self._alap([cands[ci] for ci in copying])
+            triggers = {(copying[k], gi): v for (k, gi), v in alap.items()}
+        for ci, cand in enumerate(cands):
+            for gi, group in enumerate(cand.groups):
+                if (ci, gi) in triggers:
+                    continue
+                c0 = self.pos[group[0]]
+                c_layer = self.layer[c0]
+                if cand.kind == "recompute":  # on the compute stream: started one layer ahead
+                    triggers[(ci, gi)] = self._layer_trigger(self._clamp(c_layer - 1, c_layer, cand))
+                    continue
+                if policy == "vdnn":
+                    triggers[(ci, gi)] = self._vdnn_trigger(group[0], c_layer, cand)
+                    continue
+                if policy == "tflms":
+                    g = c_layer - (1 if self.swapin_ahead is None else max(int(self.swapin_ahead), 1))
+                elif mode == "isolated":
+                    g = self._latest_hiding_layer(c0, cand.bytes)
+                else:
+                    g = c_layer - 1
+                triggers[(ci, gi)] = self._trigger(cand, gi, self._clamp(g, c_layer, cand, gi), c_layer)
         out = []
         for ci, cand in enumerate(cands):
             sis = []
@@ -366,7 +417,7 @@ class _Planner:
                 sis.append(SwapIn(op, lay, list(group), self.layer[self.pos[group[0]]]))
             bwd = [c for g in cand.groups for c in g]
             out.append(SwapDecision(cand.tensor, cand.producer, cand.bytes, cand.prod_layer, list(cand.orig), bwd, sis,
-                                    cand.kind, cand.route))
+                                    cand.kind, cand.route, cand.recompute))
         return out
 
     def _latest_hiding_layer(self, consumer_pos: int, nbytes: int, slot_end: float = math.inf) -> int:
@@ -430,7 +481,7 @@ class _Planner:
         free = 0.0
         for ci in sorted(range(len(cands)), key=lambda i: cands[i].prod_pos):
             cand = cands[ci]
-            if not cand.from_host:  # optimizer state and weights are in host memory already
+            if cand.copies and not cand.from_host:  # state and weights are in host memory already
                 free = out[ci] = max(self.end[cand.prod_pos], free) + self.d2h(cand.bytes)
         return out
 
@@ -447,8 +498,8 @@ class _Planner:
         """
         end = res.op_end_s
         assert end is not None
-        release = max([end[cand.prod_pos] + self.d2h(cand.bytes)]
-                      + [end[self.pos[c]] for c in cand.orig + cand.keepers])
+        out = self.d2h(cand.bytes) if cand.copies and not cand.from_host else 0.0
+        release = max([end[cand.prod_pos] + out] + [end[self.pos[c]] for c in cand.orig + cand.keepers])
         wins = []
         (decision,) = self.decisions(policy, [cand], mode)
         for group, si in zip(cand.groups, decision.swap_ins):
@@ -469,7 +520,7 @@ class _Planner:
         """
         chosen = list(chosen)
         taken = {c.tensor for c in chosen}
-        remaining = sorted((c for c in pool if c.tensor not in taken), key=lambda c: (-c.bytes, c.prod_pos))
+        remaining = sorted((c for c in pool if c.tensor not in taken), key=lambda c: (-c.bytes, c.cost_s, c.prod_pos))
         res = self.run(self.decisions(policy, chosen, mode), persistent)
         for _ in range(max_rounds):
             if res.peak_bytes <= budget or not remaining:
@@ -547,7 +598,8 @@ def make_plan(step_graph: StepGraph, policy: str = "dymem", budget_bytes: int | 
               batch_size: int | None = None, min_swap_bytes: int = DEFAULT_MIN_SWAP_BYTES,
               swapin_ahead: int | None = None, group_gap_layers: int = 3,
               headroom: float = 0.0, least_memory: bool = False,
-              temporaries: Mapping[str, int] | None = None, weights: Sequence = ()) -> Plan:
+              temporaries: Mapping[str, int] | None = None, weights: Sequence = (),
+              recomputable: Sequence = ()) -> Plan:
     """Plan swaps for one training step.
 
     ``budget_bytes`` caps the predicted device peak (persistent bytes included); None swaps every candidate.
@@ -563,7 +615,9 @@ def make_plan(step_graph: StepGraph, policy: str = "dymem", budget_bytes: int | 
     ``temporaries``: bytes each op holds while it runs besides its outputs, as measured
     (:mod:`dymem_tf.planning.memory_model`); the simulator adds them. ``weights``: the offloadable weights
     (:func:`dymem_tf.planning.offload.find_offloadable_weights`, marked as variables in ``step_graph``), which the
-    dymem policy may keep in host memory between their uses like any other candidate.
+    dymem policy may keep in host memory between their uses like any other candidate. ``recomputable``: the
+    tensors the backward pass can compute again (:func:`dymem_tf.planning.recompute.find_recomputable`), which the
+    dymem policy may recompute instead of keeping or swapping them once hidden round trips fall short.
 
     Raises ValueError for an unknown policy or a budget below the persistent bytes, and
     :class:`BudgetTooSmallError` when no swap set of the policy fits the budget.
@@ -583,7 +637,8 @@ def make_plan(step_graph: StepGraph, policy: str = "dymem", budget_bytes: int | 
     if not 0.0 <= headroom < 1.0:
         raise ValueError(f"headroom must be in [0, 1), got {headroom!r}")
     cost = as_cost_model(profile)
-    pl = _Planner(step_graph, cost, min_swap_bytes, swapin_ahead, group_gap_layers, temporaries, weights)
+    pl = _Planner(step_graph, cost, min_swap_bytes, swapin_ahead, group_gap_layers, temporaries, weights,
+                  recomputable)
     notes: list[str] = []
     target = None
     if budget_bytes is not None:
@@ -786,6 +841,8 @@ def validate_plan(step_graph: StepGraph, plan: Plan) -> list[str]:
                 if c in served:
                     errs.append(f"{s.tensor}: consumer {c} is served twice")
                 served.add(c)
+        if s.kind == "recompute":  # its copy serves the consumers it reroutes (checked by the simulator)
+            continue
         if s.kind == "weight":  # its stays serve the users of its reads and its other users (the update)
             missing = set(t.consumers) - set(s.route.reads if s.route else []) - served
             if missing:

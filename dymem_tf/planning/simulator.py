@@ -14,6 +14,10 @@ Model (the planner's view of the runtime):
   device buffer is freed when both its swap-out and its last original-tensor consumer are done; a swap-in allocates
   its buffer when the copy starts and frees it after its last consumer. Persistent bytes (weights, optimizer slots)
   are constant; variable reads alias them and add nothing.
+* A recomputation (:mod:`dymem_tf.planning.recompute`) copies nothing: its tensor's buffer is freed after its
+  forward consumers, and its "swap-in" is the chain of ops run again on the compute stream after the trigger
+  (taking their modelled time; the consumer waits for it), whose output lives until the last backward consumer;
+  the chain's leaves live until it has run. Both count as transient.
 * Offloaded optimizer state and weights (:mod:`dymem_tf.planning.offload`) come from host memory: a swap-in starts
   at its trigger, and the last one lives until the copy back after the last use has finished; a weight's first
   stay (its forward users) ends with them, without a copy.
@@ -200,6 +204,22 @@ class Simulator:
         keep = [i for i in range(len(names)) if not removed[i]]
         return ([names[i] for i in keep], [prod[i] for i in keep], [last[i] for i in keep], [size[i] for i in keep])
 
+    def _leaves_extended(self, swaps: Sequence[SwapDecision], recomputed: list[bool]) -> np.ndarray:
+        """Last positions of the buffers, the leaves of each recomputation kept until it runs."""
+        if not any(recomputed):
+            return self.t_last
+        t_last = self.t_last.copy()
+        for s, rec in zip(swaps, recomputed):
+            if not rec:
+                continue
+            at = min(self.pos[c] for c in s.swap_ins[0].consumers)
+            for leaf in s.recompute.leaves:
+                owner = self.sg.buffer_of(leaf)
+                li = self.t_index.get(self.buffer_root.get(owner, owner))
+                if li is not None:
+                    t_last[li] = max(t_last[li], at)
+        return t_last
+
     # ----------------------------------------------------------------------------------------------- timing
     def _validate(self, swaps: Sequence[SwapDecision]) -> None:
         seen: set[str] = set()
@@ -219,6 +239,9 @@ class Simulator:
                 raise ValueError(f"variable {s.tensor!r} needs one swap-in before all of its uses")
             if s.kind == "weight":
                 self._validate_weight(s)
+                continue
+            if s.kind == "recompute":
+                self._validate_recompute(s)
                 continue
             if t.alias_of is not None:
                 raise ValueError(f"plan swaps {s.tensor!r}, an alias of {t.alias_of!r}: swap the buffer's owner")
@@ -252,6 +275,24 @@ class Simulator:
                                  f"and its users")
             last = max(self.pos[c] for c in si.consumers)
 
+    def _validate_recompute(self, s: SwapDecision) -> None:
+        """A recomputation: its chain's ops exist, one swap-in (the copy) triggered before the consumers it feeds,
+        which its reroutes name."""
+        r = s.recompute
+        if r is None or len(s.swap_ins) != 1 or not r.ops or any(op not in self.pos for op, _ in r.ops):
+            raise ValueError(f"recomputation of {s.tensor!r} needs its chain of ops and one swap-in")
+        si = s.swap_ins[0]
+        if si.trigger_op not in self.pos or not si.consumers or any(c not in self.pos for c in si.consumers):
+            raise ValueError(f"recomputation of {s.tensor!r} names unknown ops")
+        if set(si.consumers) != {c for c, _ in r.reroutes}:
+            raise ValueError(f"recomputation of {s.tensor!r} must feed exactly the consumers it reroutes")
+        if not self.pos[s.producer] < self.pos[si.trigger_op] < min(self.pos[c] for c in si.consumers):
+            raise ValueError(f"recomputation of {s.tensor!r} is not triggered between its producer and consumers")
+
+    def recompute_time(self, s: SwapDecision) -> float:
+        """Modelled time of the ops a recomputation copies."""
+        return float(sum(self.dur[self.pos[op]] for op, _ in s.recompute.ops))
+
     def run(self, swaps: Sequence[SwapDecision], persistent_bytes: int = 0, timeline: bool = True,
             validate: bool = True) -> SimResult:
         """Simulate the step with ``swaps``."""
@@ -263,11 +304,13 @@ class Simulator:
         events: list[tuple[int, int, int, int]] = []
         swap_ins = []  # (swap index, k, bytes, trigger pos, first consumer pos, last consumer pos)
         variable = [self.sg.tensors[s.tensor].variable for s in swaps]
+        recomputed = [s.kind == "recompute" for s in swaps]
         for i, s in enumerate(swaps):
             # a variable goes back to host memory after its last use (it comes from there: no swap-out before)
             out_pos = max(self.pos[c] for si in s.swap_ins for c in si.consumers) if variable[i] else \
                 self.pos[s.producer]
-            events.append((out_pos, 1, i, i))
+            if not recomputed[i]:  # a recomputation copies nothing to host memory
+                events.append((out_pos, 1, i, i))
             for k, si in enumerate(s.swap_ins):
                 cpos = [self.pos[c] for c in si.consumers]
                 j = len(swap_ins)
@@ -285,7 +328,7 @@ class Simulator:
         offset = 0.0
         stall_pos: list[int] = []
         stall_cum: list[float] = []
-        d2h_free = h2d_free = 0.0
+        d2h_free = h2d_free = recompute_free = 0.0
         for pos, kind, key, j in events:
             if kind == 0:
                 start = self.base_start[pos] + offset
@@ -304,6 +347,10 @@ class Simulator:
             else:
                 i, _k, nbytes, _tp, _c0, _c1 = swap_ins[j]
                 end = self.base_end[pos] + offset
+                if recomputed[i]:  # the chain's copies run on the compute stream, after the trigger
+                    in_start[j] = st = max(end, recompute_free)
+                    in_end[j] = recompute_free = st + self.recompute_time(swaps[i])
+                    continue
                 st = max(end, h2d_free, 0.0 if variable[i] else out_end[i])
                 in_start[j] = st
                 in_end[j] = h2d_free = st + cost.copy_time(nbytes, "h2d")
@@ -320,7 +367,8 @@ class Simulator:
         # ---------------------------------------------------------------------------------------- memory
         swapped = np.zeros(len(self.t_names), dtype=bool)
         rel_time, rel_key = [], []
-        mob_idx = []
+        mob_idx, mob_group = [], []
+        t_last = self._leaves_extended(swaps, recomputed)
         for i, s in enumerate(swaps):
             owner = self.buffer_root.get(s.tensor, s.tensor)
             ti = self.t_index.get(owner)
@@ -330,6 +378,7 @@ class Simulator:
             if variable[i]:
                 continue  # in host memory from the step's start: no device buffer before its swap-in
             mob_idx.append(ti)
+            mob_group.append(_TRANSIENT if recomputed[i] else _MOBILE)
             # The original serves every consumer that no swap-in feeds (forward_consumers in a consistent plan);
             # a forwarded buffer lives on for the consumers of every tensor written into it.
             fed = {c for si in s.swap_ins for c in si.consumers}
@@ -343,7 +392,7 @@ class Simulator:
             rel_time.append(max(out_end[i], end[lf]))
             rel_key.append(lf)
         keep = ~swapped
-        tp, tl, tb = self.t_prod[keep], self.t_last[keep], self.t_bytes[keep]
+        tp, tl, tb = self.t_prod[keep], t_last[keep], self.t_bytes[keep]
         mi = np.array(mob_idx, dtype=np.int64)
         parts_t = [start[tp], end[tl]]
         parts_k1 = [tp, tl]
@@ -356,7 +405,7 @@ class Simulator:
             parts_k1 += [mp, np.array(rel_key, dtype=np.int64)]
             parts_k2 += [np.full(len(mi), 1), np.full(len(mi), 2)]
             parts_d += [self.t_bytes[mi], -self.t_bytes[mi]]
-            parts_g += [np.full(len(mi), _MOBILE)] * 2
+            parts_g += [np.array(mob_group, dtype=np.int64)] * 2
         if len(self.tmp_pos):  # kernel temporaries: held from the op's start to its end
             parts_t += [start[self.tmp_pos], end[self.tmp_pos]]
             parts_k1 += [self.tmp_pos, self.tmp_pos]
@@ -367,13 +416,14 @@ class Simulator:
             sw = np.array([(x[3], x[5], x[2]) for x in swap_ins], dtype=np.int64)
             # a variable's (last) swap-in lives until its swap-out after the last use has copied it back; a weight's
             # first stay ends with its forward users (it goes back without a copy)
-            in_free = np.array([max(end[x[5]], out_end[x[0]]) if variable[x[0]] and x[1] == len(swaps[x[0]].swap_ins) - 1
-                                else end[x[5]] for x in swap_ins])
+            last_in = [variable[x[0]] and x[1] == len(swaps[x[0]].swap_ins) - 1 for x in swap_ins]
+            in_free = np.array([max(end[x[5]], out_end[x[0]]) if last else end[x[5]]
+                                for x, last in zip(swap_ins, last_in)])
             parts_t += [np.array(in_start), in_free]
             parts_k1 += [sw[:, 0], sw[:, 1]]
             parts_k2 += [np.full(n_in, 3), np.full(n_in, 2)]
             parts_d += [sw[:, 2], -sw[:, 2]]
-            parts_g += [np.full(n_in, _MOBILE)] * 2
+            parts_g += [np.array([_TRANSIENT if recomputed[x[0]] else _MOBILE for x in swap_ins], dtype=np.int64)] * 2
         ev_t = np.concatenate(parts_t) if parts_t else np.zeros(0)
         ev_k1 = np.concatenate(parts_k1)
         ev_k2 = np.concatenate(parts_k2)
@@ -404,10 +454,11 @@ class Simulator:
                 # the buffers allocated by the events up to the peak's and freed by a later one
                 buffers = [PeakBuffer(n, int(b), "transient") for n, b in
                            zip(np.array(self.t_names, dtype=object)[keep].tolist(), tb.tolist())]
-                buffers += [PeakBuffer(self.t_names[i], int(self.t_bytes[i]), "mobile") for i in mob_idx]
+                buffers += [PeakBuffer(self.t_names[i], int(self.t_bytes[i]), "mobile" if g == _MOBILE else "transient")
+                            for i, g in zip(mob_idx, mob_group)]
                 buffers += [PeakBuffer(f"{self.order[p]} (temporaries)", int(b), "transient")
                             for p, b in zip(self.tmp_pos.tolist(), self.tmp_bytes.tolist())]
-                buffers += [PeakBuffer(swaps[i].tensor, int(nbytes), "mobile", k)
+                buffers += [PeakBuffer(swaps[i].tensor, int(nbytes), "transient" if recomputed[i] else "mobile", k)
                             for i, k, nbytes, _tp, _c0, _c1 in swap_ins]
                 rank = np.empty(len(idx), dtype=np.int64)
                 rank[idx] = np.arange(len(idx))

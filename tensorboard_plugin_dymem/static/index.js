@@ -101,6 +101,8 @@ function kindNote(swaps) {
   const parts = [];
   if (state) parts.push(`${state} of them optimizer state offloaded between its uses`);
   if (weights) parts.push(`${weights} of them weights in host memory between their uses`);
+  const recomputed = swaps.filter((s) => s.kind === 'recompute').length;
+  if (recomputed) parts.push(`${recomputed} of them recomputed for the backward pass instead of copied`);
   return parts.length ? ` (${parts.join(', ')})` : '';
 }
 
@@ -875,12 +877,15 @@ function renderSchedule(section, data) {
     const outEnd = Math.max(outStart, out.end_layer ?? outStart + 1);
     const state = s.kind === 'variable';  // optimizer state: in host memory from the step's start to its swap-in
     const weight = s.kind === 'weight';  // a weight: in host memory but for its forward and its backward stay
+    const recomputed = s.kind === 'recompute';  // computed again for the backward pass: never in host memory
     const g = svg('g', {class: `dymem-swap${stall > 0 ? ' dymem-stalled' : ''}`, 'data-tensor': s.tensor,
       'data-kind': s.kind || 'tensor',
       'data-bytes': s.bytes, 'data-producer-layer': s.producer_layer, 'data-swap-ins': s.swap_ins.length,
       'data-trigger-layer': s.swap_ins.length ? s.swap_ins[0].trigger_layer : '',
       'data-consumer-layer': s.swap_ins.length ? s.swap_ins[0].consumer_layer : '', 'data-stall-s': stall},
-    tooltip(`${s.tensor} (${formatBytes(s.bytes)})` + (weight ?
+    tooltip(`${s.tensor} (${formatBytes(s.bytes)})` + (recomputed ?
+      `\nrecomputed: off the device from layer ${formatNumber(outEnd)}, computed again for the backward pass` :
+      weight ?
       `\nweight: in host memory but for its forward and its backward users, back there by layer ` +
         `${formatNumber(outEnd)}` : state ?
       `\noptimizer state: in host memory between its uses, back there by layer ${formatNumber(outEnd)}` :
@@ -891,15 +896,17 @@ function renderSchedule(section, data) {
     const inStart = (si) => si.start_layer ?? si.trigger_layer + 1;
     const hostEnd = Math.min(...s.swap_ins.map(inStart), L);
     const firstStayEnd = (si) => si.end_layer ?? si.consumer_start_layer ?? si.consumer_layer + 0.5;
-    const hostSpans = weight && s.swap_ins.length === 2 ?
+    const hostSpans = recomputed ? [] : weight && s.swap_ins.length === 2 ?
       [[0, inStart(s.swap_ins[0])], [firstStayEnd(s.swap_ins[0]), inStart(s.swap_ins[1])], [outEnd, L]] :
       state ? [[0, hostEnd], [outEnd, L]] : [[outEnd, hostEnd]];
     for (const [a, b] of hostSpans) {
       g.append(svg('rect', {x: sx(a), y: y + bar * 0.3, width: Math.max(0, sx(b) - sx(a)), height: bar * 0.4,
         class: 'dymem-host'}));
     }
-    g.append(svg('rect', {x: sx(outStart), y, width: Math.max(1.5, sx(outEnd) - sx(outStart)), height: bar,
-      class: 'dymem-swap-out'}));
+    if (!recomputed) {  // a recomputation copies nothing out
+      g.append(svg('rect', {x: sx(outStart), y, width: Math.max(1.5, sx(outEnd) - sx(outStart)), height: bar,
+        class: 'dymem-swap-out'}));
+    }
     for (const si of s.swap_ins) {
       const start = inStart(si);
       const consumerAt = si.consumer_start_layer ?? si.consumer_layer + 0.5;

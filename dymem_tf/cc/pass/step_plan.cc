@@ -104,10 +104,20 @@ bool ParseVariableOp(const std::vector<std::string>& f, StepPlan* plan) {
 
 // Parses one `clone` record; false on a malformed one.
 bool ParseClone(const std::vector<std::string>& f, StepPlan* plan) {
-  if (f.size() != 4 || f[1].empty() || f[2].empty() || f[3].empty()) return false;
+  if (f.size() != 4 || f[1].empty() || f[2].empty()) return false;
   NodeEditRecord edit;
   edit.kind = "clone";
-  edit.clone = {f[1], f[2], f[3]};
+  edit.clone.node = f[1];
+  edit.clone.name = f[2];
+  for (const absl::string_view pair : absl::StrSplit(f[3], ',', absl::SkipEmpty())) {
+    const size_t colon = pair.find(':');
+    int k = 0;
+    if (colon == absl::string_view::npos || colon + 1 == pair.size() || !absl::SimpleAtoi(pair.substr(0, colon), &k) ||
+        k < 0) {
+      return false;
+    }
+    edit.clone.inputs.emplace_back(k, std::string(pair.substr(colon + 1)));
+  }
   plan->edits.push_back(std::move(edit));
   return true;
 }
@@ -204,7 +214,16 @@ bool ValidateEdit(const NodeEditRecord& edit, const NodeIndex& index, std::unord
     return false;
   };
   if (edit.kind == "clone") {
-    return Find(index, edit.clone.node, error) != nullptr && known(edit.clone.input) && fresh(edit.clone.name);
+    Node* node = Find(index, edit.clone.node, error);
+    if (node == nullptr) return false;
+    for (const auto& input : edit.clone.inputs) {
+      if (input.first >= node->num_inputs()) {
+        *error = absl::StrCat("'", edit.clone.node, "' has no input ", input.first);
+        return false;
+      }
+      if (!known(input.second)) return false;
+    }
+    return fresh(edit.clone.name);
   }
   if (edit.kind == "reroute") {
     const RerouteRecord& r = edit.reroute;
@@ -444,17 +463,17 @@ Node* AddVariableOp(const VariableOpRecord& r, const NodeIndex& index, Graph* gr
   return node;
 }
 
-// Adds a copy of `like` named `name` (attributes, device and data inputs) whose input 0 reads `input`:0; null with
-// `error` on failure.
-Node* AddClone(const Node* like, const std::string& name, Node* input, Graph* graph, std::string* error) {
+// Adds a copy of `like` named `name` (attributes, device and data inputs) whose inputs listed in `replaced` read
+// the given nodes' output 0; null with `error` on failure.
+Node* AddClone(const Node* like, const std::string& name, const std::vector<std::pair<int, Node*>>& replaced,
+               Graph* graph, std::string* error) {
   std::vector<tensorflow::NodeBuilder::NodeOut> inputs(like->num_inputs());
   for (const Edge* e : like->in_edges()) {
     if (!e->IsControlEdge()) inputs[e->dst_input()] = tensorflow::NodeBuilder::NodeOut(e->src(), e->src_output());
   }
+  for (const auto& r : replaced) inputs[r.first] = tensorflow::NodeBuilder::NodeOut(r.second, 0);
   tensorflow::NodeBuilder builder(name, like->type_string());
-  for (int i = 0; i < like->num_inputs(); ++i) {
-    builder.Input(i == 0 ? tensorflow::NodeBuilder::NodeOut(input, 0) : inputs[i]);
-  }
+  for (const tensorflow::NodeBuilder::NodeOut& input : inputs) builder.Input(input);
   for (const auto& attr : like->attrs()) builder.Attr(attr.first, attr.second);
   Node* node = nullptr;
   absl::Status s = builder.Device(like->assigned_device_name()).Finalize(graph, &node, /*consume=*/true);
@@ -479,10 +498,14 @@ bool ApplyEdits(const StepPlan& plan, const NodeIndex& index, Graph* graph, Node
       }
       continue;
     }
-    Node* node = edit.kind == "clone"
-                     ? AddClone(index.at(edit.clone.node), edit.clone.name, Lookup(index, *added, edit.clone.input),
-                                graph, error)
-                     : AddVariableOp(edit.variable_op, index, graph, error);
+    Node* node = nullptr;
+    if (edit.kind == "clone") {
+      std::vector<std::pair<int, Node*>> replaced;
+      for (const auto& input : edit.clone.inputs) replaced.emplace_back(input.first, Lookup(index, *added, input.second));
+      node = AddClone(index.at(edit.clone.node), edit.clone.name, replaced, graph, error);
+    } else {
+      node = AddVariableOp(edit.variable_op, index, graph, error);
+    }
     if (node == nullptr) return false;
     log->added_nodes.push_back(node);
     (*added)[node->name()] = node;

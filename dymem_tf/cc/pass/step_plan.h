@@ -18,8 +18,10 @@
 //   vin     <resource node> <output port> <name> <keep_host 0|1>     a DymemVariableSwapIn
 //   vout    <resource node> <output port> <name> <discard 0|1>       a DymemVariableSwapOut
 //   vread   <resource node> <output port> <name> <read node>         a DymemVariableRead of the read node's dtype
-//   clone   <node> <name> <input node>                               a copy of the node (attributes, device, data
-//                                                                    inputs) whose input 0 is `input node`:0
+//   clone   <node> <name> <k>:<input node>[,<k>:<input node>...]    a copy of the node (attributes, device, data
+//                                                                    inputs) whose input k reads `input node`:0
+//                                                                    (the list may be empty)
+// (A recomputation copies a chain of ops with `clone`, after a trigger by `ctrl`, and reroutes its consumers.)
 //   reroute <consumer> <source node> <source port> <new source>      the consumer's data inputs that read the
 //                                                                    source now read `new source`:0
 #ifndef DYMEM_TF_CC_PASS_STEP_PLAN_H_
@@ -73,7 +75,7 @@ struct VariableOpRecord {
 struct CloneRecord {
   std::string node;
   std::string name;
-  std::string input;
+  std::vector<std::pair<int, std::string>> inputs;  // input index -> node whose output 0 it reads instead
 };
 
 struct RerouteRecord {
