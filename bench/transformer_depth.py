@@ -86,7 +86,8 @@ def report(results: dict, args, seconds: float) -> str:
     late = [(m, t) for m in results for t in results[m]["trials"] if largest_batch.late_oom(t)]
     failed = ", ".join(f"{m} {t['layers']} blocks (step {t['steps_run'] + 1})" for m, t in late) or "none"
     lines = [BEGIN, "## Deepest decoder-only LM under a fixed budget: optimizer state and weights offloaded", "",
-             f"`python bench/transformer_depth.py --write` on this 2-core CPU machine ({seconds / 60:.0f} min; GTBM "
+             f"`python bench/transformer_depth.py --write{f' --limit {args.limit}' if args.limit != 256 else ''}` "
+             f"on this 2-core CPU machine ({seconds / 60:.0f} min; GTBM "
              f"is the emulated device, oneDNN off). `bench/model_zoo.gpt_decoder`: GPT-2-style blocks "
              f"{args.dim} wide, {args.seq} tokens, batch {args.batch}, AdamW; device capped at {args.budget}. "
              f"Every trial is a fresh process that trains {args.steps} steps on max({args.samples}, batch x "
