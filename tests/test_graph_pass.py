@@ -275,6 +275,36 @@ def test_a_var_record_that_does_not_fit_is_refused(record, fragment):
     assert losses == _run_momentum(lambda call: None, steps=1)[0]
 
 
+@pytest.mark.parametrize("record, fragment", [
+    ("vin\t{x}\t0\tw_in\t1\n", "is not a resource"),
+    ("vin\t{arg}\t0\tw_in\t2\n", "malformed"),
+    ("vread\t{arg}\t0\tw_read\t{x}\n", "gives no dtype"),
+    ("clone\tno_such_node\tcopy\t0:{x}\n", "no_such_node"),
+    ("clone\t{x}\tcopy\t7:{x}\n", "has no input 7"),
+    ("clone\t{x}\tcopy\t0:not_added_yet\n", "neither in the graph nor added before"),
+    ("clone\t{x}\tcopy\t0x\n", "malformed"),
+    ("reroute\t{x}\t{arg}\t0\t{x}\n", "does not read"),
+    ("vin\t{arg}\t0\tw_in\t0\nvin\t{arg}\t0\tw_in\t0\n", "already taken"),
+])
+def test_a_weight_or_recompute_record_that_does_not_fit_is_refused(record, fragment):
+    """The records that offload weights and recompute tensors (vin, vout, vread, clone, reroute) are checked like
+    the others: a plan naming what is not there is refused whole and the step trains as without a plan."""
+    errors = []
+
+    def apply(call):
+        view = graph_def_view.GraphView(call.graph_def_bytes)
+        arg, _ = _state_arg(view)
+        x = [op.name for op in view.get_operations() if op.type == "MatMul"][0]
+        try:
+            call.apply(record.format(arg=arg.name, x=x))
+        except graph_pass.PlanApplyError as err:
+            errors.append(str(err))
+
+    losses, *_ = _run_momentum(apply, steps=1)
+    assert len(errors) == 1 and fragment in errors[0], errors
+    assert losses == _run_momentum(lambda call: None, steps=1)[0]
+
+
 def test_host_memory_outputs_of_other_dtypes_are_never_swapped_on_a_gpu():
     """An int64 ``Shape`` output read late in the backward pass: on the CPU a device tensor the plan swaps; on a
     GPU placement of the same step host memory (the GPU kernel registers ``HostMemory("output")``), never swapped."""

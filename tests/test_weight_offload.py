@@ -259,3 +259,45 @@ def test_weights_offloaded_under_a_budget_train_bit_identically(python_subproces
         assert out["clones"][0] > 0 and out["reroutes"][0] > 0, out  # kernels read through reshapes
     assert out["offloaded_between_steps"][0] == out["weights"][0], out
     assert out["resident_after_fit"], out
+
+
+def test_clean_swap_ins_and_discards_from_many_threads_keep_every_value():
+    """Random sequences of keep-host swap-ins, discarding swap-outs, writes and reads, each thread on variables of
+    its own (one process-wide offload table for all): every read sees the last value written."""
+    import threading
+
+    from dymem_tf.ops import swap_ops
+
+    ops = _ops()
+    errors = []
+
+    def worker(seed):
+        rng = np.random.default_rng(seed)
+        try:
+            values = [rng.standard_normal((int(rng.integers(1, 200)), 17)).astype(np.float32) for _ in range(3)]
+            variables = [tf.Variable(v) for v in values]
+            for _ in range(60):
+                i = int(rng.integers(len(variables)))
+                v, action = variables[i], rng.integers(5)
+                if action == 0:
+                    ops.dymem_variable_swap_in(v.handle, keep_host=True)
+                elif action == 1:
+                    ops.dymem_variable_swap_out(v.handle, discard=True)
+                elif action == 2:
+                    values[i] = values[i] + 1.0
+                    v.assign(values[i])
+                elif action == 3:
+                    swap_ops.offload_variable(v)
+                np.testing.assert_array_equal(ops.dymem_variable_read(v.handle, dtype=tf.float32).numpy(), values[i])
+            for v, value in zip(variables, values):
+                swap_ops.bring_back_variable(v)
+                np.testing.assert_array_equal(v.numpy(), value)
+        except Exception as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
