@@ -479,3 +479,23 @@ def test_section_3_reads_the_searches_that_last(tmp_path):
     assert "Not re-run by this suite" in md and "150✓, 160✗" in md
     missing = run_all.saved_max_batch(run_all.FULL, str(tmp_path / "nope.json"))
     assert "error" in missing and "largest_batch.py --write" in report.render_markdown({"meta": {}, "max_batch": missing})
+
+
+def test_backward_ordering_reports_both_arms():
+    """The A/B of the holds renders the probe's measured peak, the outcome and the modelled figures per arm."""
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    import backward_ordering
+
+    script = os.path.join(REPO, "bench", "backward_ordering.py")
+    bad = subprocess.run([sys.executable, script, "--layers", "x"], capture_output=True, text=True)
+    assert bad.returncode == 2
+    mib = 1 << 20
+    modelled = {"cpu": {"peak_bytes": 44 * mib, "step_time_s": 0.5}, "h200": {"peak_bytes": 86 * mib,
+                                                                              "step_time_s": 0.0476}}
+    results = {"holds": {"outcome": "trained", "peaks": [146 * mib, 160 * mib], "modelled": modelled},
+               "none": {"outcome": "refused", "error": "memory_budget 192.0 MiB is too small", "peaks": [],
+                        "modelled": modelled}}
+    args = types.SimpleNamespace(layers=12, batch=8, steps=6, budget="192MiB")
+    text = backward_ordering.report(results, args, 120.0)
+    assert "| holds | 146 | trained | 160 | 44.0 / 86.0 | 500.0 / 47.6 |" in text
+    assert "| none | - | refused (memory_budget 192.0 MiB is too small) | - |" in text
