@@ -166,6 +166,8 @@ class DymemCallback(keras.callbacks.Callback):
         self.pass_.persistent_bytes = weights
         if offload:  # the state starts in host memory: each plan brings back only what it needs, when it needs it
             _offload_optimizer_state(model, self.pass_.config.min_swap_bytes)
+            if self._offloads_weights():  # so do the weights: the first step (the probe) finds them there
+                _offload_weights(model, self.pass_.config.min_swap_bytes)
             _compact_weights(model)  # what stays (and state made in the host arena) is packed on the device
         # A new train function: its first call instantiates it, and the graph pass plans that instantiation. Under
         # a budget that first step is the probe (dymem_tf.planning.first_step): least memory, measured, variables guarded.
@@ -594,6 +596,20 @@ def _offload_optimizer_state(model, min_bytes: int) -> int:
     for var in getattr(getattr(model, "optimizer", None), "variables", []):
         big = len(var.shape) > 0 and step_pass.variable_bytes(var) >= min_bytes
         if big and swap_ops.variable_handle(var) is not None:
+            swap_ops.offload_variable(var)
+            moved += 1
+    return moved
+
+
+def _offload_weights(model, min_bytes: int) -> int:
+    """Move the model's trainable non-scalar variables of at least ``min_bytes`` to host memory before the first step;
+    returns how many moved. Each plan brings back before their users those it keeps (``PlannedStep.resident``), so
+    a first step measures what the plan needs and not the weights that were on the device before it."""
+    from dymem_tf.ops import swap_ops
+
+    moved = 0
+    for var in swap_ops.variable_components(model.trainable_variables):
+        if len(var.shape) > 0 and step_pass.variable_bytes(var) >= min_bytes and var.dtype != tf.string:
             swap_ops.offload_variable(var)
             moved += 1
     return moved

@@ -139,13 +139,14 @@ def graphs_offered() -> int:
     return int(_library().dymem_pass_handled())
 
 
-def encode_plan(swaps, control_edges=()) -> str:
+def encode_plan(swaps, control_edges=(), resident=()) -> str:
     """The pass's text form of a plan: ``swaps`` are :class:`~dymem_tf.planning.plan.SwapDecision`-like records
     (``tensor``, ``swap_ins`` with ``consumers`` and ``trigger_op``), ``control_edges`` ``(from, to)`` op pairs.
 
     Swap-out ``x:k`` is named ``x/dymem_swap_out_k``, its i-th swap-in ``x/dymem_swap_in_k_i``. A decision with
     ``kind == "variable"`` (optimizer state offloaded between its uses) becomes one ``var`` record, its ops named by
-    :func:`variable_op_names`; one with ``kind == "weight"`` the records of :func:`_weight_records`.
+    :func:`variable_op_names`; one with ``kind == "weight"`` the records of :func:`_weight_records`. ``resident``:
+    ``(resource, users)`` of variables the plan keeps, each brought back before its users by a ``vin``.
     """
     lines = []
     for decision in swaps:
@@ -168,8 +169,20 @@ def encode_plan(swaps, control_edges=()) -> str:
             if swap_in.consumers:
                 lines.append(f"in\t{out}\t{swap_in_name(decision.tensor, i)}\t{swap_in.trigger_op or ''}\t"
                              + ",".join(swap_in.consumers))
+    for resource, users in resident:  # kept variables: back on the device before their users, if they were not
+        producer, port = split_tensor_name(resource)
+        name = resident_op_name(resource)
+        lines.append(f"vin\t{producer}\t{port}\t{name}\t0")
+        lines += [f"ctrl\t{name}\t{user}" for user in users]
     lines += [f"ctrl\t{a}\t{b}" for a, b in control_edges]
     return "\n".join(lines) + "\n"
+
+
+def resident_op_name(resource: str) -> str:
+    """Node name of the swap-in that brings a variable the plan keeps back before its users (a no-op when it is on
+    the device)."""
+    op, port = split_tensor_name(resource)
+    return f"{op}/dymem_resident_{port}"
 
 
 def _weight_records(decision) -> list[str]:

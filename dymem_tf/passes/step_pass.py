@@ -254,8 +254,9 @@ class StepPass:
         """Hand every replica's plan to the C++ pass at once and record what it inserted."""
         swaps = [d for _, step in planned for d in step.plan.swaps]
         edges = [e for _, step in planned for e in step.deferrals]
+        resident = [r for _, step in planned for r in step.resident]
         try:
-            rewritten = call.apply(graph_pass.encode_plan(swaps, edges))
+            rewritten = call.apply(graph_pass.encode_plan(swaps, edges, resident))
         except graph_pass.PlanApplyError as err:
             self.skip(call.function_name, Unsupported(SkipKind.UNSUPPORTED_GRAPH, "", f"the plan did not fit the "
                                                                                    f"graph ({err})"), None)

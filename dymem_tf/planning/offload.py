@@ -93,6 +93,48 @@ class OffloadableWeight:
     route: WeightRoute
 
 
+#: Prefixes of the op types that use a resource as a variable (``DymemVariableSwapIn`` applies to it).
+VARIABLE_USER_PREFIXES = ("ReadVariableOp", "AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp",
+                          "ResourceApply", "ResourceSparseApply", "ResourceGather", "ResourceScatter",
+                          "VarIsInitializedOp", "VariableShape")
+#: Ops that pass a resource on (into a loop frame, a conditional branch, an alias).
+RESOURCE_PASSING_OP_TYPES = frozenset({"Enter", "Switch", "Identity", "Merge", "Exit"})
+
+
+def variable_resources(sg: StepGraph) -> list[tuple[str, list[str]]]:
+    """``(resource tensor, its direct consumers)`` for every variable the step uses: a resource given to the step
+    (``_Arg`` ...) that ends, through the ops passing it on into loops and conditionals, only at ops using it as a
+    variable (at least one)."""
+    out = []
+    for t in sg.tensors.values():
+        if t.dtype != "resource" or not t.consumers or sg.ops[t.producer].type not in RESOURCE_SOURCE_OP_TYPES:
+            continue
+        if _used_as_variable(sg, t.name, set()):
+            out.append((t.name, sorted(t.consumers)))
+    return out
+
+
+def _used_as_variable(sg: StepGraph, tensor: str, seen: set) -> bool:
+    """Whether every use of resource ``tensor`` (followed through the ops passing it on) is a variable op, and
+    there is one."""
+    found = False
+    for c in sg.tensors[tensor].consumers:
+        op = sg.ops[c]
+        if op.type.startswith(VARIABLE_USER_PREFIXES):
+            found = True
+        elif op.type in RESOURCE_PASSING_OP_TYPES:
+            for out in op.outputs:
+                if sg.tensors[out].dtype != "resource" or out in seen or not sg.tensors[out].consumers:
+                    continue
+                seen.add(out)
+                if not _used_as_variable(sg, out, seen):
+                    return False
+                found = True
+        else:
+            return False
+    return found
+
+
 def find_offloadable_weights(sg: StepGraph, min_bytes: int = 1) -> list[OffloadableWeight]:
     """The weights of ``sg`` of at least ``min_bytes`` that the rewrite can keep in host memory between their uses:
     whole-variable ops only, in the resource's loop frame and outside conditionals, reads in the forward pass

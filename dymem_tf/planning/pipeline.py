@@ -54,6 +54,10 @@ class PlannedStep:
     step_graph: StepGraph
     plan: Plan
     deferrals: list[tuple[str, str]]
+    #: ``(resource, consumers)`` of the variables the plan keeps on the device while others may be offloaded: the
+    #: rewrite brings each back before its consumers if an earlier plan (or the callback, at the start of ``fit``)
+    #: left it in host memory (a no-op otherwise)
+    resident: list[tuple[str, list[str]]] = dataclasses.field(default_factory=list)
 
 
 def deferrals_for(step_graph: StepGraph, settings: PlanSettings, always: set[str] | frozenset[str] = frozenset()
@@ -185,4 +189,8 @@ def plan_step(step_graph: StepGraph, settings: PlanSettings, copy: bool = False)
     if untriggered:
         plan.notes.append(f"{untriggered} swap-ins start without a trigger: their layers run only inside "
                           "conditional branches")
-    return PlannedStep(graph, plan, deferrals + orderings + holds)
+    resident = []
+    if variables or weights:  # offloading is on: whatever this plan keeps comes back first
+        offloaded = {s.tensor for s in plan.swaps if s.kind in ("variable", "weight")}
+        resident = [(t, users) for t, users in offload.variable_resources(graph) if t not in offloaded]
+    return PlannedStep(graph, plan, deferrals + orderings + holds, resident)
