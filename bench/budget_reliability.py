@@ -348,18 +348,26 @@ def main(argv=None) -> int:
         parser.error(f"unknown models {unknown}; known: {', '.join(BATCH)}")
     t0 = time.perf_counter()
     results = []
+    saving = not args.quick or args.write
     for name in args.models.split(","):
         print(f"{name} ...", flush=True)
         results.append(run_model(name, args))
         print(json.dumps(results[-1])[:400], flush=True)
+        if saving:  # after every model, so that an interrupted run keeps what it measured
+            _save(results, args, time.perf_counter() - t0, complete=False)
     section = report(results, args, time.perf_counter() - t0)
     print(section)
-    if not args.quick or args.write:
+    if saving:
         write_section(os.path.join(REPO, "docs", "benchmarks.md"), section)
-        with open(os.path.join(REPO, "docs", "budget_reliability.json"), "w") as fh:
-            json.dump({"argv": args.argv, "steps": args.steps, "samples": args.samples,
-                       "seconds": time.perf_counter() - t0, "results": results}, fh, indent=1)
+        _save(results, args, time.perf_counter() - t0, complete=True)
     return 0
+
+
+def _save(results, args, seconds, complete):
+    """Writes the run so far to docs/budget_reliability.json (``complete`` false until the last model ran)."""
+    with open(os.path.join(REPO, "docs", "budget_reliability.json"), "w") as fh:
+        json.dump({"argv": args.argv, "steps": args.steps, "samples": args.samples, "seconds": seconds,
+                   "complete": complete, "results": results}, fh, indent=1)
 
 
 if __name__ == "__main__":
