@@ -70,6 +70,23 @@ def test_the_margin_grows_with_the_simulators_error_on_the_probe_within_bounds()
     assert margin(100 * MiB, 0) == first_step.CALIBRATION_MARGIN
 
 
+def test_a_small_budget_keeps_whole_pageblocks_free_for_later_steps():
+    """Later steps move the reserved peak by whole pageblocks: EfficientNet-B0 under 73 MiB measured 66 MiB in the
+    budgeted plan's first step and ran out of memory in step 15. Its slack is 8 MiB, not 6% (4.4 MiB): 66 MiB is too
+    close and the probe's plan takes over; a large budget keeps the 6%."""
+    slack = first_step.step_slack
+    assert slack(73 * MiB) == pytest.approx(8 / 73)
+    assert 66 * MiB > (1 - slack(73 * MiB)) * 73 * MiB
+    assert slack(512 * MiB) == first_step.STEP_VARIATION == slack(None)
+    assert slack(4 * MiB) == first_step.MAX_HEADROOM / 2  # a tiny budget is not left without room to plan
+    margin = first_step.calibration_margin
+    assert margin(100 * MiB, 102 * MiB, budget_bytes=80 * MiB) == pytest.approx(8 / 80 + first_step.MIN_MODEL_ERROR)
+    assert margin(100 * MiB, 102 * MiB, budget_bytes=400 * MiB) == margin(100 * MiB, 102 * MiB)
+    assert margin(100 * MiB, 0, budget_bytes=40 * MiB) == pytest.approx(8 / 40 + first_step.MIN_MODEL_ERROR)
+    cal = first_step.Calibration.from_probe(73 * MiB, 14 * MiB, 52 * MiB, 0, measured_in_use=15 * MiB)
+    assert cal.margin >= 8 / 73 and cal.headroom >= cal.margin
+
+
 def test_a_measurement_is_exact_only_when_the_peaks_grew_in_the_step():
     before = {"peak_bytes_in_use": 10 * MiB, "peak_bytes_reserved": 12 * MiB}
     grew = first_step.measurement(before, {"peak_bytes_in_use": 30 * MiB, "peak_bytes_reserved": 32 * MiB}, 24 * MiB)

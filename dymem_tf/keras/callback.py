@@ -359,7 +359,7 @@ class DymemCallback(keras.callbacks.Callback):
         if probe:
             stats = self._own(device_memory_stats())
             measured = stats["peak_bytes_reserved"] if stats is not None else None
-            if measured is not None and measured > (1 - first_step.PROBE_SLACK) * self.budget_bytes:
+            if measured is not None and measured > (1 - first_step.step_slack(self.budget_bytes)) * self.budget_bytes:
                 snapshot.restore()
                 raise self._too_close(measured)
             self.pass_.probe = False
@@ -389,15 +389,17 @@ class DymemCallback(keras.callbacks.Callback):
         return outputs
 
     def _keep_calibrated_if_it_leaves_slack(self, fallback) -> None:
-        """After the budgeted plan's first step: when it measured within PROBE_SLACK of the budget, later steps
-        could run out of memory (steps of one plan vary by several %), so training goes on with the probe's
+        """After the budgeted plan's first step: when it measured within its step slack of the budget
+        (:func:`~dymem_tf.planning.first_step.step_slack`), later steps could run out of memory (steps of one plan
+        vary by several %, and by whole pageblocks), so training goes on with the probe's
         least-memory plan, which left that slack (no batch is lost: the step trained)."""
         stats = self._own(device_memory_stats())
         measured = stats["peak_bytes_reserved"] if stats is not None else None
-        if measured is None or measured <= (1 - first_step.PROBE_SLACK) * self.budget_bytes:
+        slack = first_step.step_slack(self.budget_bytes)
+        if measured is None or measured <= (1 - slack) * self.budget_bytes:
             return
         self._say(f"dymem_tf: the plan made for memory_budget {_fmt(self.budget_bytes)} measured {_fmt(measured)} "
-                  f"in its first step, within {first_step.PROBE_SLACK:.0%} of the budget; training goes on with the "
+                  f"in its first step, within {slack:.0%} of the budget; training goes on with the "
                   "first step's least-memory plan, which leaves that slack.")
         self.model.train_function = fallback
 
@@ -480,15 +482,17 @@ class DymemCallback(keras.callbacks.Callback):
             allocator.set_memory_limit(limit, device=device)
 
     def _too_close(self, measured: int) -> planner.BudgetTooSmallError:
-        """The refusal after the least-memory plan fitted with less than PROBE_SLACK of the budget to spare."""
+        """The refusal after the least-memory plan fitted with less than its step slack of the budget to spare."""
         batch = self.plan.batch_size if self.plan is not None else None
+        slack = first_step.step_slack(self.budget_bytes)
         suggested = planner.suggested_batch(batch, self.budget_bytes, measured, self.pass_.persistent_bytes,
-                                            margin=2 * first_step.PROBE_SLACK)
+                                            margin=2 * slack)
         hint = _batch_hint(batch, suggested)
         return planner.BudgetTooSmallError(
             f"memory_budget {_fmt(self.budget_bytes)} is too small to train reliably: the first step, planned for "
             f"the least device memory, measured a peak of {_fmt(measured)}, within "
-            f"{first_step.PROBE_SLACK:.0%} of the budget, and later steps of a plan vary by a few %. The variables "
+            f"{slack:.0%} of the budget, and later steps of a plan vary by a few % (at least "
+            f"{_fmt(first_step.STEP_VARIATION_BYTES)}: whole pageblocks). The variables "
             f"were restored. Raise the budget or {hint}.",
             min_peak_bytes=measured, budget_bytes=self.budget_bytes, suggested_batch=suggested)
 

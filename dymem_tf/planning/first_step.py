@@ -34,8 +34,15 @@ import numpy as np
 #: (+5.5%). Before, copies raced with the backward pass and later steps measured up to 9-11.5% above the first
 #: (ResNet-50 64px under 512 MiB, docs/largest_batch.json).
 STEP_VARIATION = 0.06
+#: The same growth in bytes, which it never falls below: the reserved peak moves in whole pageblocks (2 MiB in GTBM;
+#: each mobility group may hold a partly used one), so under small budgets it is several % of the budget. Measured,
+#: 20 steps under f = 0.35 budgets (bench/budget_reliability.py at a603fa9): EfficientNet-B0 at 73 MiB, first step
+#: of the budgeted plan 66 MiB, later steps up to 72 and out of memory in step 15; DenseNet-121 at 95 MiB, 84 then up
+#: to 92; the GAN at 72 MiB, 62 then up to 70.
+STEP_VARIATION_BYTES = 8 << 20
 #: A probe that fits with less than this share of the budget to spare is refused, and a budgeted plan whose first
-#: step leaves less is replaced by the probe's: later steps may measure that much more than the first.
+#: step leaves less is replaced by the probe's: later steps may measure that much more than the first (the share of
+#: a small budget is larger: see :func:`step_slack`).
 PROBE_SLACK = STEP_VARIATION
 #: Bounds on the share of the budget kept free for the simulator's error on the budgeted plan, taken as its error on
 #: the probe step's bytes in use (the plan differs from the probe, so the error is not exactly the probe's).
@@ -67,7 +74,7 @@ class Calibration:
     def from_probe(cls, budget_bytes: int, predicted_peak: int, measured_peak: int, persistent_bytes: int,
                    measured_in_use: int = 0) -> "Calibration":
         """The calibration of a probe step, its margin derived from the simulator's error on that step."""
-        margin = calibration_margin(predicted_peak, measured_in_use)
+        margin = calibration_margin(predicted_peak, measured_in_use, budget_bytes)
         headroom = calibrated_headroom(budget_bytes, predicted_peak, measured_peak, persistent_bytes, margin,
                                        measured_in_use)
         return cls(int(budget_bytes), int(predicted_peak), int(measured_peak), int(persistent_bytes), headroom,
@@ -94,14 +101,23 @@ def _in_use_error(predicted_peak: int, measured_in_use: int) -> float:
     return (int(measured_in_use) - int(predicted_peak)) / max(int(measured_in_use), 1)
 
 
-def calibration_margin(predicted_peak: int, measured_in_use: int = 0) -> float:
-    """Share of the budget a calibrated plan keeps free: :data:`STEP_VARIATION` plus the simulator's error on the
-    probe's bytes in use (within :data:`MIN_MODEL_ERROR` .. :data:`MAX_MODEL_ERROR`); without that measurement,
-    :data:`CALIBRATION_MARGIN`."""
+def step_slack(budget_bytes: int | None = None) -> float:
+    """Share of ``budget_bytes`` that later steps of a plan may measure above its first: :data:`STEP_VARIATION`, or
+    :data:`STEP_VARIATION_BYTES` where that is more (without a budget, the share alone)."""
+    if not budget_bytes or budget_bytes <= 0:
+        return PROBE_SLACK
+    return min(max(PROBE_SLACK, STEP_VARIATION_BYTES / int(budget_bytes)), MAX_HEADROOM / 2)
+
+
+def calibration_margin(predicted_peak: int, measured_in_use: int = 0, budget_bytes: int | None = None) -> float:
+    """Share of the budget a calibrated plan keeps free: :func:`step_slack` of ``budget_bytes`` plus the
+    simulator's error on the probe's bytes in use (within :data:`MIN_MODEL_ERROR` .. :data:`MAX_MODEL_ERROR`);
+    without that measurement, :data:`CALIBRATION_MARGIN` (or more, as the slack asks under a small budget)."""
+    slack = step_slack(budget_bytes)
     if measured_in_use <= 0:
-        return CALIBRATION_MARGIN
+        return max(CALIBRATION_MARGIN, slack + MIN_MODEL_ERROR)
     error = abs(_in_use_error(predicted_peak, measured_in_use))
-    return STEP_VARIATION + min(max(error, MIN_MODEL_ERROR), MAX_MODEL_ERROR)
+    return slack + min(max(error, MIN_MODEL_ERROR), MAX_MODEL_ERROR)
 
 
 def _scale(predicted_peak: int, measured_peak: int, persistent_bytes: int, measured_in_use: int
