@@ -57,6 +57,40 @@ def test_the_offered_graph_carries_types_and_shapes_from_the_runtime():
     assert grads and all(op.device for op in grads)
 
 
+def _dynamic_reshape_shapes(batch_size):
+    """The shape the pass is offered for a Relu behind a ``tf.shape``-computed Reshape of an input whose batch
+    dimension is unknown (a dataset batched without ``drop_remainder``), armed with ``batch_size``."""
+    w = tf.Variable(np.ones((8, 8), np.float32))
+    dataset = tf.data.Dataset.from_tensor_slices(np.ones((10, 4, 8), np.float32)).batch(3)
+    iterator = iter(dataset)
+
+    @tf.function
+    def step(it):
+        x = next(it)
+        with tf.GradientTape() as tape:
+            flat = tf.reshape(x, tf.stack([tf.shape(x)[0] * 4, 8]))
+            h = tf.nn.relu(tf.matmul(flat, w))
+            loss = tf.reduce_sum(h)
+        return loss, tape.gradient(loss, w)
+
+    seen = []
+    with graph_pass.armed(lambda call: seen.append(graph_def_view.GraphView(call.graph_def_bytes)),
+                          batch_size=batch_size):
+        out = step(iterator)
+    relu = [op for op in seen[0].get_operations() if op.type == "Relu"][0]
+    return relu.outputs[0].shape.as_list(), float(out[0])
+
+
+def test_the_batch_size_hint_gives_shapes_computed_from_the_input_batch_and_changes_no_value():
+    """A budget needs every size: with the batch hint the Reshape's dynamic target is inferred ([3 * 4, 8]), without
+    it the dimension stays unknown; the step computes the same either way, and the hint ends with the block."""
+    unknown, loss = _dynamic_reshape_shapes(None)
+    known, loss_hinted = _dynamic_reshape_shapes(3)
+    assert unknown == [None, 8] and known == [12, 8]
+    assert loss == loss_hinted == 12 * 8 * 8
+    assert _dynamic_reshape_shapes(None)[0] == [None, 8]  # not left set after the armed block
+
+
 def _relu_swap_plan(view, consumers=None, trigger=""):
     relu = [op for op in view.get_operations() if op.type == "Relu"][0]
     readers = consumers or [op.name for op in relu.outputs[0].consumers() if "gradient_tape/" in op.name]

@@ -320,6 +320,33 @@ def test_leading_dimension_of_a_peeked_batch(batch, size):
     assert callback._leading_dim(batch) == size  # pylint: disable=protected-access
 
 
+def attention_net(seq=12, dim=16) -> keras.Model:
+    """Self-attention over token ids: MultiHeadAttention and Dense on a 3-D input reshape with dimensions computed
+    from ``tf.shape``, which stay unknown when the batch dimension is."""
+    inp = keras.Input((seq,), dtype="int32")
+    h = keras.layers.Embedding(50, dim)(inp)
+    h = keras.layers.LayerNormalization()(h + keras.layers.MultiHeadAttention(2, dim // 2)(h, h))
+    h = keras.layers.Dense(2 * dim, activation="gelu")(h)
+    return keras.Model(inp, keras.layers.Dense(10)(keras.layers.GlobalAveragePooling1D()(h)))
+
+
+def test_attention_with_a_partial_last_batch_is_planned_under_a_budget():
+    """With NumPy data whose length is not a multiple of the batch, Keras traces an unknown batch dimension; the
+    attention's shapes computed from it were unknown too, so a budgeted fit left the step unmodified. The pass now
+    infers them with the fit's batch size: both stages are planned, every tensor sized, training unchanged."""
+    rng = np.random.default_rng(2)
+    x, y = rng.integers(0, 50, size=(20, 12)).astype("int32"), rng.integers(0, 10, size=(20,))
+    base, base_w, _ = fit(attention_net, [], x, y, batch_size=8)  # 8, 8, 4
+    cb = dymem_tf.DymemCallback(memory_budget="1GiB", min_swap_bytes=0, verbose=0)
+    hist, weights, _ = fit(attention_net, [cb], x, y, batch_size=8)
+    assert not cb.skipped
+    assert [r.plan.params.get("stage") for r in cb.records] == ["probe", "calibrated"]
+    assert all(r.batch_size == 8 and r.step_graph.meta["unknown_shape_tensors"] == 0 for r in cb.records)
+    assert cb.records[0].plan.swaps
+    assert hist == base
+    assert_same_weights(weights, base_w)
+
+
 def covers(plan, reference) -> bool:
     """Whether ``plan`` swaps feature maps of every size ``reference`` swaps (a step traced with an unknown batch
     dimension has a few more shape ops, so its plan may hold more)."""

@@ -294,7 +294,8 @@ class DymemCallback(keras.callbacks.Callback):
             before = callback._peak_stats(reset=first)
             clustering = callback._step_clustering()
             try:
-                with graph_pass.armed(callback.pass_, before_xla=callback.xla == "auto"), clustering:
+                with graph_pass.armed(callback.pass_, before_xla=callback.xla == "auto",
+                                      batch_size=callback._replica_batch_size()), clustering:
                     outputs = train_function(iterator)
             except tf.errors.ResourceExhaustedError:
                 callback._measure_first_step(seen_records, before, "out_of_memory")
@@ -331,6 +332,16 @@ class DymemCallback(keras.callbacks.Callback):
 
         dymem_train_function._dymem_wrapped = True  # pylint: disable=protected-access
         return dymem_train_function
+
+    def _replica_batch_size(self) -> int | None:
+        """The batch size of one replica's step in the running ``fit`` (None when unknown): what an unknown batch
+        dimension of the step's input stands for when the pass infers its shapes."""
+        batch = self.pass_.default_batch_size
+        if not batch:
+            return None
+        strategy = getattr(self.model, "distribute_strategy", None)
+        replicas = getattr(strategy, "num_replicas_in_sync", 1) or 1
+        return -(-int(batch) // int(replicas))
 
     def _guarded_first_call(self, run, iterator, fallback):
         """Run a new train function's first step with the variables saved to host; after the probe, calibrate and

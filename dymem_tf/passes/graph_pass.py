@@ -84,6 +84,8 @@ def _library():
         lib.dymem_pass_fail.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
         lib.dymem_pass_set_before_xla.argtypes = [ctypes.c_int]
         lib.dymem_pass_set_before_xla.restype = ctypes.c_int
+        lib.dymem_pass_set_batch_hint.argtypes = [ctypes.c_int64]
+        lib.dymem_pass_set_batch_hint.restype = ctypes.c_int64
         _state["lib"] = lib
     return _state["lib"]
 
@@ -114,22 +116,26 @@ def _install() -> None:
 
 
 @contextlib.contextmanager
-def armed(listener: Callable[[PassCall], None], before_xla: bool = False):
+def armed(listener: Callable[[PassCall], None], before_xla: bool = False, batch_size: int | None = None):
     """Offer graphs instantiated inside this block to ``listener`` (the innermost block wins).
 
     ``before_xla``: offer them before XLA's auto-clustering passes instead of after (for a step that is to be
-    auto-clustered around its swap ops); the graph is Grappler's either way."""
+    auto-clustered around its swap ops); the graph is Grappler's either way. ``batch_size``: the batch an unknown
+    batch dimension of the step's input stands for in the offered shapes, so that shapes computed from it (a
+    ``Reshape`` to ``tf.shape(x)``-derived dimensions) are known too; the graph itself is not changed."""
     _install()
     lib = _library()
     with _lock:
         _listeners.append(listener)
         lib.dymem_pass_arm(1)
         previous = lib.dymem_pass_set_before_xla(int(before_xla))
+        previous_batch = lib.dymem_pass_set_batch_hint(int(batch_size or 0))
     try:
         yield
     finally:
         with _lock:
             _listeners.remove(listener)
+            lib.dymem_pass_set_batch_hint(previous_batch)
             lib.dymem_pass_set_before_xla(previous)
             lib.dymem_pass_arm(-1)
 

@@ -43,6 +43,8 @@ std::atomic<Handler> g_handler{nullptr};
 std::atomic<int> g_armed{0};
 std::atomic<int> g_phase{kAfterXla};
 std::atomic<int64_t> g_handled{0};
+// The batch size the step's unknown input batch dimension stands for (0: none), set by Python while armed.
+std::atomic<int64_t> g_batch_hint{0};
 
 // State of one handler call, passed to Python as an opaque pointer.
 struct PassCall {
@@ -70,9 +72,28 @@ void ShapeToProto(tensorflow::shape_inference::InferenceContext* c, tensorflow::
   for (int d = 0; d < c->Rank(h); ++d) proto->add_dim()->set_size(c->Value(c->Dim(h, d)));
 }
 
+// Whether `n` is the step's input op, whose outputs lead with the batch dimension.
+bool IsStepInput(const tensorflow::Node* n) {
+  const std::string& type = n->type_string();
+  return type == "IteratorGetNext" || type == "IteratorGetNextSync" || type == "MultiDeviceIteratorGetNextFromShard";
+}
+
+// Gives the unknown leading dimension of `n`'s outputs the value `batch` in `refiner`, so that shapes computed from
+// them (tf.shape -> Reshape, as in attention layers) are inferred too; an output it does not fit keeps TF's shape.
+void RefineBatch(tensorflow::ShapeRefiner* refiner, const tensorflow::Node* n, int64_t batch) {
+  tensorflow::shape_inference::InferenceContext* c = refiner->GetContext(n);
+  for (int i = 0; c != nullptr && i < c->num_outputs(); ++i) {
+    tensorflow::shape_inference::ShapeHandle out = c->output(i), refined;
+    if (!c->RankKnown(out) || c->Rank(out) == 0 || c->ValueKnown(c->Dim(out, 0))) continue;
+    if (!c->ReplaceDim(out, 0, c->MakeDim(batch), &refined).ok()) continue;
+    (void)refiner->SetShape(n, i, refined);
+  }
+}
+
 // Adds `_dymem_output_types` and (where shape inference succeeds) `_dymem_output_shapes` to every node of `def`,
-// inferred with the runtime's own op registry (Python's may lack the kernels' dtypes, e.g. bfloat16 fusions).
-void AnnotateOutputs(const tensorflow::Graph& graph, tensorflow::GraphDef* def) {
+// inferred with the runtime's own op registry (Python's may lack the kernels' dtypes, e.g. bfloat16 fusions). With
+// `batch` > 0 the step's input batch dimension is taken to be `batch` (see RefineBatch).
+void AnnotateOutputs(const tensorflow::Graph& graph, tensorflow::GraphDef* def, int64_t batch) {
   std::unordered_map<std::string, tensorflow::NodeDef*> by_name;
   for (tensorflow::NodeDef& nd : *def->mutable_node()) by_name[nd.name()] = &nd;
   tensorflow::ShapeRefiner refiner(graph.versions(), graph.op_registry());
@@ -85,6 +106,7 @@ void AnnotateOutputs(const tensorflow::Graph& graph, tensorflow::GraphDef* def) 
     for (int i = 0; i < n->num_outputs(); ++i) types.mutable_list()->add_type(n->output_type(i));
     (*it->second->mutable_attr())["_dymem_output_types"] = types;
     if (!refiner.AddNode(n).ok()) continue;
+    if (batch > 0 && IsStepInput(n)) RefineBatch(&refiner, n, batch);
     tensorflow::shape_inference::InferenceContext* c = refiner.GetContext(n);
     tensorflow::AttrValue shapes;
     for (int i = 0; i < c->num_outputs(); ++i) ShapeToProto(c, c->output(i), shapes.mutable_list()->add_shape());
@@ -96,7 +118,7 @@ void AnnotateOutputs(const tensorflow::Graph& graph, tensorflow::GraphDef* def) 
 std::string Serialize(const tensorflow::Graph& graph) {
   tensorflow::GraphDef def;
   graph.ToGraphDef(&def, /*include_flib_def=*/false);
-  AnnotateOutputs(graph, &def);
+  AnnotateOutputs(graph, &def, g_batch_hint.load());
   return def.SerializeAsString();
 }
 
@@ -158,6 +180,12 @@ __attribute__((visibility("default"))) int dymem_pass_arm(int delta) { return dy
 // Makes the pass act before XLA's clustering passes (1) or after them (0, the default); returns the previous choice.
 __attribute__((visibility("default"))) int dymem_pass_set_before_xla(int before) {
   return dymem::g_phase.exchange(before ? dymem::kBeforeXla : dymem::kAfterXla) == dymem::kBeforeXla ? 1 : 0;
+}
+
+// Sets the batch size the step's unknown input batch dimension stands for in the shapes offered (0: none); returns
+// the previous one.
+__attribute__((visibility("default"))) int64_t dymem_pass_set_batch_hint(int64_t batch) {
+  return dymem::g_batch_hint.exchange(batch > 0 ? batch : 0);
 }
 
 // How many graphs were offered to the handler since the library was loaded.
