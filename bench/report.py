@@ -193,6 +193,7 @@ def summarize_bfc(bfc: dict) -> list[dict]:
             row["gtbm_reserved_vs_bfc_in_use"] = row["gtbm_peak_reserved"] / row["bfc_peak_in_use"]
         v, dy = r.get("bfc_vdnn") or {}, r.get("gtbm_dymem") or {}
         row["vdnn_bfc_pool_bytes"], row["dymem_gtbm_reserved"] = v.get("pool_bytes"), dy.get("peak_bytes_reserved")
+        row["vdnn_bfc_peak_in_use"] = v.get("peak_bytes_in_use")
         if row["vdnn_bfc_pool_bytes"] and row["dymem_gtbm_reserved"]:
             row["system_ratio"] = row["dymem_gtbm_reserved"] / row["vdnn_bfc_pool_bytes"]
         rows.append(row)
@@ -510,7 +511,7 @@ def _bfc_section(results: dict, d: dict) -> str:
              "('CPU:0')['peak']` read in that process (reset before `fit`); its pool (the regions it reserved, "
              "which BFC never returns) is the last `Total allocated bytes` that `bfc_allocator.cc` logs with "
              "`TF_CPP_VMODULE=bfc_allocator=1` (3 significant digits). GTBM's figures are from the same model's "
-             "`none` run in section 1 (peak reserved = pageblocks owned by the groups; free blocks go back to the "
+             "`none` run in section 1, or from one made for this section when section 1 did not run with it (peak reserved = pageblocks owned by the groups; free blocks go back to the "
              "OS).", ""]
     rows = []
     for r in d["bfc"]:
@@ -527,12 +528,18 @@ def _bfc_section(results: dict, d: dict) -> str:
     if system:
         lines += ["**Whole systems** (the paper's '31% less memory than vDNN' compares schedule + allocator): "
                   "vDNN's schedule (policy `vdnn`) on TF's BFC allocator, run like the row above, against Dymem's "
-                  "schedule on GTBM (section 1's `dymem` run). Memory cost = the device memory each system holds: "
-                  "BFC's pool, GTBM's peak reserved pageblocks.", ""]
-        lines.append(_table(["model", "vDNN on BFC: pool MiB", "Dymem on GTBM: peak reserved MiB",
-                             "Dymem / vDNN"], [[r["model"], mib(r["vdnn_bfc_pool_bytes"]),
-                                                mib(r["dymem_gtbm_reserved"]), ratio(r["system_ratio"])]
-                                               for r in system]))
+                  "schedule on GTBM (section 1's `dymem` run, or one made for this section). Memory cost = the device "
+                  "memory each system holds: BFC's pool, GTBM's peak reserved pageblocks. BFC grows its pool in "
+                  "doubling regions, so its pool holds that rounding too; vDNN's peak in use on BFC is the least any "
+                  "pool could hold for it.", ""]
+        def in_use_ratio(r):
+            return r["dymem_gtbm_reserved"] / r["vdnn_bfc_peak_in_use"] if r.get("vdnn_bfc_peak_in_use") else None
+
+        lines.append(_table(["model", "vDNN on BFC: pool MiB", "vDNN on BFC: peak in use MiB",
+                             "Dymem on GTBM: peak reserved MiB", "Dymem / vDNN pool", "Dymem / vDNN in use"],
+                            [[r["model"], mib(r["vdnn_bfc_pool_bytes"]), mib(r.get("vdnn_bfc_peak_in_use")),
+                              mib(r["dymem_gtbm_reserved"]), ratio(r["system_ratio"]), ratio(in_use_ratio(r))]
+                             for r in system]))
         lines.append("")
     lines.append("![GTBM vs BFC](img/bench_bfc.png)")
     return "\n".join(lines)
