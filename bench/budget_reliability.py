@@ -225,9 +225,9 @@ def _mib(n) -> str:
 def report(results: list[dict], args, seconds: float) -> str:
     """The markdown section."""
     lines = [BEGIN, "## Budget reliability", "",
-             "Written by `bench/budget_reliability.py` after the pass moved after Grappler and budgets became "
-             "calibrated (first-step probe); the sections above come from `bench/run_all.py` and were measured "
-             "before that change (the commit named at the top).", "",
+             "Written by `bench/budget_reliability.py` (the planning and rewriting after Grappler, budgets "
+             "calibrated by a first-step probe); the sections above come from `bench/run_all.py`, at the commit "
+             "named at the top.", "",
              f"`python bench/budget_reliability.py{' ' + ' '.join(args.argv) if args.argv else ''}` on this 2-core "
              f"CPU machine{f' ({seconds / 60:.1f} min)' if seconds else ''}. Each model in a fresh process; the CPU device capped by GTBM is "
              f"the emulated device (oneDNN off). Budgets B = W + f x (P0 - W), W = weights + optimizer state, "
