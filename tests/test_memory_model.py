@@ -41,6 +41,19 @@ def test_temporaries_are_the_allocations_that_are_not_outputs_and_their_overlap_
     assert "2 ops" in mm.summary()
 
 
+def test_each_op_holds_the_temporaries_measured_beside_its_own_not_its_layers_largest():
+    """dw and dx share a dependency layer but ran one after the other: each holds only its own; the old rule (the
+    layer's largest besides) would have held 5 MB for both. ``dy`` (another layer) overlapped dx: dx holds both."""
+    sg = two_grads()
+    rows = [_row("dw", 3 * MB, 0, 2), _row("dw", MB, 1, 9),
+            _row("dx", 2 * MB, 3, 5), _row("dy", 4 * MB, 0, 9), _row("dy", MB, 4, 6), _row("dx", 4 * MB, 6, 9)]
+    mm = memory_model.from_trace(rows, sg, first_event=0)
+    assert mm.temporaries == {"dw": 3 * MB, "dx": 2 * MB, "dy": MB}
+    assert mm.overlap == {"dw": 3 * MB, "dx": 3 * MB, "dy": 3 * MB}
+    assert mm.held_during(sg) == mm.overlap
+    assert memory_model.MeasuredMemory(mm.temporaries, 2).held_during(sg) == {"dw": 5 * MB, "dx": 5 * MB, "dy": MB}
+
+
 def test_the_simulator_holds_temporaries_while_their_op_runs():
     sg = two_grads()
     plain = simulator.simulate(sg, None)

@@ -5,11 +5,14 @@ take an im2col buffer of up to ~20-30 MiB whatever the model's size, cuDNN takes
 their results. No graph shows these *temporaries*; the GTBM allocator's trace of the first step does (every
 allocation names the kernel that made it). :func:`from_trace` takes, per op of the step graph, the allocations that
 are not its outputs (matched by size) and keeps the largest amount of them live at once; and how many ops held
-temporaries at the same moment (the executor runs independent ops on several threads).
+temporaries at the same moment (the executor runs independent ops on several threads), and, per op, the most temporaries of all ops that were live
+while its own were (``overlap``: what the executor's threads really held at once in that step).
 
-The simulator (:class:`~dymem_tf.planning.simulator.Simulator`) then holds ``temporaries[op]`` during ``op``, plus
-the largest temporaries of the other ops of its dependency layer that may run beside it
-(:meth:`MeasuredMemory.held_during`). Pure Python: the trace arrives as rows (dicts) of GTBM's CSV.
+The simulator (:class:`~dymem_tf.planning.simulator.Simulator`) then holds that measured overlap during ``op``
+(:meth:`MeasuredMemory.held_during`); without it (a hand-made model), ``temporaries[op]`` plus the largest
+temporaries of the other ops of its dependency layer that may run beside it. Later steps order independent ops
+differently, so their overlap varies: the step slack of :mod:`dymem_tf.planning.first_step` covers that. Pure
+Python: the trace arrives as rows (dicts) of GTBM's CSV.
 """
 from __future__ import annotations
 
@@ -27,15 +30,20 @@ MAX_CONCURRENCY = 4
 
 @dataclasses.dataclass
 class MeasuredMemory:
-    """Per-op temporary bytes measured in a traced step, and how many ops held them at once (1 = never two)."""
+    """Per-op temporary bytes measured in a traced step, how many ops held them at once (1 = never two), and per
+    op the most temporaries of all ops live while its own were (``overlap``; empty when not measured)."""
 
     temporaries: dict[str, int]
     concurrency: int = 1
+    overlap: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def held_during(self, sg: StepGraph) -> dict[str, int]:
-        """Bytes held besides the outputs while each op of ``sg`` runs: its own temporaries plus the largest ones
-        of up to ``concurrency - 1`` other ops of its dependency layer (independent ops the executor may run at
-        the same time)."""
+        """Bytes held besides the outputs while each op of ``sg`` runs: the measured ``overlap`` where there is
+        one, else its own temporaries plus the largest ones of up to ``concurrency - 1`` other ops of its
+        dependency layer (independent ops the executor may run at the same time)."""
+        if self.overlap:
+            return {name: max(nbytes, self.temporaries.get(name, 0)) for name, nbytes in self.overlap.items()
+                    if name in sg.ops and nbytes > 0}
         by_layer: dict[int, list[tuple[int, str]]] = defaultdict(list)
         for name, nbytes in self.temporaries.items():
             op = sg.ops.get(name)
@@ -102,6 +110,23 @@ def _concurrency(temps: Mapping[str, list[tuple[int, int, int]]]) -> int:
     return best
 
 
+def _overlap(temps: Mapping[str, list[tuple[int, int, int]]]) -> dict[str, int]:
+    """``op -> the most bytes of all ops' temporaries live at one event while one of op's own was live``."""
+    events = sorted([(lo, s, op) for op, allocs in temps.items() for s, lo, _ in allocs]
+                    + [(up, -s, op) for op, allocs in temps.items() for s, _, up in allocs],
+                    key=lambda e: (e[0], e[1] > 0))  # frees before allocations at the same event
+    live, own = 0, defaultdict(int)
+    best: dict[str, int] = defaultdict(int)
+    for _, delta, op in events:
+        live += delta
+        own[op] += delta
+        if not own[op]:
+            del own[op]
+        for name in own:
+            best[name] = max(best[name], live)
+    return dict(best)
+
+
 @no_autograph
 def from_trace(rows: Iterable[Mapping[str, str]], sg: StepGraph, min_bytes: int = MIN_TEMPORARY_BYTES,
                first_event: int = 0) -> MeasuredMemory:
@@ -114,4 +139,4 @@ def from_trace(rows: Iterable[Mapping[str, str]], sg: StepGraph, min_bytes: int 
         if extra and _peak_live(extra) >= min_bytes:
             temps[name] = extra
     return MeasuredMemory({name: _peak_live(allocs) for name, allocs in temps.items()},
-                          max(1, min(_concurrency(temps), MAX_CONCURRENCY)))
+                          max(1, min(_concurrency(temps), MAX_CONCURRENCY)), _overlap(temps))
