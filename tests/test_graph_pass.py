@@ -319,6 +319,8 @@ def test_a_var_record_that_does_not_fit_is_refused(record, fragment):
     ("clone\t{x}\tcopy\t0x\n", "malformed"),
     ("reroute\t{x}\t{arg}\t0\t{x}\n", "does not read"),
     ("vin\t{arg}\t0\tw_in\t0\nvin\t{arg}\t0\tw_in\t0\n", "already taken"),
+    ("vkeep\t{x}\t0\tw_keep\t0\n", "is not a resource"),
+    ("vkeep\t{arg}\t0\tw_keep\n", "malformed"),
 ])
 def test_a_weight_or_recompute_record_that_does_not_fit_is_refused(record, fragment):
     """The records that offload weights and recompute tensors (vin, vout, vread, clone, reroute) are checked like

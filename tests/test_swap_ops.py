@@ -454,6 +454,26 @@ def test_with_gtbm_host_copy_is_off_budget_and_swap_in_is_mobile():
     np.testing.assert_array_equal(y.numpy(), x.numpy())
 
 
+@pytest.mark.parametrize("resident, group", [(False, "mobile"), (True, "persistent")])
+def test_with_gtbm_a_variable_brought_back_to_stay_lands_in_persistent(resident, group):
+    # A plan's resident swap-in (graph_pass.encode_plan's `vkeep`) brings back a variable that then stays on the
+    # device: in GTBM's persistent group, so that it does not pin the mobile group's pageblocks between steps; an
+    # offloaded variable's visit (`vin`) is mobile.
+    allocator = pytest.importorskip("dymem_tf.memory.allocator")
+    if not allocator.is_active():
+        pytest.skip("GTBM does not serve the CPU device in this process")
+    from dymem_tf.ops import swap_ops
+
+    nbytes = 4 << 20
+    var = tf.Variable(tf.fill([nbytes // 4], 2.5))
+    swap_ops.offload_variable(var)
+    before = allocator.memory_stats()["groups"][group]["in_use"]
+    load_ops_library().dymem_variable_swap_in(var.handle, resident=resident)
+    assert allocator.memory_stats()["groups"][group]["in_use"] - before >= nbytes
+    assert not swap_ops.variable_is_offloaded(var)
+    np.testing.assert_array_equal(var.numpy(), np.full(nbytes // 4, 2.5, np.float32))
+
+
 _FAKE_GTBM = r"""
 static int depth, max_depth, pushes, pops, last_group = -1;
 void dymem_gtbm_push_mobility(int group) { ++pushes; last_group = group; if (++depth > max_depth) max_depth = depth; }

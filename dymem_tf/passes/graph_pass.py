@@ -152,7 +152,8 @@ def encode_plan(swaps, control_edges=(), resident=()) -> str:
     Swap-out ``x:k`` is named ``x/dymem_swap_out_k``, its i-th swap-in ``x/dymem_swap_in_k_i``. A decision with
     ``kind == "variable"`` (optimizer state offloaded between its uses) becomes one ``var`` record, its ops named by
     :func:`variable_op_names`; one with ``kind == "weight"`` the records of :func:`_weight_records`. ``resident``:
-    ``(resource, users)`` of variables the plan keeps, each brought back before its users by a ``vin``.
+    ``(resource, users)`` of variables the plan keeps, each brought back before its users by a ``vkeep`` (a
+    ``vin`` whose buffer GTBM places in its persistent group: the variable stays on the device from then on).
     """
     lines = []
     for decision in swaps:
@@ -178,7 +179,7 @@ def encode_plan(swaps, control_edges=(), resident=()) -> str:
     for resource, users in resident:  # kept variables: back on the device before their users, if they were not
         producer, port = split_tensor_name(resource)
         name = resident_op_name(resource)
-        lines.append(f"vin\t{producer}\t{port}\t{name}\t0")
+        lines.append(f"vkeep\t{producer}\t{port}\t{name}\t0")  # a vin into GTBM's persistent group
         lines += [f"ctrl\t{name}\t{user}" for user in users]
     lines += [f"ctrl\t{a}\t{b}" for a, b in control_edges]
     return "\n".join(lines) + "\n"

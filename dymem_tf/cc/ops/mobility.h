@@ -6,6 +6,7 @@
 namespace dymem {
 
 // GTBM group ids: 0 PERSISTENT, 1 TRANSIENT, 2 MOBILE.
+constexpr int kMobilityPersistent = 0;
 constexpr int kMobilityMobile = 2;
 
 // Resolves GTBM's hooks once per process (call from a kernel's constructor: GTBM loads before any kernel exists).

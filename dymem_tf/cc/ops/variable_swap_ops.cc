@@ -62,10 +62,12 @@ REGISTER_OP("DymemVariableSwapOut")
 REGISTER_OP("DymemVariableSwapIn")
     .Input("resource: resource")
     .Attr("keep_host: bool = false")
+    .Attr("resident: bool = false")
     .SetIsStateful()
     .SetShapeFn(tensorflow::shape_inference::NoOutputs);
 // Moves an offloaded variable's value back into device memory (no-op when it is not offloaded). keep_host: keep
-// the host tensor as a clean copy for a later discarding swap-out.
+// the host tensor as a clean copy for a later discarding swap-out. resident: the variable stays on the device from
+// now on (GTBM's persistent group, not the mobile one, whose pageblocks it would pin between steps).
 
 REGISTER_OP("DymemVariableRead")
     .Input("resource: resource")
@@ -192,6 +194,7 @@ class DymemVariableSwapInOp : public OpKernel {
  public:
   explicit DymemVariableSwapInOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("keep_host", &keep_host_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("resident", &resident_));
     GetMobilityHooks();
   }
 
@@ -207,7 +210,7 @@ class DymemVariableSwapInOp : public OpKernel {
     Tensor device;
     absl::Status s;
     {
-      ScopedMobility mobile(kMobilityMobile, /*yield_to_caller=*/true);
+      ScopedMobility group(resident_ ? kMobilityPersistent : kMobilityMobile, /*yield_to_caller=*/true);
       s = ctx->allocate_temp(host.dtype(), host.shape(), &device);
     }
     OP_REQUIRES_OK(ctx, s);  // out of memory: the variable stays offloaded, its value intact
@@ -224,6 +227,7 @@ class DymemVariableSwapInOp : public OpKernel {
 
  private:
   bool keep_host_ = false;
+  bool resident_ = false;
 };
 
 class DymemVariableReadOp : public OpKernel {

@@ -80,7 +80,7 @@ bool ParseVar(const std::vector<std::string>& f, StepPlan* plan) {
   return true;
 }
 
-// Parses one `vin`, `vout` or `vread` record; false on a malformed one.
+// Parses one `vin`, `vkeep`, `vout` or `vread` record; false on a malformed one.
 bool ParseVariableOp(const std::vector<std::string>& f, StepPlan* plan) {
   NodeEditRecord edit;
   VariableOpRecord& r = edit.variable_op;
@@ -185,7 +185,7 @@ bool IsResourceOutput(const Node* node, int port, std::string* error) {
   return false;
 }
 
-// Checks one `vin`/`vout`/`vread` record against the graph; false with `error` otherwise.
+// Checks one `vin`/`vkeep`/`vout`/`vread` record against the graph; false with `error` otherwise.
 bool ValidateVariableOp(const VariableOpRecord& r, const NodeIndex& index, std::string* error) {
   Node* resource = Find(index, r.resource, error);
   if (resource == nullptr || !IsResourceOutput(resource, r.port, error)) return false;
@@ -439,13 +439,15 @@ Node* Lookup(const NodeIndex& index, const NodeIndex& added, const std::string& 
   return it != added.end() ? it->second : index.at(name);
 }
 
-// Adds one `vin`/`vout`/`vread` node; null with `error` on failure.
+// Adds one `vin`/`vkeep`/`vout`/`vread` node; null with `error` on failure.
 Node* AddVariableOp(const VariableOpRecord& r, const NodeIndex& index, Graph* graph, std::string* error) {
   Node* resource = index.at(r.resource);
-  tensorflow::NodeBuilder builder(r.name, r.kind == "vin" ? "DymemVariableSwapIn"
+  const bool swap_in = r.kind == "vin" || r.kind == "vkeep";
+  tensorflow::NodeBuilder builder(r.name, swap_in ? "DymemVariableSwapIn"
                                           : r.kind == "vout" ? "DymemVariableSwapOut" : "DymemVariableRead");
   builder.Input(tensorflow::NodeBuilder::NodeOut(resource, r.port)).Device(resource->assigned_device_name());
-  if (r.kind == "vin") builder.Attr("keep_host", r.flag);
+  if (swap_in) builder.Attr("keep_host", r.flag);
+  if (r.kind == "vkeep") builder.Attr("resident", true);
   if (r.kind == "vout") builder.Attr("discard", r.flag);
   absl::Status s;
   if (r.kind == "vread") {
@@ -531,7 +533,8 @@ bool ParseStepPlan(const std::string& text, StepPlan* plan, std::string* error) 
     std::vector<std::string> f = Fields(line);
     bool ok = (f[0] == "out" && ParseOut(f, plan)) || (f[0] == "in" && ParseIn(f, plan)) ||
               (f[0] == "ctrl" && ParseCtrl(f, plan)) || (f[0] == "var" && ParseVar(f, plan)) ||
-              ((f[0] == "vin" || f[0] == "vout" || f[0] == "vread") && ParseVariableOp(f, plan)) ||
+              ((f[0] == "vin" || f[0] == "vkeep" || f[0] == "vout" || f[0] == "vread") &&
+               ParseVariableOp(f, plan)) ||
               (f[0] == "clone" && ParseClone(f, plan)) || (f[0] == "reroute" && ParseReroute(f, plan));
     if (!ok) {
       *error = absl::StrCat("plan line ", lineno, " is malformed: '", line, "'");

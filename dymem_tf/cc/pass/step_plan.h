@@ -64,7 +64,7 @@ struct VariableRecord {
 
 // One `vin`, `vout` or `vread` record.
 struct VariableOpRecord {
-  std::string kind;  // "vin", "vout" or "vread"
+  std::string kind;  // "vin", "vkeep" (a vin whose variable then stays: resident), "vout" or "vread"
   std::string resource;
   int port = 0;
   std::string name;
