@@ -307,3 +307,44 @@ def test_a_budgeted_fit_records_predicted_and_measured_peaks_of_each_plan(tmp_pa
     assert logged[1]["calibration"]["measured_peak_bytes"] == cal["measured_peak_bytes"]
     assert logged[1]["calibration"]["headroom"] == pytest.approx(cal["headroom"])
     assert out["steps"] == [[0, 0]] + [[s, 1] for s in range(1, 6)]
+
+
+def test_a_calibrated_plan_without_slack_is_calibrated_again_once_then_the_probes_plan_takes_over(monkeypatch):
+    """The decision after a budgeted plan's first step (DymemCallback._keep_calibrated_if_it_leaves_slack), on
+    measured statistics fed to it: a step within the slack of the budget re-plans once from its own measurement
+    (source "calibrated": its fragmentation), a second such step installs the probe's plan, a step with room keeps
+    the plan."""
+    import types
+
+    import dymem_tf
+    from dymem_tf.keras import callback as callback_module
+
+    cb = dymem_tf.DymemCallback(memory_budget="100MiB", verbose=0)
+    cb._refined = False
+    model = types.SimpleNamespace(train_function="calibrated")
+    cb.set_model(model)
+    installed = []
+    monkeypatch.setattr(cb, "_install_calibrated",
+                        lambda measured, fallback, in_use=None, source="probe": installed.append(
+                            (measured, fallback, in_use, source)))
+    stats = {"peak_bytes_reserved": 80 * MiB, "peak_bytes_in_use": 70 * MiB}
+    monkeypatch.setattr(callback_module, "device_memory_stats", lambda: dict(stats))
+    cb._keep_calibrated_if_it_leaves_slack("probe's")  # 20% free: more than the 8% slack of 100 MiB
+    assert installed == [] and model.train_function == "calibrated"
+    stats.update(peak_bytes_reserved=95 * MiB, peak_bytes_in_use=80 * MiB)
+    cb._keep_calibrated_if_it_leaves_slack("probe's")
+    assert installed == [(95 * MiB, "probe's", 80 * MiB, "calibrated")] and model.train_function == "calibrated"
+    cb._keep_calibrated_if_it_leaves_slack("probe's")  # the refined plan left no slack either: the probe's plan
+    assert len(installed) == 1 and model.train_function == "probe's"
+
+
+def test_a_calibration_says_which_plan_it_measured_and_the_stage_of_the_plan_it_makes():
+    probe = first_step.Calibration.from_probe(279 * MiB, 127 * MiB, 150 * MiB, 90 * MiB, measured_in_use=127 * MiB)
+    again = first_step.Calibration.from_probe(279 * MiB, 240 * MiB, 270 * MiB, 90 * MiB, measured_in_use=240 * MiB,
+                                              source="calibrated")
+    assert (probe.stage, again.stage) == ("calibrated", "refined")
+    assert "of the calibrated plan" in again.summary() and "of the probe plan" in probe.summary()
+    # the fragmentation measured on the fuller plan (30 MiB, against 23 in the probe) is what the next one keeps free
+    assert again.headroom > probe.headroom
+    with pytest.raises(ValueError, match="source must be one of"):
+        first_step.Calibration.from_probe(279 * MiB, 127 * MiB, 150 * MiB, 90 * MiB, source="guess")

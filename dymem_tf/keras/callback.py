@@ -173,6 +173,7 @@ class DymemCallback(keras.callbacks.Callback):
         # a budget that first step is the probe (dymem_tf.planning.first_step): least memory, measured, variables guarded.
         guard = self.budget_bytes is not None and self.policy != "none" and self.calibrate
         self.pass_.probe, self.pass_.calibration, self.pass_.memory = guard, None, None
+        self._refined = False  # a budgeted plan calibrated again from its own first step (at most once)
         if guard:
             self._cap_device_at_budget()
         self.pass_.config.headroom = self._headroom
@@ -378,6 +379,12 @@ class DymemCallback(keras.callbacks.Callback):
                                      in_use=stats["peak_bytes_in_use"] if stats is not None else None)
         elif fallback is not None:
             self._keep_calibrated_if_it_leaves_slack(fallback)
+            if self._offloads_state():
+                # the variables this plan brought back to stay came in the mobile group, amid the step's
+                # tensors, whose pageblocks they pin; packed in the persistent group, later steps reserve less
+                # (ResNet-50 32px + SGD under 237 MiB: 140 -> 128 MiB reserved between steps, later peaks 216-218
+                # -> 198-204 MiB, the calibrated prediction 199 MiB)
+                _compact_weights(self.model)
         return outputs
 
     def _traced_probe(self, run, iterator):
@@ -400,26 +407,38 @@ class DymemCallback(keras.callbacks.Callback):
         return outputs
 
     def _keep_calibrated_if_it_leaves_slack(self, fallback) -> None:
-        """After the budgeted plan's first step: when it measured within its step slack of the budget
+        """After a budgeted plan's first step: when it measured within its step slack of the budget
         (:func:`~dymem_tf.planning.first_step.step_slack`), later steps could run out of memory (steps of one plan
-        vary by several %, and by whole pageblocks), so training goes on with the probe's
-        least-memory plan, which left that slack (no batch is lost: the step trained)."""
+        vary by several %, and by whole pageblocks). The first such plan is calibrated again from its own step
+        (its fragmentation is the one the probe's could not show: see :mod:`dymem_tf.planning.first_step`) and
+        replaced by the plan made with that calibration, whose first step is guarded the same way; after that,
+        training goes on with the probe's least-memory plan, which left that slack. No batch is lost: the step
+        trained."""
         stats = self._own(device_memory_stats())
         measured = stats["peak_bytes_reserved"] if stats is not None else None
         slack = first_step.step_slack(self.budget_bytes)
         if measured is None or measured <= (1 - slack) * self.budget_bytes:
             return
-        self._say(f"dymem_tf: the plan made for memory_budget {_fmt(self.budget_bytes)} measured {_fmt(measured)} "
-                  f"in its first step, within {slack:.0%} of the budget; training goes on with the "
-                  "first step's least-memory plan, which leaves that slack.")
+        said = (f"dymem_tf: the plan made for memory_budget {_fmt(self.budget_bytes)} measured {_fmt(measured)} "
+                f"in its first step, within {slack:.0%} of the budget; ")
+        in_use = stats.get("peak_bytes_in_use")
+        if not self._refined and in_use:
+            self._refined = True
+            self._say(said + "planning again, calibrated on that step.")
+            self._install_calibrated(measured, fallback=fallback, in_use=in_use, source="calibrated")
+            return
+        self._say(said + "training goes on with the first step's least-memory plan, which leaves that slack.")
         self.model.train_function = fallback
 
-    def _install_calibrated(self, measured: int | None, fallback, in_use: int | None = None) -> None:
-        """Calibrate the planner from the probe step just run (its ``measured`` reserved and ``in_use`` peaks; None
-        without GTBM) and make the train function planned for the budget."""
+    def _install_calibrated(self, measured: int | None, fallback, in_use: int | None = None,
+                            source: str = "probe") -> None:
+        """Calibrate the planner from the first step just run (its ``measured`` reserved and ``in_use`` peaks; None
+        without GTBM) of the ``source`` plan (the probe, or a calibrated plan that left too little slack) and make
+        the train function planned for the budget."""
         record = self.pass_.records[-1] if self.pass_.records else None
         predicted = record.plan.predicted.get("peak_bytes") if record is not None else None
-        if predicted and self.pass_.memory is not None:  # the probe again, with its kernels' temporaries
+        if predicted and source == "probe" and self.pass_.memory is not None:
+            # the probe again, with its kernels' temporaries (a calibrated plan was made with them)
             predicted = simulator.simulate(record.step_graph, record.plan, self.pass_.config.device,
                                            timeline=False,
                                            temporaries=self.pass_.memory.held_during(record.step_graph)).peak_bytes
@@ -428,7 +447,7 @@ class DymemCallback(keras.callbacks.Callback):
             # (its prediction counts that state only while it is back on the device)
             persistent = record.plan.persistent_bytes
             calibration = first_step.Calibration.from_probe(self.budget_bytes, int(predicted), int(measured),
-                                                            persistent, int(in_use or 0))
+                                                            persistent, int(in_use or 0), source=source)
             self.pass_.calibration = calibration
             self.pass_.config.headroom = calibration.headroom
         _make_train_function_without_xla(self.model)

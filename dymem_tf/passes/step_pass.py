@@ -235,7 +235,7 @@ class StepPass:
             plan.params["stage"] = "probe"
             plan.notes.append("first step under the budget: the least-memory plan, measured to calibrate the next")
         elif self.calibration is not None:
-            plan.params["stage"] = "calibrated"
+            plan.params["stage"] = self.calibration.stage
             plan.predicted["calibration"] = dataclasses.asdict(self.calibration)
             plan.notes.append(self.calibration.summary())
         if batch is not None and batch == observed:

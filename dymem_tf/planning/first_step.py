@@ -1,6 +1,7 @@
 """The first step under a budget: measured, calibrated and unable to lose training state.
 
-Under a ``memory_budget`` the callback runs the first step of every new input shape in two stages:
+Under a ``memory_budget`` the callback runs the first step of every new input shape in two stages, three when
+the second leaves too little room:
 
 1. **Probe.** The step is planned with the least device memory the policy can reach (every candidate swapped,
    swap-ins triggered one layer ahead, optimizer state offloaded where allowed). The model's and the optimizer's
@@ -11,8 +12,13 @@ Under a ``memory_budget`` the callback runs the first step of every new input sh
    workspaces and whatever else the simulator does not model), the placement's fragmentation (reserved less in-use
    bytes) and a margin derived from the simulator's error on the probe set the planner's headroom
    (:func:`calibrated_headroom`), and the step is planned again, once, for the fastest plan whose calibrated peak
-   fits. Its first step is guarded the same way; if it still runs out of memory, or no plan fits the calibrated budget, training goes on with the
-   probe's plan, which is known to fit.
+   fits. Its first step is guarded the same way; if it still runs out of memory, or no plan fits the calibrated
+   budget, training goes on with the probe's plan, which is known to fit.
+3. **Refined.** A calibrated plan whose first step leaves less than the step slack (:func:`step_slack`) free is
+   calibrated again, once, from that step (``Calibration.source == "calibrated"``): the placement's
+   fragmentation of a plan that holds most of the budget differs from the probe's, which held a fraction of it
+   (ResNet-50 32px + SGD: 10 MiB at 38 MiB in use in the probe, 24 MiB at 190 MiB in the calibrated plan). The
+   plan made with it is guarded the same way, and falls back to the probe's.
 
 A refusal is therefore based on a measurement: a budget is refused only when the least-memory plan did not fit.
 
@@ -52,6 +58,8 @@ MIN_MODEL_ERROR, MAX_MODEL_ERROR = 0.02, 0.10
 CALIBRATION_MARGIN = 0.10
 #: The most headroom a calibration may ask for; beyond it the probe's plan is used as it is.
 MAX_HEADROOM = 0.6
+#: The plans a calibration may be measured on (see :attr:`Calibration.source`).
+SOURCES = ("probe", "calibrated")
 
 
 @dataclasses.dataclass
@@ -69,16 +77,28 @@ class Calibration:
     headroom: float
     measured_in_use_bytes: int = 0
     margin: float = CALIBRATION_MARGIN
+    #: the plan whose first step was measured: ``"probe"``, or ``"calibrated"`` (a calibrated plan whose first
+    #: step left less than its slack, calibrated again: its fragmentation is nearer the next plan's than the
+    #: probe's, which held a fraction of the bytes)
+    source: str = "probe"
 
     @classmethod
     def from_probe(cls, budget_bytes: int, predicted_peak: int, measured_peak: int, persistent_bytes: int,
-                   measured_in_use: int = 0) -> "Calibration":
-        """The calibration of a probe step, its margin derived from the simulator's error on that step."""
+                   measured_in_use: int = 0, source: str = "probe") -> "Calibration":
+        """The calibration of a measured first step (of the ``source`` plan), its margin derived from the
+        simulator's error on that step."""
+        if source not in SOURCES:
+            raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
         margin = calibration_margin(predicted_peak, measured_in_use, budget_bytes)
         headroom = calibrated_headroom(budget_bytes, predicted_peak, measured_peak, persistent_bytes, margin,
                                        measured_in_use)
         return cls(int(budget_bytes), int(predicted_peak), int(measured_peak), int(persistent_bytes), headroom,
-                   int(measured_in_use), margin)
+                   int(measured_in_use), margin, source)
+
+    @property
+    def stage(self) -> str:
+        """The stage a plan made with this calibration has (``Plan.params["stage"]``)."""
+        return "calibrated" if self.source == "probe" else "refined"
 
     @property
     def error(self) -> float:
@@ -90,8 +110,8 @@ class Calibration:
         in_use = (f", {self.measured_in_use_bytes / mib:.1f} MiB in use"
                   f" ({_in_use_error(self.predicted_peak_bytes, self.measured_in_use_bytes):+.1%})"
                   if self.measured_in_use_bytes else "")
-        return (f"calibrated on the first step: measured peak {self.measured_peak_bytes / mib:.1f} MiB{in_use}, "
-                f"predicted {self.predicted_peak_bytes / mib:.1f} MiB ({self.error:+.1%}); planning with "
+        return (f"calibrated on the first step of the {self.source} plan: measured peak "
+                f"{self.measured_peak_bytes / mib:.1f} MiB{in_use}, predicted {self.predicted_peak_bytes / mib:.1f} MiB ({self.error:+.1%}); planning with "
                 f"{self.headroom:.1%} of the {self.budget_bytes / mib:.1f} MiB budget kept free "
                 f"({self.margin:.1%} of it for later steps and the simulator's error)")
 
