@@ -385,3 +385,13 @@ def test_host_memory_outputs_of_other_dtypes_are_never_swapped_on_a_gpu():
     assert cpu.tensors[shape].bytes == 16 and not cpu.tensors[shape].persistent and shape in cpu_swapped
     assert gpu.tensors[shape].bytes == 0 and gpu.tensors[shape].persistent and shape not in gpu_swapped
     assert gpu_swapped == cpu_swapped - {shape}  # the float feature maps are swapped as before
+
+
+def test_the_pass_and_the_planner_agree_on_the_steps_input_ops():
+    """The C++ pass fills the unknown batch dimension of the outputs of the step's input ops
+    (dymem_pass_step_input_types); the planner reads the batch from the same ops (step_pass.INPUT_OP_TYPES), plus
+    IteratorGetNextAsOptional, whose one output is an optional with no batch dimension to fill."""
+    from dymem_tf.passes import step_pass
+
+    native = set(graph_pass._library().dymem_pass_step_input_types().decode().split(","))
+    assert native == set(step_pass.INPUT_OP_TYPES) - {"IteratorGetNextAsOptional"}

@@ -337,12 +337,9 @@ class DymemCallback(keras.callbacks.Callback):
     def _replica_batch_size(self) -> int | None:
         """The batch size of one replica's step in the running ``fit`` (None when unknown): what an unknown batch
         dimension of the step's input stands for when the pass infers its shapes."""
-        batch = self.pass_.default_batch_size
-        if not batch:
-            return None
         strategy = getattr(self.model, "distribute_strategy", None)
-        replicas = getattr(strategy, "num_replicas_in_sync", 1) or 1
-        return -(-int(batch) // int(replicas))
+        return step_pass.replica_batch(self.pass_.default_batch_size,
+                                       getattr(strategy, "num_replicas_in_sync", 1) or 1)
 
     def _guarded_first_call(self, run, iterator, fallback):
         """Run a new train function's first step with the variables saved to host; after the probe, calibrate and
@@ -621,32 +618,32 @@ class DymemCallback(keras.callbacks.Callback):
             print(text)
 
 
-def _offload_optimizer_state(model, min_bytes: int) -> int:
-    """Move the optimizer's non-scalar variables of at least ``min_bytes`` to host memory before the first step
-    (their updates bring back what a plan does not offload); returns how many moved."""
+def _offload_variables(variables, min_bytes: int) -> int:
+    """Move each of ``variables`` that has one handle, is not a scalar or a string and holds at least ``min_bytes``
+    to host memory before the first step; returns how many moved. Each plan brings back before their users those
+    it keeps (``PlannedStep.resident``; updates bring back optimizer state it does not offload), so a first step
+    measures what the plan needs and not the variables that were on the device before it."""
     from dymem_tf.ops import swap_ops
 
     moved = 0
-    for var in getattr(getattr(model, "optimizer", None), "variables", []):
-        big = len(var.shape) > 0 and step_pass.variable_bytes(var) >= min_bytes
-        if big and swap_ops.variable_handle(var) is not None:
+    for var in variables:
+        if (swap_ops.variable_handle(var) is not None and len(var.shape) > 0 and var.dtype != tf.string
+                and step_pass.variable_bytes(var) >= min_bytes):
             swap_ops.offload_variable(var)
             moved += 1
     return moved
+
+
+def _offload_optimizer_state(model, min_bytes: int) -> int:
+    """:func:`_offload_variables` of the optimizer's variables (a distributed one, without a single handle, stays)."""
+    return _offload_variables(getattr(getattr(model, "optimizer", None), "variables", []), min_bytes)
 
 
 def _offload_weights(model, min_bytes: int) -> int:
-    """Move the model's trainable non-scalar variables of at least ``min_bytes`` to host memory before the first step;
-    returns how many moved. Each plan brings back before their users those it keeps (``PlannedStep.resident``), so
-    a first step measures what the plan needs and not the weights that were on the device before it."""
+    """:func:`_offload_variables` of the model's trainable variables (each replica's of a distributed one)."""
     from dymem_tf.ops import swap_ops
 
-    moved = 0
-    for var in swap_ops.variable_components(model.trainable_variables):
-        if len(var.shape) > 0 and step_pass.variable_bytes(var) >= min_bytes and var.dtype != tf.string:
-            swap_ops.offload_variable(var)
-            moved += 1
-    return moved
+    return _offload_variables(swap_ops.variable_components(model.trainable_variables), min_bytes)
 
 
 def _compact_weights(model) -> int:

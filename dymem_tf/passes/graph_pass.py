@@ -86,6 +86,7 @@ def _library():
         lib.dymem_pass_set_before_xla.restype = ctypes.c_int
         lib.dymem_pass_set_batch_hint.argtypes = [ctypes.c_int64]
         lib.dymem_pass_set_batch_hint.restype = ctypes.c_int64
+        lib.dymem_pass_step_input_types.restype = ctypes.c_char_p
         _state["lib"] = lib
     return _state["lib"]
 

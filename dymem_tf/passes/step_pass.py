@@ -208,11 +208,10 @@ class StepPass:
 
     def plan_ops(self, function_name: str, ops: list, replica: int | None, replicas: int = 1):
         """The planned step for one device's ops, or None when they are left unmodified."""
-        batch = graph_batch_size(ops) or (-(-self.default_batch_size // replicas) if self.default_batch_size
-                                          else None)
+        batch = graph_batch_size(ops) or replica_batch(self.default_batch_size, replicas)
         observed = None
         if batch is None and self.observed_batch_size:
-            observed = -(-self.observed_batch_size // replicas)
+            observed = replica_batch(self.observed_batch_size, replicas)
             # Without a budget the batch size only scales the model of the step (sizes, times): the swaps compute
             # the same values for any batch. A budget needs the largest batch, which the first ones do not bound.
             if self.config.budget_bytes is None and not self.probe:
@@ -337,6 +336,12 @@ def replica_ops(graph: graph_def_view.GraphView) -> list[tuple[int | None, list]
     if len(devices) <= 1:
         return [(None, ops)]
     return [(k, [op for op in ops if op.device == d]) for k, d in enumerate(devices)]
+
+
+def replica_batch(batch: int | None, replicas: int = 1) -> int | None:
+    """The batch of one of ``replicas`` replicas of a global ``batch`` (rounded up: the first replicas take the
+    remainder); None when ``batch`` is unknown."""
+    return -(-int(batch) // max(int(replicas), 1)) if batch else None
 
 
 def graph_batch_size(ops) -> int | None:

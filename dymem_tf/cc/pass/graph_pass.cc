@@ -14,6 +14,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "step_plan.h"
 #include "tensorflow/core/common_runtime/optimization_registry.h"
 #include "tensorflow/core/common_runtime/shape_refiner.h"
@@ -72,10 +73,16 @@ void ShapeToProto(tensorflow::shape_inference::InferenceContext* c, tensorflow::
   for (int d = 0; d < c->Rank(h); ++d) proto->add_dim()->set_size(c->Value(c->Dim(h, d)));
 }
 
-// Whether `n` is the step's input op, whose outputs lead with the batch dimension.
+// Op types of the step's input ops, whose outputs lead with the batch dimension (Python's
+// step_pass.INPUT_OP_TYPES less IteratorGetNextAsOptional, whose output is one optional: a test compares them).
+constexpr const char* kStepInputTypes = "IteratorGetNext,IteratorGetNextSync,MultiDeviceIteratorGetNextFromShard";
+
+// Whether `n` is one of the step's input ops (kStepInputTypes).
 bool IsStepInput(const tensorflow::Node* n) {
-  const std::string& type = n->type_string();
-  return type == "IteratorGetNext" || type == "IteratorGetNextSync" || type == "MultiDeviceIteratorGetNextFromShard";
+  for (absl::string_view type : absl::StrSplit(kStepInputTypes, ',')) {
+    if (n->type_string() == type) return true;
+  }
+  return false;
 }
 
 // Gives the unknown leading dimension of `n`'s outputs the value `batch` in `refiner`, so that shapes computed from
@@ -186,6 +193,11 @@ __attribute__((visibility("default"))) int dymem_pass_set_before_xla(int before)
 // the previous one.
 __attribute__((visibility("default"))) int64_t dymem_pass_set_batch_hint(int64_t batch) {
   return dymem::g_batch_hint.exchange(batch > 0 ? batch : 0);
+}
+
+// The op types whose outputs' unknown batch dimension the batch hint fills, comma-separated.
+__attribute__((visibility("default"))) const char* dymem_pass_step_input_types(void) {
+  return dymem::kStepInputTypes;
 }
 
 // How many graphs were offered to the handler since the library was loaded.
