@@ -287,9 +287,9 @@ def report(results: list[dict], args, seconds: float) -> str:
                      f"{statistics.median(raw_err):.1%}, max {max(raw_err):.1%} over {len(raw_err)} runs.")
     if cal_err:
         lines.append(f"- Calibrated prediction of the budgeted plan vs its measured steady peak: median "
-                     f"{statistics.median(cal_err):.1%}, max {max(cal_err):.1%} over {len(cal_err)} runs; against "
-                     f"its first step: median {statistics.median(first_err):.1%}, max {max(first_err):.1%} (the rest "
-                     "is the growth of later steps).")
+                     f"{statistics.median(cal_err):.1%}, max {max(cal_err):.1%} over {len(cal_err)} runs"
+                     + (f"; against its first step: median {statistics.median(first_err):.1%}, max "
+                        f"{max(first_err):.1%} (the rest is the growth of later steps)." if first_err else "."))
     if use_err:
         lines.append(f"- The simulator's bytes in use of the budgeted plan (with the probe's measured temporaries, "
                      f"before the fragmentation term) vs measured in its first step: median "

@@ -338,6 +338,14 @@ def test_budget_reliability_cli_checks_its_arguments_and_renders_a_saved_run(tmp
     result.update(identical_budgeted=False, probe_kinds=[5, 2, 4])
     assert "| gan | 64 | yes / **no** | 5 / 2 / 4 | 3 |" in budget_reliability.report([result], args, 60.0)
     assert "median 16.7%" in text  # |50 - 60| / 60 on the probe
+    # a calibrated plan from step 1 on: 58 MiB predicted (52 in use), 56 then 60 measured (in use 50)
+    run["auto"].update(calibrated_predicted=58 << 20, calibrated_measured=60 << 20, calibrated_first=56 << 20,
+                       in_use_predicted=52 << 20, calibrated_in_use=50 << 20, refined=True)
+    text = budget_reliability.report([result], args, 60.0)
+    assert "steady peak: median 3.3%, max 3.3% over 1 runs; against its first step: median 3.6%" in text
+    assert "measured in its first step: median 4.0%" in text and "calibrated twice" in text
+    del run["auto"]["calibrated_first"]  # a run saved before the first step was recorded
+    assert "over 1 runs." in budget_reliability.report([result], args, 60.0)
 
 
 def test_largest_batch_search_and_report(monkeypatch):
