@@ -64,26 +64,6 @@ def test_dymem_swaps_exactly_the_tensors_worth_a_round_trip():
     assert plan.mobility["f1"] == "mobile" and plan.mobility["f6"] == "transient"
 
 
-def test_dymem_triggers_a_swap_in_with_an_op_its_consumer_depends_on():
-    """Each gradient b_i feeds an optimizer update u_i (first in program order) that shares b_(i-1)'s dependency
-    layer. An update is off the consumers' path (deferred or ordered after reads in a real step, it may run after
-    the consumer could start): dymem never triggers with it, whatever its layer holds; TFLMS's rule, a baseline,
-    takes the layer's first op."""
-    base = train_chain()
-    spec = {f"u{i}": {"type": "AssignAddVariableOp", "inputs": [f"b{i}"], "bytes": 0, "flops": MS,
-                      "backward": True} for i in range(6, 1, -1)}
-    for name, op in base.ops.items():
-        spec[name] = {"type": op.type, "inputs": [base.tensors[t].producer for t in op.inputs],
-                      "bytes": base.tensors[op.outputs[0]].bytes, "flops": MS, "backward": op.is_backward,
-                      "keras_layer": op.keras_layer}
-    sg = StepGraph.from_spec(spec)
-    plan = make_plan(sg, "dymem", profile=TOY, min_swap_bytes=1)
-    assert plan.swaps and validate_plan(sg, plan) == []
-    assert not any(si.trigger_op.startswith("u") for s in plan.swaps for si in s.swap_ins)
-    tflms = make_plan(sg, "tflms", profile=TOY, min_swap_bytes=1)
-    assert any(si.trigger_op.startswith("u") for s in tflms.swaps for si in s.swap_ins)
-
-
 def test_dymem_moves_triggers_earlier_when_the_h2d_channel_is_busy():
     sg = train_chain()
     slow = get_profile(TOY, h2d_bytes_per_s=0.5e9)  # 2 ms per swap-in: back-to-back copies overlap deadlines

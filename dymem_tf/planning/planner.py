@@ -152,7 +152,6 @@ class _Planner:
         self.layer_end = self.end[last_pos].tolist() if nl else []
         self.trigger_of_layer = [self._pick_trigger(ops) for ops in sg.layers]
         self._quiet_triggers: list[str | None] | None = None  # per layer, a trigger that holds no variable
-        self._ancestor_triggers: dict[tuple[int, str], str | None] = {}  # (layer, consumer) -> trigger
         self._bwd_start: list[tuple[int, str]] | None = None
 
     # ------------------------------------------------------------------------------------------------ helpers
@@ -333,35 +332,12 @@ class _Planner:
     def _layer_trigger(self, layer: int) -> tuple[str, int]:
         return self.trigger_of_layer[layer], layer
 
-    def _ancestor_trigger(self, layer: int, consumer: str) -> str | None:
-        """The trigger among the ops of ``layer`` that ``consumer`` depends on, or None when it depends on none.
-
-        An op of the layer that is not an ancestor of the consumer may run after the consumer could start (an
-        optimizer update, deferred or ordered after the reads it follows): the swap-in, and so the consumer, would
-        wait for it. Only ops between ``layer`` and the consumer are visited (layers grow along every edge)."""
-        key = (layer, consumer)
-        if key not in self._ancestor_triggers:
-            found, seen, stack = [], {consumer}, [consumer]
-            while stack:
-                for pred in self.sg.graph.predecessors(stack.pop()):
-                    op_layer = self.sg.ops[pred].layer if pred in self.sg.ops else None
-                    if pred in seen or (op_layer is not None and op_layer < layer):
-                        continue
-                    seen.add(pred)
-                    (found if op_layer == layer and pred in self.pos else stack).append(pred)
-            self._ancestor_triggers[key] = self._pick_trigger(found) if found else None
-        return self._ancestor_triggers[key]
-
-    def _trigger(self, cand: _Candidate, group: int, layer: int, c_layer: int, ancestors: bool = True
-                 ) -> tuple[str, int]:
-        """The trigger of ``cand``'s swap-in group ``group`` in ``layer``: with ``ancestors`` (dymem's rule), an
-        op its first consumer depends on where the layer has one (:meth:`_ancestor_trigger`). A weight's swap-in
-        is never triggered by an op that reads a variable or aliases a read (such an op may wait for a weight's
-        swap-in itself, or be the weight's own read): the nearest layer in its range with another op is taken
-        instead."""
+    def _trigger(self, cand: _Candidate, group: int, layer: int, c_layer: int) -> tuple[str, int]:
+        """The trigger of ``cand``'s swap-in group ``group`` in ``layer``. A weight's swap-in is never triggered by
+        an op that reads a variable or aliases a read (such an op may wait for a weight's swap-in itself, or be the
+        weight's own read): the nearest layer in its range with another op is taken instead."""
         if cand.kind != "weight":
-            trigger = self._ancestor_trigger(layer, cand.groups[group][0]) if ancestors else None
-            return (trigger, layer) if trigger is not None else self._layer_trigger(layer)
+            return self._layer_trigger(layer)
         if self._quiet_triggers is None:
             self._quiet_triggers = [self._pick_trigger(q) if (q := [n for n in ops if not self._holds_variable(n)])
                                     else None for ops in self.sg.layers]
@@ -432,8 +408,7 @@ class _Planner:
                     g = self._latest_hiding_layer(c0, cand.bytes)
                 else:
                     g = c_layer - 1
-                triggers[(ci, gi)] = self._trigger(cand, gi, self._clamp(g, c_layer, cand, gi), c_layer,
-                                                   ancestors=policy == "dymem")
+                triggers[(ci, gi)] = self._trigger(cand, gi, self._clamp(g, c_layer, cand, gi), c_layer)
         out = []
         for ci, cand in enumerate(cands):
             sis = []
