@@ -273,7 +273,8 @@ def report(results: list[dict], args, seconds: float) -> str:
                 cal_err.append(abs(auto["calibrated_predicted"] - auto["calibrated_measured"])
                                / auto["calibrated_measured"])
             if auto.get("calibrated_first"):
-                first_err.append(abs(auto["calibrated_predicted"] - auto["calibrated_first"]) / auto["calibrated_first"])
+                first_err.append(abs(auto["calibrated_predicted"] - auto["calibrated_first"])
+                                 / auto["calibrated_first"])
             if auto.get("calibrated_in_use"):
                 use_err.append(abs(auto["in_use_predicted"] - auto["calibrated_in_use"]) / auto["calibrated_in_use"])
             if auto["outcome"] == "oom" or auto["over_budget_steps"]:
@@ -302,8 +303,8 @@ def _outcome(run: dict) -> str:
     if run["outcome"] == "trained":
         over = f", **{run['over_budget_steps']} steps over B**" if run["over_budget_steps"] else ""
         fallback = ", fell back to the probe's plan" if run.get("fallback") else ""
-        fallback += ", calibrated twice" if run.get("refined") else ""
-        return f"trained {run['steps_run']} steps{over}{fallback}"
+        refined = ", calibrated twice" if run.get("refined") else ""
+        return f"trained {run['steps_run']} steps{over}{fallback}{refined}"
     if run["outcome"] == "refused":
         return f"refused (variables changed: {run.get('changed_variables', '?')})"
     if run["outcome"] == "not run":

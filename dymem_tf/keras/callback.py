@@ -376,11 +376,11 @@ class DymemCallback(keras.callbacks.Callback):
                                      in_use=stats["peak_bytes_in_use"] if stats is not None else None)
         elif fallback is not None:
             self._keep_calibrated_if_it_leaves_slack(fallback)
-            if self._offloads_state():
-                # the variables this plan brought back to stay came in the mobile group, amid the step's
-                # tensors, whose pageblocks they pin; packed in the persistent group, later steps reserve less
-                # (ResNet-50 32px + SGD under 237 MiB: 140 -> 128 MiB reserved between steps, later peaks 216-218
-                # -> 198-204 MiB, the calibrated prediction 199 MiB)
+            if self._offloads_state() and self.model.train_function is not fallback:
+                # the variables this plan keeps came back one by one during its first step (into the persistent
+                # group, between the holes of those that went to host memory); packed, later steps reserve less
+                # (ResNet-50 32px + SGD under 237 MiB, calibrated prediction 199 MiB: later peaks 208-212 MiB
+                # without this, 200-204 with it; the probe's plan, the fallback, keeps nothing there to pack)
                 _compact_weights(self.model)
         return outputs
 

@@ -111,7 +111,8 @@ class Calibration:
                   f" ({_in_use_error(self.predicted_peak_bytes, self.measured_in_use_bytes):+.1%})"
                   if self.measured_in_use_bytes else "")
         return (f"calibrated on the first step of the {self.source} plan: measured peak "
-                f"{self.measured_peak_bytes / mib:.1f} MiB{in_use}, predicted {self.predicted_peak_bytes / mib:.1f} MiB ({self.error:+.1%}); planning with "
+                f"{self.measured_peak_bytes / mib:.1f} MiB{in_use}, predicted "
+                f"{self.predicted_peak_bytes / mib:.1f} MiB ({self.error:+.1%}); planning with "
                 f"{self.headroom:.1%} of the {self.budget_bytes / mib:.1f} MiB budget kept free "
                 f"({self.margin:.1%} of it for later steps and the simulator's error)")
 

@@ -5,8 +5,9 @@ take an im2col buffer of up to ~20-30 MiB whatever the model's size, cuDNN takes
 their results. No graph shows these *temporaries*; the GTBM allocator's trace of the first step does (every
 allocation names the kernel that made it). :func:`from_trace` takes, per op of the step graph, the allocations that
 are not its outputs (matched by size) and keeps the largest amount of them live at once; and how many ops held
-temporaries at the same moment (the executor runs independent ops on several threads), and, per op, the most temporaries of all ops that were live
-while its own were (``overlap``: what the executor's threads really held at once in that step).
+temporaries at the same moment (the executor runs independent ops on several threads), and, per op, the most
+temporaries of all ops that were live while its own were (``overlap``: what the executor's threads really held at
+once in that step).
 
 The simulator (:class:`~dymem_tf.planning.simulator.Simulator`) then holds that measured overlap during ``op``
 (:meth:`MeasuredMemory.held_during`); without it (a hand-made model), ``temporaries[op]`` plus the largest
@@ -96,35 +97,29 @@ def _peak_live(allocs: list[tuple[int, int, int]]) -> int:
     return peak
 
 
-def _concurrency(temps: Mapping[str, list[tuple[int, int, int]]]) -> int:
-    """The most ops with a temporary live at the same event."""
-    events = sorted([(lo, 1, op) for op, allocs in temps.items() for _, lo, _ in allocs]
-                    + [(up, 0, op) for op, allocs in temps.items() for _, _, up in allocs])
-    live: dict[str, int] = defaultdict(int)
-    best = 0
-    for _, kind, op in events:
-        live[op] += 1 if kind else -1
-        if not live[op]:
-            del live[op]
-        best = max(best, len(live))
-    return best
-
-
-def _overlap(temps: Mapping[str, list[tuple[int, int, int]]]) -> dict[str, int]:
-    """``op -> the most bytes of all ops' temporaries live at one event while one of op's own was live``."""
-    events = sorted([(lo, s, op) for op, allocs in temps.items() for s, lo, _ in allocs]
-                    + [(up, -s, op) for op, allocs in temps.items() for s, _, up in allocs],
-                    key=lambda e: (e[0], e[1] > 0))  # frees before allocations at the same event
-    live, own = 0, defaultdict(int)
-    best: dict[str, int] = defaultdict(int)
-    for _, delta, op in events:
+def _coexistence(temps: Mapping[str, list[tuple[int, int, int]]]) -> tuple[int, dict[str, int]]:
+    """One sweep over the temporaries' events (frees before allocations at the same event): the most ops with a
+    temporary live at once, and ``op -> the most bytes of all ops' temporaries live at one event while some of op's
+    own were``."""
+    events = sorted([(lo, 1, op, size) for op, allocs in temps.items() for size, lo, _ in allocs]
+                    + [(up, 0, op, size) for op, allocs in temps.items() for size, _, up in allocs])
+    count: dict[str, int] = defaultdict(int)  # live temporaries per op
+    own: dict[str, int] = defaultdict(int)  # live bytes per op
+    overlap: dict[str, int] = defaultdict(int)
+    live = concurrency = 0
+    for _, kind, op, size in events:
+        delta = size if kind else -size
         live += delta
+        count[op] += 1 if kind else -1
         own[op] += delta
+        if not count[op]:
+            del count[op]
         if not own[op]:
             del own[op]
+        concurrency = max(concurrency, len(count))
         for name in own:
-            best[name] = max(best[name], live)
-    return dict(best)
+            overlap[name] = max(overlap[name], live)
+    return concurrency, dict(overlap)
 
 
 @no_autograph
@@ -138,5 +133,6 @@ def from_trace(rows: Iterable[Mapping[str, str]], sg: StepGraph, min_bytes: int 
         extra = _unmatched(allocs, sizes)
         if extra and _peak_live(extra) >= min_bytes:
             temps[name] = extra
+    concurrency, overlap = _coexistence(temps)
     return MeasuredMemory({name: _peak_live(allocs) for name, allocs in temps.items()},
-                          max(1, min(_concurrency(temps), MAX_CONCURRENCY)), _overlap(temps))
+                          max(1, min(concurrency, MAX_CONCURRENCY)), overlap)
