@@ -154,7 +154,9 @@ def _budget_run(build, fit, Peaks, budget: int, memory_budget, args) -> dict:
     if calibrated and len(peaks.peaks) > first:
         plan = calibrated[-1].plan
         cal = plan.predicted["calibration"]
-        result["calibrated_predicted"] = first_step.calibrated_prediction(cal, int(plan.predicted["peak_bytes"]))
+        result["calibrated_predicted"] = plan.predicted.get("calibrated_peak_bytes") or \
+            first_step.calibrated_prediction(cal, int(plan.predicted["peak_bytes"]))
+        result["placed"] = "calibrated_peak_bytes" in plan.predicted  # predicted by the plan's placement
         result["calibration_margin"] = cal.get("margin")
         result["calibrated_measured"] = max(peaks.peaks[first:])
         result["calibrated_first"] = peaks.peaks[first]

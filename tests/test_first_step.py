@@ -205,6 +205,8 @@ out["stages"] = [r.plan.params.get("stage") for r in cb.records]
 out["notes"] = [n for r in cb.records for n in r.plan.notes]
 out["warnings"] = [str(w.message) for w in caught if "dymem_tf" in str(w.message)]
 out["calibration"] = cb.records[-1].plan.predicted.get("calibration")
+out["placed"] = cb.records[-1].plan.predicted.get("calibrated_peak_bytes")
+out["measured"] = (cb.records[-1].plan.measured or {}).get("peak_bytes")
 print("RESULT" + json.dumps(out), flush=True)
 """
 
@@ -236,6 +238,11 @@ def test_the_first_step_calibrates_and_every_step_stays_under_the_budget(budget_
     assert len(out["peaks"]) == 4 and out["warnings"] == []
     assert out["losses"] == out["plain"]  # the probe step and the calibrated steps both train bit-identically
     assert any("calibrated on the first step" in note for note in out["notes"])
+    # the calibrated plan's peak is predicted by its placement in GTBM's groups, from the probe's persistent group;
+    # not below what its first step measured (here it is well above: the probe measured 1.5x its simulated bytes
+    # in use, the calibrated plan 1.16x, and the calibration scales the step's memory by the probe's ratio)
+    assert out["calibration"]["persistent_group"]["block_size"] > 0
+    assert out["placed"] and out["placed"] >= 0.95 * out["measured"], out
 
 
 MEASURED_SCRIPT = r"""

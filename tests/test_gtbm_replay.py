@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
 import pytest
 
 from dymem_tf.memory import replay as rp
@@ -122,3 +123,45 @@ def test_cli_table_and_json(tmp_path, capsys):
     assert data[0]["footprint"] >= data[0]["lower_bound"] == 12288 and data[0]["ratio"] >= 1.0
     assert rp.main([str(tmp_path / "nope.csv")]) == 2
     assert "error:" in capsys.readouterr().err
+
+
+def _random_instance(rng, n: int, groups: bool):
+    lower = rng.integers(0, 200, n)
+    rows = [lower, lower + rng.integers(0, 50, n), rng.integers(0, 3 << 20, n)]
+    if groups:
+        rows.append(rng.integers(0, 3, n))
+    return np.stack(rows, axis=1)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_an_instance_in_memory_replays_as_the_same_instance_in_a_file(tmp_path, seed):
+    """replay_buffers (arrays through ctypes) and replay (a CSV file) run the same engine: random instances with and
+    without groups, every policy, the same statistics but the time."""
+    rng = np.random.default_rng(seed)
+    inst = _random_instance(rng, 300, groups=seed % 2 == 0)
+    cols = ["lower", "upper", "size"] + (["group"] if inst.shape[1] == 4 else [])
+    # offset: the file is a recorded trace (its sizes are TF bytes: alignment 64, as for arrays)
+    text = ",".join(["id"] + cols + ["offset"]) + "\n" + "".join(
+        ",".join(str(v) for v in [i, *row, 0]) + "\n" for i, row in enumerate(inst.tolist()))
+    path = _write(tmp_path / "inst.csv", text)
+    for policy in rp.POLICIES:
+        a = rp.replay_buffers(inst, policy, block_size="1MiB").to_dict()
+        b = rp.replay(path, policy, block_size="1MiB").to_dict()
+        for key in ("time_ns", "path", "ratio", "extent_ratio"):
+            a.pop(key), b.pop(key)
+        assert a == b
+        assert a["num_failed"] == 0 and a["footprint"] >= a["lower_bound"]
+
+
+def test_an_instance_in_memory_is_checked():
+    assert rp.replay_buffers(np.zeros((0, 4), dtype=np.int64)).footprint == 0
+    with pytest.raises(ValueError, match="3 or 4 columns"):
+        rp.replay_buffers([[0, 1]])
+    with pytest.raises(ValueError, match="buffer 1"):
+        rp.replay_buffers([[0, 1, 10, 1], [3, 2, 10, 1]])
+    with pytest.raises(ValueError, match="buffer 0"):
+        rp.replay_buffers([[0, 1, 10, 7]])
+    with pytest.raises(ValueError, match="no group column"):
+        rp.replay_buffers([[0, 1, 10]], groups="trace")
+    with pytest.raises(ValueError, match="unknown policy"):
+        rp.replay_buffers([[0, 1, 10]], "worst_fit")

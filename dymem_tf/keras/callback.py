@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import csv
 import functools
 import numbers
@@ -13,7 +14,7 @@ import tensorflow as tf
 
 from dymem_tf import compat, units
 from dymem_tf.keras import fit_guard
-from dymem_tf.memory import allocator
+from dymem_tf.memory import allocator, placement
 from dymem_tf.passes import graph_pass, step_pass
 from dymem_tf.planning import device_profiles, first_step, memory_model, planner, simulator
 
@@ -347,6 +348,8 @@ class DymemCallback(keras.callbacks.Callback):
         snapshot = first_step.VariableSnapshot(self.model)
         reset_device_peaks()
         probe = self.pass_.probe
+        if probe:  # the persistent group the probe finds: the calibration predicts each plan's placement from it
+            self._probe_group = self._persistent_group()
         try:
             outputs = self._traced_probe(run, iterator) if probe else run(iterator)
         except tf.errors.ResourceExhaustedError as err:
@@ -434,17 +437,20 @@ class DymemCallback(keras.callbacks.Callback):
         the train function planned for the budget."""
         record = self.pass_.records[-1] if self.pass_.records else None
         predicted = record.plan.predicted.get("peak_bytes") if record is not None else None
-        if predicted and source == "probe" and self.pass_.memory is not None:
-            # the probe again, with its kernels' temporaries (a calibrated plan was made with them)
-            predicted = simulator.simulate(record.step_graph, record.plan, self.pass_.config.device,
-                                           timeline=False,
-                                           temporaries=self.pass_.memory.held_during(record.step_graph)).peak_bytes
+        group, placed = getattr(self, "_probe_group", None), None
+        if record is not None and self.pass_.memory is not None:
+            # the step again, with its kernels' temporaries (a calibrated plan was made with them), and placed
+            sim = simulator.simulate(record.step_graph, record.plan, self.pass_.config.device,
+                                     temporaries=self.pass_.memory.held_during(record.step_graph))
+            predicted = sim.peak_bytes if source == "probe" else predicted
+            placed = placement.place(sim.allocations, group) if group is not None else None
         if measured and predicted:
             # the bytes the probe's plan kept on the device all step: optimizer state it offloads is not among them
             # (its prediction counts that state only while it is back on the device)
             persistent = record.plan.persistent_bytes
             calibration = first_step.Calibration.from_probe(self.budget_bytes, int(predicted), int(measured),
-                                                            persistent, int(in_use or 0), source=source)
+                                                            persistent, int(in_use or 0), source=source,
+                                                            placed=placed, group=group)
             self.pass_.calibration = calibration
             self.pass_.config.headroom = calibration.headroom
         _make_train_function_without_xla(self.model)
@@ -457,6 +463,16 @@ class DymemCallback(keras.callbacks.Callback):
         if reset:
             reset_device_peaks()
         return self._own(device_memory_stats())
+
+    def _persistent_group(self) -> placement.PersistentGroup | None:
+        """GTBM's persistent group on the training device now, less what other models held when ``fit`` began
+        (None without GTBM's groups)."""
+        group = placement.PersistentGroup.from_stats(device_memory_stats())
+        others = getattr(self, "_others_bytes", 0)
+        if group is None or not others:
+            return group
+        return dataclasses.replace(group, reserved_bytes=max(group.reserved_bytes - others, 0),
+                                   in_use_bytes=max(group.in_use_bytes - others, 0))
 
     def _own(self, stats: dict | None) -> dict | None:
         """``stats`` less what the device held besides this model when ``fit`` began (the budget is this fit's)."""
@@ -481,7 +497,8 @@ class DymemCallback(keras.callbacks.Callback):
         after = self._own(device_memory_stats())
         plan.measured = first_step.measurement(before, after, plan.predicted.get("peak_bytes"),
                                                plan.predicted.get("calibration"), outcome,
-                                               steps if isinstance(steps, int) else 1)
+                                               steps if isinstance(steps, int) else 1,
+                                               plan.predicted.get("calibrated_peak_bytes"))
         stage = plan.params.get("stage")
         self._say(f"dymem_tf: first step of the {stage + ' ' if stage else ''}plan: {plan.measured_summary()}")
 

@@ -77,6 +77,12 @@ def replay_library() -> ctypes.CDLL:
                 ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_char_p,
                 ctypes.POINTER(ctypes.c_int64), ctypes.c_int,
             ]
+            i64p = ctypes.POINTER(ctypes.c_int64)
+            lib.dymem_replay_buffers.restype = ctypes.c_int
+            lib.dymem_replay_buffers.argtypes = [
+                i64p, i64p, i64p, ctypes.POINTER(ctypes.c_int32), ctypes.c_int64, ctypes.c_char_p, ctypes.c_int64,
+                ctypes.c_int64, ctypes.c_char_p, i64p, ctypes.c_int,
+            ]
             _lib = lib
         return _lib
 
@@ -119,12 +125,8 @@ class ReplayResult:
         return d
 
 
-def replay(path: str | os.PathLike, policy: str = "gtbm", block_size: int | str = 0, alignment: int | str = 0,
-           groups: str = "auto") -> ReplayResult:
-    """Replay one CSV file with one policy. ``block_size`` / ``alignment`` 0 mean automatic (see module doc).
-
-    Raises ValueError for a bad argument or an unreadable / malformed file.
-    """
+def _checked(policy: str, block_size: int | str, alignment: int | str, groups: str) -> tuple[int, int]:
+    """``(block, alignment)`` in bytes after checking the arguments both entry points share (ValueError)."""
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}: use one of {', '.join(POLICIES)}")
     if groups not in GROUP_MODES:
@@ -133,18 +135,57 @@ def replay(path: str | os.PathLike, policy: str = "gtbm", block_size: int | str 
     align = parse_bytes(alignment)
     if align & (align - 1):
         raise ValueError(f"alignment must be a power of two, got {align}")
+    return block, align
+
+
+def _result(call, path: str, policy: str) -> ReplayResult:
+    """Run ``call(out, len)`` of the library and read its statistics (ValueError with the library's message)."""
     lib = replay_library()
     names = lib.dymem_replay_stat_names().decode().split(",")
     out = (ctypes.c_int64 * len(names))()
-    rc = lib.dymem_replay_run(os.fsencode(os.fspath(path)), policy.encode(), block, align, groups.encode(), out,
-                              len(names))
-    if rc != 0:
+    if call(out, len(names)) != 0:
         raise ValueError(lib.dymem_replay_last_error().decode(errors="replace"))
     values = dict(zip(names, out))
     fields = {f.name for f in dataclasses.fields(ReplayResult)} - {"path", "policy"}
     kwargs = {k: values[k] for k in fields}
     kwargs["groups_from_trace"] = bool(kwargs["groups_from_trace"])
-    return ReplayResult(path=os.fspath(path), policy=policy, **kwargs)
+    return ReplayResult(path=path, policy=policy, **kwargs)
+
+
+def replay(path: str | os.PathLike, policy: str = "gtbm", block_size: int | str = 0, alignment: int | str = 0,
+           groups: str = "auto") -> ReplayResult:
+    """Replay one CSV file with one policy. ``block_size`` / ``alignment`` 0 mean automatic (see module doc).
+
+    Raises ValueError for a bad argument or an unreadable / malformed file.
+    """
+    block, align = _checked(policy, block_size, alignment, groups)
+    lib = replay_library()
+    return _result(lambda out, n: lib.dymem_replay_run(os.fsencode(os.fspath(path)), policy.encode(), block, align,
+                                                       groups.encode(), out, n), os.fspath(path), policy)
+
+
+def replay_buffers(buffers, policy: str = "gtbm", block_size: int | str = 0, alignment: int | str = 0,
+                   groups: str = "auto") -> ReplayResult:
+    """Replay an instance held in memory: ``buffers`` is an array-like of rows ``(lower, upper, size)`` or
+    ``(lower, upper, size, group)`` (group 0 persistent, 1 transient, 2 mobile), sizes in TensorFlow bytes (automatic
+    alignment 64). Otherwise as :func:`replay` (its ``path`` is ``"<memory>"``)."""
+    import numpy as np
+
+    block, align = _checked(policy, block_size, alignment, groups)
+    rows = np.asarray(buffers, dtype=np.int64)
+    if rows.size == 0:
+        rows = rows.reshape(0, 3)
+    if rows.ndim != 2 or rows.shape[1] not in (3, 4):
+        raise ValueError(f"buffers must be rows of 3 or 4 columns (lower, upper, size[, group]), got shape "
+                         f"{rows.shape}")
+    lower, upper, size = (np.ascontiguousarray(rows[:, k]) for k in range(3))
+    group = np.ascontiguousarray(rows[:, 3], dtype=np.int32) if rows.shape[1] == 4 else None
+    i64p, i32p = ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int32)
+    lib = replay_library()
+    return _result(lambda out, n: lib.dymem_replay_buffers(
+        lower.ctypes.data_as(i64p), upper.ctypes.data_as(i64p), size.ctypes.data_as(i64p),
+        group.ctypes.data_as(i32p) if group is not None else None, len(rows), policy.encode(), block, align,
+        groups.encode(), out, n), "<memory>", policy)
 
 
 def replay_all(paths: Iterable[str | os.PathLike], policies: Sequence[str] = POLICIES, block_size: int | str = 0,

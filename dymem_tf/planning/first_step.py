@@ -58,6 +58,9 @@ MIN_MODEL_ERROR, MAX_MODEL_ERROR = 0.02, 0.10
 CALIBRATION_MARGIN = 0.10
 #: The most headroom a calibration may ask for; beyond it the probe's plan is used as it is.
 MAX_HEADROOM = 0.6
+#: How many times a calibrated plan is made again when its placed prediction misses the calibration's limit
+#: (:func:`placed_prediction`), and how far below the limit it may end without another try (share of the budget).
+PLACEMENT_REPLANS, PLACEMENT_TOLERANCE = 2, 0.03
 #: The plans a calibration may be measured on (see :attr:`Calibration.source`).
 SOURCES = ("probe", "calibrated")
 
@@ -81,19 +84,31 @@ class Calibration:
     #: step left less than its slack, calibrated again: its fragmentation is nearer the next plan's than the
     #: probe's, which held a fraction of the bytes)
     source: str = "probe"
+    #: GTBM's persistent group before the probe step (:class:`~dymem_tf.memory.placement.PersistentGroup`; None
+    #: without GTBM's groups): with it, each plan's reserved bytes are predicted by its placement
+    #: (:func:`placed_prediction`) instead of adding the measured step's fragmentation
+    persistent_group: dict | None = None
+    #: reserved bytes of the measured step that its placement did not explain (never below 0)
+    placement_residual_bytes: int = 0
 
     @classmethod
     def from_probe(cls, budget_bytes: int, predicted_peak: int, measured_peak: int, persistent_bytes: int,
-                   measured_in_use: int = 0, source: str = "probe") -> "Calibration":
+                   measured_in_use: int = 0, source: str = "probe", placed: Any = None,
+                   group: Any = None) -> "Calibration":
         """The calibration of a measured first step (of the ``source`` plan), its margin derived from the
-        simulator's error on that step."""
+        simulator's error on that step; with that step's ``placed`` placement and the persistent ``group`` it
+        found (:class:`~dymem_tf.memory.placement.Placement`, ``PersistentGroup``), the placement's error too."""
         if source not in SOURCES:
             raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
         margin = calibration_margin(predicted_peak, measured_in_use, budget_bytes)
         headroom = calibrated_headroom(budget_bytes, predicted_peak, measured_peak, persistent_bytes, margin,
                                        measured_in_use)
-        return cls(int(budget_bytes), int(predicted_peak), int(measured_peak), int(persistent_bytes), headroom,
-                   int(measured_in_use), margin, source)
+        cal = cls(int(budget_bytes), int(predicted_peak), int(measured_peak), int(persistent_bytes), headroom,
+                  int(measured_in_use), margin, source)
+        if placed is not None and group is not None and measured_in_use > 0:
+            cal.persistent_group = dataclasses.asdict(group)
+            cal.placement_residual_bytes = max(int(measured_peak) - _placed(cal, placed), 0)
+        return cal
 
     @property
     def stage(self) -> str:
@@ -163,8 +178,25 @@ def calibrated_prediction(calibration: Mapping[str, Any], predicted_peak: int) -
     return int(round(persistent + ratio * max(int(predicted_peak) - persistent, 0) + fragmentation))
 
 
+def _placed(calibration: "Calibration | Mapping[str, Any]", placed: Any) -> int:
+    """The reserved bytes of ``placed`` with its step's own bytes scaled as the calibration measured them."""
+    cal = calibration if isinstance(calibration, Mapping) else dataclasses.asdict(calibration)
+    _, ratio, _ = _scale(cal["predicted_peak_bytes"], cal["measured_peak_bytes"], cal.get("persistent_bytes", 0),
+                         cal.get("measured_in_use_bytes", 0))
+    return int(round(placed.persistent_reserved_bytes + ratio * placed.step_reserved_bytes))
+
+
+def placed_prediction(calibration: Mapping[str, Any], placed: Any) -> int:
+    """The calibrated device peak of a plan whose step is placed as ``placed`` (a calibration with a
+    ``persistent_group``): the persistent group's blocks with the variables the plan keeps, the blocks of the step's
+    own buffers scaled by the measured ratio of bytes in use, and what the measured step's placement left
+    unexplained."""
+    return _placed(calibration, placed) + int(calibration.get("placement_residual_bytes", 0))
+
+
 def measurement(before: Mapping[str, Any], after: Mapping[str, Any], predicted_peak: int | None = None,
-                calibration: Mapping[str, Any] | None = None, outcome: str = "ran", steps: int = 1) -> dict:
+                calibration: Mapping[str, Any] | None = None, outcome: str = "ran", steps: int = 1,
+                calibrated_peak: int | None = None) -> dict:
     """What the allocator measured in a plan's first step, from its statistics (GTBM's ``memory_stats()``) just
     before and just after the step: the dict a plan keeps as ``Plan.measured``.
 
@@ -183,6 +215,8 @@ def measurement(before: Mapping[str, Any], after: Mapping[str, Any], predicted_p
             out["error"] = (reserved - int(predicted_peak)) / reserved
         if calibration:
             out["calibrated_predicted_peak_bytes"] = calibrated_prediction(calibration, int(predicted_peak))
+    if calibrated_peak is not None:  # the plan's own placement, calibrated (placed_prediction)
+        out["calibrated_predicted_peak_bytes"] = int(calibrated_peak)
     if steps > 1:
         out["steps"] = int(steps)  # the train function's call ran steps_per_execution steps
     return out

@@ -99,6 +99,10 @@ class SimResult:
     op_start_s: np.ndarray | None = field(default=None, repr=False)
     op_end_s: np.ndarray | None = field(default=None, repr=False)
     peak_buffers: list[PeakBuffer] = field(default_factory=list, repr=False)
+    #: with the timeline: one row ``(lower, upper, bytes, group)`` per device buffer of the step, its allocation and
+    #: free as indices into the step's event order (a half-open lifetime, the replay engine's instance format;
+    #: group 1 = transient, 2 = mobile as in GTBM)
+    allocations: np.ndarray | None = field(default=None, repr=False)
 
     def as_predicted(self) -> dict:
         """The fields a :class:`Plan` stores in ``predicted``."""
@@ -121,7 +125,7 @@ class Simulator:
         self.dur = np.array([times[n] for n in self.order], dtype=np.float64)
         self.base_end = np.cumsum(self.dur)
         self.base_start = self.base_end - self.dur
-        names, prod, last, size = [], [], [], []
+        names, prod, last, size, resident = [], [], [], [], []
         for t in step_graph.tensors.values():
             if t.persistent or t.bytes <= 0 or t.alias_of is not None:
                 continue  # aliases (Identity, Reshape ...) share their source's buffer
@@ -130,6 +134,7 @@ class Simulator:
             prod.append(p)
             if t.variable:  # a variable's storage: on the device to the step's end
                 last.append(len(self.order) - 1)
+                resident.append(t.name)
             else:
                 last.append(max([p] + [self.pos[c] for c in self._buffer_users(t.name)]))
             size.append(t.bytes)
@@ -141,6 +146,8 @@ class Simulator:
         self.t_prod = np.array(prod, dtype=np.int64)
         self.t_last = np.array(last, dtype=np.int64)
         self.t_bytes = np.array(size, dtype=np.int64)
+        kept = set(resident)
+        self.t_resident = np.array([n in kept for n in names], dtype=bool)
         held = [(self.pos[n], int(b)) for n, b in (temporaries or {}).items() if n in self.pos and b > 0]
         self.tmp_pos = np.array([p for p, _ in held], dtype=np.int64)
         self.tmp_bytes = np.array([b for _, b in held], dtype=np.int64)
@@ -447,6 +454,7 @@ class Simulator:
             group_peaks = dict(by_group)
         rows: list[tuple[float, int, int, int]] = []
         live: list[PeakBuffer] = []
+        allocations = None
         if timeline:
             rows = [(0.0, persistent_bytes, 0, 0)]
             rows += list(zip(ev_t.tolist(), [persistent_bytes] * len(ev_t), trans.tolist(), mob.tolist()))
@@ -466,6 +474,9 @@ class Simulator:
                 alloc = np.concatenate([rank[bounds[j]:bounds[j + 1]] for j in range(0, len(parts_d), 2)])
                 free = np.concatenate([rank[bounds[j]:bounds[j + 1]] for j in range(1, len(parts_d), 2)])
                 live = [buffers[b] for b in np.flatnonzero((alloc <= pk) & (free > pk)).tolist()]
+                groups = np.where(np.concatenate(parts_g[0::2]) == _MOBILE, 2, 1)
+                groups[:int(keep.sum())][self.t_resident[keep]] = 0  # a kept variable: GTBM's persistent group
+                allocations = np.stack([alloc, free, np.concatenate(parts_d[0::2]), groups], axis=1).astype(np.int64)
 
         sw_events = []
         for j, (i, k, nbytes, _tp, _c0, _c1) in enumerate(swap_ins):
@@ -475,7 +486,7 @@ class Simulator:
         step = float(end[-1]) if len(end) else 0.0
         step = max([step] + [out_end[i] for i in range(len(swaps)) if variable[i]])  # copies back after updates
         return SimResult(peak, by_group, group_peaks, step, compute, float(sum(stall_of)), peak_time, peak_op,
-                         rows, sw_events, self.order, start, end, live)
+                         rows, sw_events, self.order, start, end, live, allocations)
 
 
 @no_autograph

@@ -204,41 +204,43 @@ constexpr const char* kStatNames =
     "footprint,peak_extent,used_extent,lower_bound,peak_in_use,reserved_at_peak_in_use,num_buffers,num_failed,"
     "time_ns,block_size,alignment,buffers_persistent,buffers_transient,buffers_mobile,groups_from_trace";
 
-// dymem_replay_run without the exception guard: 0 with `out` written, or -1 with g_replay_error set.
-int Replay(const char* csv_path, const char* policy_name, int64_t block_size, int64_t alignment,
-           const char* groups_mode, int64_t* out, int out_len) {
-  if (csv_path == nullptr || policy_name == nullptr || out == nullptr) {
+// Checks the arguments shared by both entry points; false with g_replay_error set on a bad one.
+bool CheckArgs(const char* policy_name, int64_t block_size, int64_t alignment, const std::string& mode,
+               int64_t* out, int out_len, Policy* policy) {
+  if (policy_name == nullptr || out == nullptr) {
     g_replay_error = "null argument";
-    return -1;
+    return false;
   }
   if (out_len < kNumFields) {
     g_replay_error = "output array too short: need " + std::to_string(kNumFields) + " int64 values";
-    return -1;
+    return false;
   }
-  Policy policy;
-  if (!ParsePolicy(policy_name, &policy)) {
+  if (!ParsePolicy(policy_name, policy)) {
     g_replay_error = std::string("unknown policy '") + policy_name + "' (gtbm, gtbm_nogroups, best_fit, first_fit)";
-    return -1;
+    return false;
   }
-  const std::string mode = groups_mode == nullptr ? "auto" : groups_mode;
   if (mode != "auto" && mode != "trace" && mode != "lifetime" && mode != "none") {
     g_replay_error = "unknown groups mode '" + mode + "' (auto, trace, lifetime, none)";
-    return -1;
+    return false;
   }
   if (alignment < 0 || (alignment & (alignment - 1)) != 0) {
     g_replay_error = "alignment must be a power of two";
-    return -1;
+    return false;
   }
   if (block_size < 0) {
     g_replay_error = "block size must be positive (or 0 for automatic)";
-    return -1;
+    return false;
   }
-  std::vector<Buffer> buffers;
-  bool has_group = false;
-  bool recorded = false;
-  if (!LoadInstance(csv_path, &buffers, &has_group, &recorded, &g_replay_error)) return -1;
+  return true;
+}
+
+// Replays `buffers` online (see dymem_replay_run): 0 with `out` written, or -1 with g_replay_error set. `name`
+// names the instance in errors.
+int ReplayBuffers(const std::vector<Buffer>& buffers, bool has_group, bool recorded, Policy policy,
+                  int64_t block_size, int64_t alignment, const std::string& mode, const std::string& name,
+                  int64_t* out, int out_len) {
   if (mode == "trace" && !has_group) {
-    g_replay_error = std::string("'") + csv_path + "' has no group column (groups mode 'trace')";
+    g_replay_error = name + " has no group column (groups mode 'trace')";
     return -1;
   }
   const bool from_trace = has_group && (mode == "auto" || mode == "trace");
@@ -370,6 +372,50 @@ int Replay(const char* csv_path, const char* policy_name, int64_t block_size, in
   return 0;
 }
 
+// dymem_replay_run without the exception guard.
+int Replay(const char* csv_path, const char* policy_name, int64_t block_size, int64_t alignment,
+           const char* groups_mode, int64_t* out, int out_len) {
+  const std::string mode = groups_mode == nullptr ? "auto" : groups_mode;
+  Policy policy;
+  if (!CheckArgs(policy_name, block_size, alignment, mode, out, out_len, &policy)) return -1;
+  if (csv_path == nullptr) {
+    g_replay_error = "null argument";
+    return -1;
+  }
+  std::vector<Buffer> buffers;
+  bool has_group = false;
+  bool recorded = false;
+  if (!LoadInstance(csv_path, &buffers, &has_group, &recorded, &g_replay_error)) return -1;
+  return ReplayBuffers(buffers, has_group, recorded, policy, block_size, alignment, mode,
+                       std::string("'") + csv_path + "'", out, out_len);
+}
+
+// dymem_replay_buffers without the exception guard.
+int ReplayArrays(const int64_t* lower, const int64_t* upper, const int64_t* size, const int32_t* group, int64_t n,
+                 const char* policy_name, int64_t block_size, int64_t alignment, const char* groups_mode,
+                 int64_t* out, int out_len) {
+  const std::string mode = groups_mode == nullptr ? "auto" : groups_mode;
+  Policy policy;
+  if (!CheckArgs(policy_name, block_size, alignment, mode, out, out_len, &policy)) return -1;
+  if (n < 0 || (n > 0 && (lower == nullptr || upper == nullptr || size == nullptr))) {
+    g_replay_error = "null argument";
+    return -1;
+  }
+  std::vector<Buffer> buffers(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    const int g = group == nullptr ? -1 : group[i];
+    if (lower[i] < 0 || upper[i] < lower[i] || size[i] < 0 || (group != nullptr && (g < 0 || g >= kNumGroups))) {
+      g_replay_error = "buffer " + std::to_string(i) + ": expected 0 <= lower <= upper, size >= 0 and a group 0-2";
+      return -1;
+    }
+    buffers[static_cast<size_t>(i)] = {static_cast<uint64_t>(lower[i]), static_cast<uint64_t>(upper[i]),
+                                       static_cast<uint64_t>(size[i]), g};
+  }
+  // sizes are TensorFlow byte counts: automatic alignment is TF's 64 bytes, as for a recorded trace
+  return ReplayBuffers(buffers, group != nullptr, true, policy, block_size, alignment, mode, "the instance", out,
+                       out_len);
+}
+
 }  // namespace
 }  // namespace gtbm
 
@@ -397,7 +443,24 @@ int dymem_replay_run(const char* csv_path, const char* policy, int64_t block_siz
   return -1;
 }
 
-// The last error of dymem_replay_run on this thread ("" if none).
+// dymem_replay_run on an instance in memory: buffer i lives over [lower[i], upper[i]) with size[i] bytes, in
+// group[i] (0 persistent, 1 transient, 2 mobile; `group` may be null: no group column). Sizes are TensorFlow byte
+// counts (automatic alignment 64). Returns 0, or -1 with dymem_replay_last_error() set.
+int dymem_replay_buffers(const int64_t* lower, const int64_t* upper, const int64_t* size, const int32_t* group,
+                         int64_t n, const char* policy, int64_t block_size, int64_t alignment,
+                         const char* groups_mode, int64_t* out, int out_len) {
+  try {
+    return gtbm::ReplayArrays(lower, upper, size, group, n, policy, block_size, alignment, groups_mode, out,
+                              out_len);
+  } catch (const std::exception& e) {
+    gtbm::g_replay_error = std::string("internal error: ") + e.what();
+  } catch (...) {
+    gtbm::g_replay_error = "internal error";
+  }
+  return -1;
+}
+
+// The last error of dymem_replay_run or dymem_replay_buffers on this thread ("" if none).
 const char* dymem_replay_last_error(void) { return gtbm::g_replay_error.c_str(); }
 
 }  // extern "C"
