@@ -11,8 +11,11 @@ the second leaves too little room:
 2. **Budget.** The ratio of the measured to the predicted bytes in use of the step's own memory (kernel
    workspaces and whatever else the simulator does not model), the placement's fragmentation (reserved less in-use
    bytes) and a margin derived from the simulator's error on the probe set the planner's headroom
-   (:func:`calibrated_headroom`), and the step is planned again, once, for the fastest plan whose calibrated peak
-   fits. Its first step is guarded the same way; if it still runs out of memory, or no plan fits the calibrated
+   (:func:`calibrated_headroom`), and the step is planned again for the fastest plan whose calibrated peak fits.
+   With GTBM's groups that peak is the plan's own placement (:func:`placed_prediction`, from
+   :mod:`dymem_tf.memory.placement`: the probe's fragmentation is mostly the persistent group's holes, which the
+   variables a calibrated plan keeps fill); the step pass plans again with more headroom while it is over the
+   limit. Its first step is guarded the same way; if it still runs out of memory, or no plan fits the calibrated
    budget, training goes on with the probe's plan, which is known to fit.
 3. **Refined.** A calibrated plan whose first step leaves less than the step slack (:func:`step_slack`) free is
    calibrated again, once, from that step (``Calibration.source == "calibrated"``): the placement's
