@@ -223,7 +223,9 @@ class StepPass:
             return None
         cfg = self.config
 
-        def plan_with(headroom: float):
+        def plan_with(headroom: float, copy: bool = False):
+            # copy: another plan of the same graph follows (plan_step adds its deferral edges in place, and would
+            # find none to insert on a graph that has them)
             return pipeline.plan_step(step_graph, pipeline.PlanSettings(
                 policy=cfg.policy, budget_bytes=None if self.probe else cfg.budget_bytes,
                 persistent_bytes=self.persistent_bytes, profile=cfg.device, batch_size=batch,
@@ -231,7 +233,7 @@ class StepPass:
                 headroom=0.0 if self.probe else headroom, defer_updates=cfg.defer_updates,
                 offload_variables=self._may_offload(ops, cfg.offload_variables),
                 offload_weights=self._may_offload(ops, cfg.offload_weights), least_memory=self.probe,
-                memory=None if self.probe else self.memory))
+                memory=None if self.probe else self.memory), copy=copy)
 
         if self.probe or self.calibration is None or not self.calibration.persistent_group:
             planned = plan_with(cfg.headroom)
@@ -264,7 +266,7 @@ class StepPass:
         headroom, best = cal.headroom, None
         for _ in range(first_step.PLACEMENT_REPLANS + 1):
             try:
-                planned = plan_with(headroom)
+                planned = plan_with(headroom, copy=True)
             except planner.BudgetTooSmallError:
                 if best is None:
                     raise
