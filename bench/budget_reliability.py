@@ -247,7 +247,7 @@ def report(results: list[dict], args, seconds: float) -> str:
              "| model | batch | bit-identical (3 steps): no budget / budget | probe offloads | swaps | W MiB | P0 MiB | f | "
              "B MiB | auto | auto max peak MiB | none | probe pred./meas. MiB | calibrated pred./meas. MiB |",
              "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | --- | --- | --- |"]
-    raw_err, cal_err, first_err, use_err, violations = [], [], [], [], []
+    raw_err, cal_err, first_err, use_err, violations, placed = [], [], [], [], [], 0
     for r in results:
         if "error" in r:
             lines.append(f"| {r['model']} | – | error: {r['error'][:120]!r} |" + " |" * 11)
@@ -271,6 +271,7 @@ def report(results: list[dict], args, seconds: float) -> str:
                          f"{_mib(peak)} | {_outcome(none)} | {probe} | {cal} |")
             if auto.get("probe_measured"):
                 raw_err.append(abs(auto["probe_predicted"] - auto["probe_measured"]) / auto["probe_measured"])
+            placed += bool(auto.get("placed"))
             if auto.get("calibrated_measured"):
                 cal_err.append(abs(auto["calibrated_predicted"] - auto["calibrated_measured"])
                                / auto["calibrated_measured"])
@@ -289,7 +290,9 @@ def report(results: list[dict], args, seconds: float) -> str:
         lines.append(f"- Simulator error on the probe step (uncalibrated, device peak): median "
                      f"{statistics.median(raw_err):.1%}, max {max(raw_err):.1%} over {len(raw_err)} runs.")
     if cal_err:
-        lines.append(f"- Calibrated prediction of the budgeted plan vs its measured steady peak: median "
+        how = (f" ({placed} of {len(cal_err)} predicted by the plan's placement: its buffers replayed through GTBM's "
+               "placer, kept variables in the persistent group as the probe found it)" if placed else "")
+        lines.append(f"- Calibrated prediction of the budgeted plan vs its measured steady peak{how}: median "
                      f"{statistics.median(cal_err):.1%}, max {max(cal_err):.1%} over {len(cal_err)} runs"
                      + (f"; against its first step: median {statistics.median(first_err):.1%}, max "
                         f"{max(first_err):.1%} (the rest is the growth of later steps)." if first_err else "."))

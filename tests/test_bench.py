@@ -344,6 +344,9 @@ def test_budget_reliability_cli_checks_its_arguments_and_renders_a_saved_run(tmp
     text = budget_reliability.report([result], args, 60.0)
     assert "steady peak: median 3.3%, max 3.3% over 1 runs; against its first step: median 3.6%" in text
     assert "measured in its first step: median 4.0%" in text and "calibrated twice" in text
+    assert "predicted by the plan's placement" not in text
+    run["auto"]["placed"] = True  # predicted by its placement (calibrated_peak_bytes)
+    assert "steady peak (1 of 1 predicted by the plan's placement" in budget_reliability.report([result], args, 60.0)
     del run["auto"]["calibrated_first"]  # a run saved before the first step was recorded
     assert "over 1 runs." in budget_reliability.report([result], args, 60.0)
 
