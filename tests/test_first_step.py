@@ -243,6 +243,7 @@ def test_the_first_step_calibrates_and_every_step_stays_under_the_budget(budget_
     # in use, the calibrated plan 1.16x, and the calibration scales the step's memory by the probe's ratio)
     assert out["calibration"]["persistent_group"]["block_size"] > 0
     assert out["placed"] and out["placed"] >= 0.95 * out["measured"], out
+    assert any("placed in GTBM's groups" in note for note in out["notes"])
 
 
 MEASURED_SCRIPT = r"""

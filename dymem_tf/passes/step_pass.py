@@ -263,8 +263,8 @@ class StepPass:
         cal = self.calibration
         budget = int(cal.budget_bytes)
         limit = (1.0 - cal.margin) * budget
-        headroom, best = cal.headroom, None
-        for _ in range(first_step.PLACEMENT_REPLANS + 1):
+        headroom, best, tries = cal.headroom, None, 0
+        for tries in range(1, first_step.PLACEMENT_REPLANS + 2):
             try:
                 planned = plan_with(headroom, copy=True)
             except planner.BudgetTooSmallError:
@@ -280,6 +280,9 @@ class StepPass:
             headroom = raised
         peak, planned = best
         planned.plan.predicted["calibrated_peak_bytes"] = int(peak)
+        planned.plan.notes.append(
+            f"placed in GTBM's groups: {peak / 2**20:.1f} MiB reserved predicted at the peak, limit "
+            f"{limit / 2**20:.1f} MiB ({tries} plan{'s' if tries > 1 else ''} made)")
         return planned
 
     def _placed_peak(self, planned) -> int:
