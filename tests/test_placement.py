@@ -27,19 +27,6 @@ def test_the_persistent_group_fills_its_holes_before_it_grows():
     assert placement.PersistentGroup.from_stats(None) is None
 
 
-def test_what_the_persistent_group_grew_by_in_the_probe_is_added_at_every_peak():
-    """ResNet-50 + SGD: the persistent group held 6 MiB before the probe and peaked at 18 MiB in its step (copies of
-    updated variables); a plan that keeps 120 MiB of variables is placed with those 12 MiB on top."""
-    start = placement.PersistentGroup(6 * MiB, 1 * MiB, 2 * MiB)
-    group = start.after_step({"groups": {"persistent": {"peak_reserved": 18 * MiB, "reserved": 6 * MiB}}})
-    assert group.growth_bytes == 12 * MiB and group.reserved_bytes == 6 * MiB
-    assert group.reserved_with(0) == 18 * MiB
-    assert group.reserved_with(120 * MiB) == 122 * MiB + 12 * MiB
-    # a group that shrank during the step did not grow
-    assert start.after_step({"groups": {"persistent": {"peak_reserved": 4 * MiB}}}).growth_bytes == 0
-    assert start.after_step(None).growth_bytes == 0
-
-
 @pytest.mark.parametrize("swapped", [False, True])
 def test_the_simulated_buffers_are_the_simulated_bytes_in_use(swapped):
     """SimResult.allocations: replayed without placement loss (a tiny block), their peak in use is the simulated

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import csv
 import functools
 import numbers
@@ -437,8 +438,6 @@ class DymemCallback(keras.callbacks.Callback):
         record = self.pass_.records[-1] if self.pass_.records else None
         predicted = record.plan.predicted.get("peak_bytes") if record is not None else None
         group, placed = getattr(self, "_probe_group", None), None
-        if group is not None and source == "probe":  # and how far it grew during the probe's step
-            self._probe_group = group = group.after_step(self._own_group_stats())
         if record is not None and self.pass_.memory is not None:
             # the step again, with its kernels' temporaries (a calibrated plan was made with them), and placed
             sim = simulator.simulate(record.step_graph, record.plan, self.pass_.config.device,
@@ -468,19 +467,12 @@ class DymemCallback(keras.callbacks.Callback):
     def _persistent_group(self) -> placement.PersistentGroup | None:
         """GTBM's persistent group on the training device now, less what other models held when ``fit`` began
         (None without GTBM's groups)."""
-        return placement.PersistentGroup.from_stats(self._own_group_stats())
-
-    def _own_group_stats(self) -> dict | None:
-        """The training device's statistics with the persistent group's bytes less what other models held when
-        ``fit`` began (they are in that group)."""
-        stats = device_memory_stats()
+        group = placement.PersistentGroup.from_stats(device_memory_stats())
         others = getattr(self, "_others_bytes", 0)
-        group = ((stats or {}).get("groups") or {}).get("persistent")
-        if not group or not others:
-            return stats
-        own = {k: max(int(v) - others, 0) if k in ("in_use", "reserved", "peak_in_use", "peak_reserved") else v
-               for k, v in group.items()}
-        return {**stats, "groups": {**stats["groups"], "persistent": own}}
+        if group is None or not others:
+            return group
+        return dataclasses.replace(group, reserved_bytes=max(group.reserved_bytes - others, 0),
+                                   in_use_bytes=max(group.in_use_bytes - others, 0))
 
     def _own(self, stats: dict | None) -> dict | None:
         """``stats`` less what the device held besides this model when ``fit`` began (the budget is this fit's)."""

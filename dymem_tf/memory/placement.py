@@ -8,9 +8,7 @@ first step). The simulator models bytes in use; this stage predicts the bytes re
 * the step's own buffers (transient and mobile groups) are replayed in the simulated order through the GTBM placer
   of the C++ core (:func:`dymem_tf.memory.replay.replay_buffers`: the placement code the live allocator runs);
 * the persistent group is taken as the step finds it (:class:`PersistentGroup`, measured before the probe step),
-  and the variables the plan keeps on the device fill its holes before it grows; what the group grew by during the
-  probe step (variable copies of updates: ResNet-50 + SGD, 6 -> 18 MiB in the probe, 124 -> 140 MiB in a calibrated
-  step) is added.
+  and the variables the plan keeps on the device fill its holes before it grows.
 
 Plain data and the TF-free replay library only (no TensorFlow): the planning package's calibration
 (:func:`dymem_tf.planning.first_step.placed_prediction`) takes its results as data.
@@ -37,9 +35,6 @@ class PersistentGroup:
     reserved_bytes: int
     in_use_bytes: int
     block_size: int = DEFAULT_BLOCK_SIZE
-    #: how far the group grew during the measured step beyond what it held at its start: buffers a step allocates
-    #: there and frees again (copies of variables that an update writes while a read of them is live)
-    growth_bytes: int = 0
 
     @classmethod
     def from_stats(cls, stats: Mapping[str, Any] | None) -> "PersistentGroup | None":
@@ -49,19 +44,12 @@ class PersistentGroup:
             return None
         return cls(int(group["reserved"]), int(group["in_use"]), int(stats.get("block_size") or DEFAULT_BLOCK_SIZE))
 
-    def after_step(self, stats: Mapping[str, Any] | None) -> "PersistentGroup":
-        """This group (found at a step's start) with the growth that ``stats``, taken at the step's end with peaks
-        reset at its start, show."""
-        group = ((stats or {}).get("groups") or {}).get("persistent") or {}
-        growth = max(int(group.get("peak_reserved", 0)) - self.reserved_bytes, 0)
-        return dataclasses.replace(self, growth_bytes=growth)
-
     def reserved_with(self, resident_bytes: int) -> int:
-        """Bytes the group holds at a step's peak once ``resident_bytes`` more are in it: its holes are filled
-        first, then it grows by whole blocks, and by its measured growth during a step."""
+        """Bytes the group holds once ``resident_bytes`` more are in it: its holes are filled first, then it grows
+        by whole blocks."""
         needed = self.in_use_bytes + max(int(resident_bytes), 0)
         blocks = -(-needed // self.block_size)
-        return max(self.reserved_bytes, blocks * self.block_size) + self.growth_bytes
+        return max(self.reserved_bytes, blocks * self.block_size)
 
 
 @dataclasses.dataclass(frozen=True)
