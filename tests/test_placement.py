@@ -117,3 +117,21 @@ def test_placement_is_quick_on_a_large_step():
     placed = placement.place(rows, placement.PersistentGroup(0, 0))
     assert placed.step_reserved_bytes >= placed.step_in_use_bytes > 0
     assert placed.resident_bytes == int(rows[rows[:, 3] == 0, 2].sum())
+
+
+def test_the_callbacks_persistent_group_leaves_out_what_other_models_hold():
+    """Other models' bytes (held when fit began) are in GTBM's persistent group: the callback's own statistics and
+    the group the calibration places from both leave them out."""
+    import dymem_tf
+
+    cb = dymem_tf.DymemCallback()
+    cb._others_bytes = 10 * MiB
+    stats = {"bytes_in_use": 30 * MiB, "peak_bytes_reserved": 50 * MiB, "block_size": 2 * MiB,
+             "groups": {"persistent": {"in_use": 12 * MiB, "reserved": 16 * MiB, "peak_reserved": 18 * MiB},
+                        "transient": {"in_use": 4 * MiB, "reserved": 6 * MiB}}}
+    own = cb._own(stats)
+    assert own["bytes_in_use"] == 20 * MiB and own["peak_bytes_reserved"] == 40 * MiB
+    assert own["groups"]["persistent"] == {"in_use": 2 * MiB, "reserved": 6 * MiB, "peak_reserved": 8 * MiB}
+    assert own["groups"]["transient"] == stats["groups"]["transient"]
+    assert stats["groups"]["persistent"]["in_use"] == 12 * MiB  # the device's statistics are not changed
+    assert placement.PersistentGroup.from_stats(own) == placement.PersistentGroup(6 * MiB, 2 * MiB, 2 * MiB)

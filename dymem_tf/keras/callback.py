@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import csv
 import functools
 import numbers
@@ -467,22 +466,20 @@ class DymemCallback(keras.callbacks.Callback):
     def _persistent_group(self) -> placement.PersistentGroup | None:
         """GTBM's persistent group on the training device now, less what other models held when ``fit`` began
         (None without GTBM's groups)."""
-        group = placement.PersistentGroup.from_stats(device_memory_stats())
-        others = getattr(self, "_others_bytes", 0)
-        if group is None or not others:
-            return group
-        return dataclasses.replace(group, reserved_bytes=max(group.reserved_bytes - others, 0),
-                                   in_use_bytes=max(group.in_use_bytes - others, 0))
+        return placement.PersistentGroup.from_stats(self._own(device_memory_stats()))
 
     def _own(self, stats: dict | None) -> dict | None:
-        """``stats`` less what the device held besides this model when ``fit`` began (the budget is this fit's)."""
+        """``stats`` less what the device held besides this model when ``fit`` began (the budget is this fit's);
+        GTBM's persistent group holds those bytes, and loses them too."""
         others = getattr(self, "_others_bytes", 0)
         if stats is None or not others:
             return stats
-        own = dict(stats)
-        for key in ("bytes_in_use", "peak_bytes_in_use", "peak_bytes_reserved", "bytes_reserved"):
-            if key in own:
-                own[key] = max(int(stats[key]) - others, 0)
+        own = _less(stats, others, ("bytes_in_use", "peak_bytes_in_use", "peak_bytes_reserved", "bytes_reserved"))
+        persistent = (stats.get("groups") or {}).get("persistent")
+        if persistent:
+            groups = dict(stats["groups"])
+            groups["persistent"] = _less(persistent, others, ("in_use", "peak_in_use", "reserved", "peak_reserved"))
+            own["groups"] = groups
         return own
 
     def _measure_first_step(self, planned: int, before: dict | None, outcome: str = "ran") -> None:
@@ -633,6 +630,15 @@ class DymemCallback(keras.callbacks.Callback):
     def _say(self, text: str) -> None:
         if self.verbose:
             print(text)
+
+
+def _less(stats: dict, others: int, keys) -> dict:
+    """A copy of ``stats`` with ``others`` bytes taken from each of ``keys`` it has (never below 0)."""
+    out = dict(stats)
+    for key in keys:
+        if key in out:
+            out[key] = max(int(out[key]) - others, 0)
+    return out
 
 
 def _offload_variables(variables, min_bytes: int) -> int:

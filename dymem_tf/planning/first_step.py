@@ -61,9 +61,9 @@ MIN_MODEL_ERROR, MAX_MODEL_ERROR = 0.02, 0.10
 CALIBRATION_MARGIN = 0.10
 #: The most headroom a calibration may ask for; beyond it the probe's plan is used as it is.
 MAX_HEADROOM = 0.6
-#: How many times a calibrated plan is made again when its placed prediction misses the calibration's limit
-#: (:func:`placed_prediction`), and how far below the limit it may end without another try (share of the budget).
-PLACEMENT_REPLANS, PLACEMENT_TOLERANCE = 2, 0.03
+#: How many times a calibrated plan is made again when its placed prediction is over the calibration's limit
+#: (:func:`placed_prediction`).
+PLACEMENT_REPLANS = 2
 #: The plans a calibration may be measured on (see :attr:`Calibration.source`).
 SOURCES = ("probe", "calibrated")
 

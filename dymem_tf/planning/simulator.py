@@ -101,7 +101,7 @@ class SimResult:
     peak_buffers: list[PeakBuffer] = field(default_factory=list, repr=False)
     #: with the timeline: one row ``(lower, upper, bytes, group)`` per device buffer of the step, its allocation and
     #: free as indices into the step's event order (a half-open lifetime, the replay engine's instance format;
-    #: group 1 = transient, 2 = mobile as in GTBM)
+    #: groups numbered as in GTBM: 0 = persistent, a variable the plan keeps; 1 = transient; 2 = mobile)
     allocations: np.ndarray | None = field(default=None, repr=False)
 
     def as_predicted(self) -> dict:
@@ -125,7 +125,7 @@ class Simulator:
         self.dur = np.array([times[n] for n in self.order], dtype=np.float64)
         self.base_end = np.cumsum(self.dur)
         self.base_start = self.base_end - self.dur
-        names, prod, last, size, resident = [], [], [], [], []
+        names, prod, last, size = [], [], [], []
         for t in step_graph.tensors.values():
             if t.persistent or t.bytes <= 0 or t.alias_of is not None:
                 continue  # aliases (Identity, Reshape ...) share their source's buffer
@@ -134,7 +134,6 @@ class Simulator:
             prod.append(p)
             if t.variable:  # a variable's storage: on the device to the step's end
                 last.append(len(self.order) - 1)
-                resident.append(t.name)
             else:
                 last.append(max([p] + [self.pos[c] for c in self._buffer_users(t.name)]))
             size.append(t.bytes)
@@ -146,8 +145,7 @@ class Simulator:
         self.t_prod = np.array(prod, dtype=np.int64)
         self.t_last = np.array(last, dtype=np.int64)
         self.t_bytes = np.array(size, dtype=np.int64)
-        kept = set(resident)
-        self.t_resident = np.array([n in kept for n in names], dtype=bool)
+        self.t_resident = np.array([step_graph.tensors[n].variable for n in names], dtype=bool)
         held = [(self.pos[n], int(b)) for n, b in (temporaries or {}).items() if n in self.pos and b > 0]
         self.tmp_pos = np.array([p for p, _ in held], dtype=np.int64)
         self.tmp_bytes = np.array([b for _, b in held], dtype=np.int64)
