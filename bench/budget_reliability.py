@@ -160,7 +160,6 @@ def _budget_run(build, fit, Peaks, budget: int, memory_budget, args) -> dict:
         result["calibration_margin"] = cal.get("margin")
         result["calibrated_measured"] = max(peaks.peaks[first:])
         result["calibrated_first"] = peaks.peaks[first]
-        result["calibrated_median"] = int(statistics.median(peaks.peaks[first:]))
         result["calibrated_in_use"] = (plan.measured or {}).get("peak_bytes_in_use")
         result["in_use_predicted"] = int(plan.predicted["peak_bytes"])
         result["calibrated_swaps"] = len(plan.swaps)
@@ -307,7 +306,7 @@ def report(results: list[dict], args, seconds: float) -> str:
                      f"{statistics.median(med_err):.1%}, max {max(med_err):.1%}. The plan's own steps spread "
                      f"(worst step / median step - 1) by median {statistics.median(spread):.1%}, max "
                      f"{max(spread):.1%}: the same plan, the same shapes, a different peak from step to step (the CPU "
-                     f"executor dispatches kernels to its inter-op threads, so the order of allocation varies). "
+                     "executor dispatches kernels to its inter-op threads, so the order of allocation varies). "
                      f"In {sum(x > 0.06 for x in spread)} of {len(spread)} runs the spread alone exceeds 6%.")
     if use_err:
         lines.append(f"- The simulator's bytes in use of the budgeted plan (with the probe's measured temporaries, "

@@ -344,9 +344,10 @@ def test_budget_reliability_cli_checks_its_arguments_and_renders_a_saved_run(tmp
     text = budget_reliability.report([result], args, 60.0)
     assert "steady peak: median 3.3%, max 3.3% over 1 runs; against its first step: median 3.6%" in text
     assert "measured in its first step: median 4.0%" in text and "calibrated twice" in text
-    # the plan's steps (the probe and the refined plan ran steps 0 and 1): a median of 60, one step at 66
+    # every step of the plan at 60: no spread
     assert "against the median step of each run (the plan's typical step): median 3.3%" in text
     assert "spread (worst step / median step - 1) by median 0.0%" in text and "In 0 of 1 runs" in text
+    # the plan's steps (the probe and the refined plan ran steps 0 and 1): a median of 60, one step at 66
     run["auto"]["peaks"] = [50 << 20, 56 << 20] + [60 << 20] * 17 + [66 << 20]
     assert "by median 10.0%, max 10.0%" in budget_reliability.report([result], args, 60.0)
     assert "In 1 of 1 runs the spread alone exceeds 6%" in budget_reliability.report([result], args, 60.0)
