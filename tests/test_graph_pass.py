@@ -1,5 +1,6 @@
 """The graph pass after Grappler (cc/pass/graph_pass.cc, cc/pass/step_plan.cc) through its Python bridge: what it
 offers, and that a plan is applied all or nothing."""
+import networkx as nx
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -120,6 +121,10 @@ def test_a_plan_inserts_swap_ops_and_the_step_computes_the_same_values():
     ("bogus line\n", "malformed"),
     ("out\tno_such_node\t0\tx/dymem_swap_out_0\n", "no_such_node"),
     ("in\tmissing_out\tx/in\t\tconsumer\n", "unknown swap-out"),
+    ("seq\t0\tno_such_node\n", "no_such_node"),
+    ("seq\tnot_a_chain\tx\n", "malformed"),
+    ("seq\t-1\tx\n", "malformed"),
+    ("seqadded\n", "malformed"),
 ])
 def test_a_plan_that_does_not_fit_is_refused_and_the_graph_is_unchanged(plan, fragment):
     base = _offered(lambda call: None)
@@ -139,7 +144,7 @@ def test_a_plan_that_does_not_fit_is_refused_and_the_graph_is_unchanged(plan, fr
 
 
 def test_a_plan_that_would_close_a_cycle_is_undone_completely():
-    rewritten, errors = [], []
+    rewritten, errors, cycle_nodes = [], [], set()
 
     def apply(call):
         view = graph_def_view.GraphView(call.graph_def_bytes)
@@ -149,6 +154,7 @@ def test_a_plan_that_would_close_a_cycle_is_undone_completely():
         late = [op.name for op in view.get_operations() if consumer in
                 [t.op for t in op.inputs]][0]
         plan = _relu_swap_plan(view, [consumer.name], trigger=late)
+        cycle_nodes.add(late)
         try:
             call.apply(plan)
         except graph_pass.PlanApplyError as err:
@@ -158,11 +164,72 @@ def test_a_plan_that_would_close_a_cycle_is_undone_completely():
 
     base = _offered(lambda call: None)
     out = _offered(apply)
-    assert errors and "cyclic" in errors[0]
+    assert errors and "cyclic" in errors[0] and f"{cycle_nodes.pop()} -> " in errors[0]  # names it
     types = [op.type for op in graph_def_view.GraphView(rewritten[0]).get_operations()]
     assert types.count("DymemSwapOut") == 1 and types.count("DymemSwapIn") == 1
     for a, b in zip(out, base):
         np.testing.assert_array_equal(a, b)
+
+
+def _dag(view) -> nx.DiGraph:
+    """The offered graph's nodes and edges (data and control)."""
+    g = nx.DiGraph()
+    for op in view.get_operations():
+        g.add_node(op.name)
+        g.add_edges_from((t.op.name, op.name) for t in op.inputs)
+        g.add_edges_from((c.name, op.name) for c in op.control_inputs)
+    return g
+
+
+def _control_inputs(view, name) -> set[str]:
+    return {c.name for c in view.get_operation_by_name(name).control_inputs}
+
+
+def test_seq_records_chain_independent_ops_in_the_listed_order_and_bend_to_the_graphs_edges():
+    """Two ops with no path between them get an edge in the listed order; the whole graph listed backwards is
+    chained in a topological order (no cycle: the listed order gives way to the edges), and the step computes the
+    same."""
+    base = _offered(lambda call: None)
+    seen = {}
+
+    def apply(call):
+        view = graph_def_view.GraphView(call.graph_def_bytes)
+        g = _dag(view)
+        ops = [n for n in nx.topological_sort(g) if g.in_degree(n) > 0]
+        a, b = next((a, b) for i, a in enumerate(ops) for b in ops[i + 1:]
+                    if not nx.has_path(g, a, b) and not nx.has_path(g, b, a))
+        text = "".join(f"seq\t0\t{n}\n" for n in ops[::-1])
+        rewritten = graph_def_view.GraphView(call.apply("".join(f"seq\t0\t{n}\n" for n in [b, a])))
+        seen["pair"] = (a, b, _control_inputs(rewritten, a))
+        seen["backwards"] = _dag(graph_def_view.GraphView(call.apply(text)))
+
+    out = _offered(apply)
+    a, b, controls = seen["pair"]
+    assert b in controls
+    assert nx.is_directed_acyclic_graph(seen["backwards"])
+    for x, y in zip(out, base):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_a_seqadded_record_chains_the_plans_own_ops_as_soon_as_they_are_ready():
+    seen = {}
+
+    def apply_with(added):
+        def apply(call):
+            view = graph_def_view.GraphView(call.graph_def_bytes)
+            g = _dag(view)
+            chain = "".join(f"seq\t0\t{n}\n" for n in nx.topological_sort(g) if g.in_degree(n) > 0)
+            text = _relu_swap_plan(view, trigger="MatMul_1") + chain + ("seqadded\t0\n" if added else "")
+            rewritten = _dag(graph_def_view.GraphView(call.apply(text)))
+            swaps = [n for n in rewritten if "/dymem_swap_" in n]
+            seen[added] = {(a, b) for a in swaps for b in rewritten.successors(a)}
+        return apply
+
+    _offered(apply_with(False))
+    _offered(apply_with(True))
+    # the swap-out right after its producer (already its input), then the forward op that triggers the swap-in (a
+    # new edge), the swap-in (after its trigger already) and its consumer (already its output's)
+    assert seen[False] < seen[True] and len(seen[True] - seen[False]) == 1
 
 
 def test_a_listener_that_raises_leaves_the_step_unmodified_with_a_warning():

@@ -15,11 +15,13 @@ from dymem_tf import compat, units
 from dymem_tf.keras import fit_guard
 from dymem_tf.memory import allocator, placement
 from dymem_tf.passes import graph_pass, step_pass
-from dymem_tf.planning import device_profiles, first_step, memory_model, planner, simulator
+from dymem_tf.planning import device_profiles, first_step, memory_model, planner, sequencing, simulator
 
 POLICIES = planner.POLICIES
 #: ``DymemCallback(xla=...)``: None (no XLA while the step swaps) or "auto" (auto-clustering around the swap ops).
 XLA_MODES = (None, "auto")
+#: ``DymemCallback(execution_order=...)``: see :data:`dymem_tf.planning.sequencing.EXECUTION_ORDERS`.
+EXECUTION_ORDERS = sequencing.EXECUTION_ORDERS
 
 
 class DymemCallback(keras.callbacks.Callback):
@@ -65,13 +67,18 @@ class DymemCallback(keras.callbacks.Callback):
             form between them. ``jit_compile=True`` (one cluster for the whole step) still cannot be kept. On the
             CPU, XLA clusters only with ``TF_XLA_FLAGS=--tf_xla_cpu_global_jit``. The planner does not model XLA's
             own buffers; under a ``memory_budget`` the calibrated first step measures them. See docs/gpu.md.
+        execution_order: ``"planned"`` (default, for the ``"dymem"`` policy): the step's ops run in the order the
+            planner simulated them, chained by control edges, so every step's peak is the one predicted, whatever the
+            executor's thread count (see :mod:`dymem_tf.planning.sequencing`; the values are unchanged).
+            ``"free"``: TF's executor orders the ops as they become ready; steps then differ by a few % in memory.
         verbose: 0 silent, 1 prints the plan summary when the step is traced.
     """
 
     def __init__(self, memory_budget=None, policy: str = "dymem", device=None, swapin_ahead: int = 1,
                  min_swap_bytes: int = 1 << 16, log_dir: str | None = None, trace_allocations: bool = False,
                  defer_updates: bool = True, calibrate: bool = True, offload_optimizer_state: bool = True,
-                 xla: str | None = None, verbose: int = 1, offload_weights: bool = True):
+                 xla: str | None = None, verbose: int = 1, offload_weights: bool = True,
+                 execution_order: str = "planned"):
         super().__init__()
         compat.check_versions()  # a clear error now, not a missing attribute inside fit
         if not isinstance(policy, str) or policy not in POLICIES:
@@ -99,6 +106,9 @@ class DymemCallback(keras.callbacks.Callback):
         if xla not in XLA_MODES:
             raise ValueError(f"unknown xla {xla!r}: choose None (no XLA while the step swaps) or 'auto' "
                              "(auto-clustering around the swap ops)")
+        if not isinstance(execution_order, str) or execution_order not in EXECUTION_ORDERS:
+            raise ValueError(f"unknown execution_order {execution_order!r}: choose one of "
+                             f"{', '.join(EXECUTION_ORDERS)}")
         if isinstance(verbose, bool):
             verbose = int(verbose)
         if not isinstance(verbose, int) or verbose not in (0, 1, 2):
@@ -116,11 +126,12 @@ class DymemCallback(keras.callbacks.Callback):
         self.offload_optimizer_state = offload_optimizer_state
         self.offload_weights = offload_weights
         self.xla = xla
+        self.execution_order = execution_order
         self.verbose = verbose
         self.pass_ = step_pass.StepPass(step_pass.PassConfig(
             policy=policy, budget_bytes=self.budget_bytes, device=self.profile, swapin_ahead=swapin_ahead,
             min_swap_bytes=min_swap_bytes, defer_updates=defer_updates, offload_variables=offload_optimizer_state,
-            offload_weights=offload_weights, verbose=verbose))
+            offload_weights=offload_weights, execution_order=execution_order, verbose=verbose))
         self._writer = None
         self._headroom = self.pass_.config.headroom
         self._exit_guard = None

@@ -258,7 +258,7 @@ def capture_step_graph(ops: Sequence[tf.Operation], batch_size: int | None = Non
             name=op.name, type=op.type, inputs=inputs, outputs=outs,
             control_inputs=[c.name for c in op.control_inputs if c.name in names],
             is_backward=is_gradient_name(op.name), keras_layer=keras_layer_of(_local(op.name, prefix), model_scope, lnames),
-            flops=_flops(op, batch_size), bytes_accessed=0))
+            flops=_flops(op, batch_size), bytes_accessed=0, device=op.device or ""))
     inferred = _infer_sizes_from_reshapes(infos, tensors)
     unknown -= inferred
     # bytes accessed: data inputs and outputs (metadata ops read no data)

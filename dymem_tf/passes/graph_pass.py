@@ -146,7 +146,7 @@ def graphs_offered() -> int:
     return int(_library().dymem_pass_handled())
 
 
-def encode_plan(swaps, control_edges=(), resident=()) -> str:
+def encode_plan(swaps, control_edges=(), resident=(), sequences=()) -> str:
     """The pass's text form of a plan: ``swaps`` are :class:`~dymem_tf.planning.plan.SwapDecision`-like records
     (``tensor``, ``swap_ins`` with ``consumers`` and ``trigger_op``), ``control_edges`` ``(from, to)`` op pairs.
 
@@ -155,6 +155,8 @@ def encode_plan(swaps, control_edges=(), resident=()) -> str:
     :func:`variable_op_names`; one with ``kind == "weight"`` the records of :func:`_weight_records`. ``resident``:
     ``(resource, users)`` of variables the plan keeps, each brought back before its users by a ``vkeep`` (a
     ``vin`` whose buffer GTBM places in its persistent group: the variable stays on the device from then on).
+    ``sequences``: ``(names, with_added)`` pairs, each list chained in its order as far as the graph allows (``seq``
+    records), with the nodes the plan adds on its device when ``with_added`` (``seqadded``).
     """
     lines = []
     for decision in swaps:
@@ -183,6 +185,8 @@ def encode_plan(swaps, control_edges=(), resident=()) -> str:
         lines.append(f"vkeep\t{producer}\t{port}\t{name}\t0")  # a vin into GTBM's persistent group
         lines += [f"ctrl\t{name}\t{user}" for user in users]
     lines += [f"ctrl\t{a}\t{b}" for a, b in control_edges]
+    for k, (sequence, with_added) in enumerate(sequences):
+        lines += [f"seq\t{k}\t{name}" for name in sequence] + ([f"seqadded\t{k}"] if with_added else [])
     return "\n".join(lines) + "\n"
 
 

@@ -48,6 +48,7 @@ class PassConfig:
     offload_variables: bool = True  # optimizer state off the device between its uses, under a budget (CPU only)
     offload_weights: bool = True  # weights in host memory between their uses, under a budget (CPU only)
     defer_updates: bool = True  # see dymem_tf.planning.update_deferral and DymemCallback(defer_updates=...)
+    execution_order: str = "planned"  # see dymem_tf.planning.sequencing and DymemCallback(execution_order=...)
     headroom: float = planner.DEFAULT_HEADROOM  # share of the budget the planner leaves free
     verbose: int = 1
 
@@ -231,7 +232,7 @@ class StepPass:
                 persistent_bytes=self.persistent_bytes, profile=cfg.device, batch_size=batch,
                 min_swap_bytes=cfg.min_swap_bytes, swapin_ahead=cfg.swapin_ahead,
                 headroom=0.0 if self.probe else headroom, defer_updates=cfg.defer_updates,
-                offload_variables=self._may_offload(ops, cfg.offload_variables),
+                execution_order=cfg.execution_order, offload_variables=self._may_offload(ops, cfg.offload_variables),
                 offload_weights=self._may_offload(ops, cfg.offload_weights), least_memory=self.probe,
                 memory=None if self.probe else self.memory), copy=copy)
 
@@ -306,8 +307,9 @@ class StepPass:
         swaps = [d for _, step in planned for d in step.plan.swaps]
         edges = [e for _, step in planned for e in step.deferrals]
         resident = [r for _, step in planned for r in step.resident]
+        sequences = [(step.sequence.ops, step.sequence.with_added) for _, step in planned if step.sequence.ops]
         try:
-            rewritten = call.apply(graph_pass.encode_plan(swaps, edges, resident))
+            rewritten = call.apply(graph_pass.encode_plan(swaps, edges, resident, sequences))
         except graph_pass.PlanApplyError as err:
             self.skip(call.function_name, Unsupported(SkipKind.UNSUPPORTED_GRAPH, "", f"the plan did not fit the "
                                                                                    f"graph ({err})"), None)

@@ -84,6 +84,7 @@ class OpInfo:
     phase: Phase | Literal[""] = ""  # informational; is_backward covers "backward" and "update"
     conditional: bool = False  # inside a lowered conditional branch: may not run (dead), so never a trigger
     frame: str = ""  # lowered loop frame ("" outside loops; "outer/inner" when nested)
+    device: str = ""  # the device the op is placed on ("" when unplaced)
 
 
 class StepGraph:

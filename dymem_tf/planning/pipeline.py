@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from dymem_tf.planning import backward_ordering, offload, planner, read_ordering, recompute, update_deferral
+from dymem_tf import compat
+from dymem_tf.planning import (backward_ordering, offload, planner, read_ordering, recompute, sequencing,
+                               update_deferral)
 from dymem_tf.planning.analysis import StepGraph
 from dymem_tf.planning.cost_model import CostModel
 from dymem_tf.planning.device_profiles import DeviceProfile
@@ -31,6 +33,9 @@ class PlanSettings:
     swapin_ahead: int | None = 1  # TFLMS' level distance; for dymem a cap on how late a trigger may sit
     headroom: float = planner.DEFAULT_HEADROOM  # share of the budget kept free
     defer_updates: bool = True  # see dymem_tf.planning.update_deferral
+    #: "planned": the rewrite chains the ops in the simulated order (dymem policy only, see
+    #: dymem_tf.planning.sequencing); "free": the executor orders them
+    execution_order: str = "planned"
     #: let the dymem policy offload optimizer state between its uses (dymem_tf.planning.offload); the pass enables
     #: it under a budget only
     offload_variables: bool = False
@@ -58,6 +63,8 @@ class PlannedStep:
     #: rewrite brings each back before its consumers if an earlier plan (or the callback, at the start of ``fit``)
     #: left it in host memory (a no-op otherwise)
     resident: list[tuple[str, list[str]]] = dataclasses.field(default_factory=list)
+    #: the order the rewrite chains the ops in (:mod:`dymem_tf.planning.sequencing`); no ops: none
+    sequence: sequencing.Sequence = sequencing.Sequence()
 
 
 def deferrals_for(step_graph: StepGraph, settings: PlanSettings, always: set[str] | frozenset[str] = frozenset()
@@ -83,6 +90,14 @@ def holds_for(step_graph: StepGraph, settings: PlanSettings) -> list[tuple[str, 
     if not _adds_edges(settings):
         return []
     return _outside_conditionals(step_graph, backward_ordering.find_holds(step_graph))
+
+
+def sequence_for(step_graph: StepGraph, settings: PlanSettings) -> sequencing.Sequence:
+    """The order the rewrite makes the executor follow: with ``execution_order="planned"``, for the dymem policy
+    (the baselines keep TF's order, as the systems they stand for do)."""
+    if settings.execution_order != "planned" or settings.policy != "dymem":
+        return sequencing.Sequence()
+    return sequencing.find_sequence(step_graph, onednn=bool(compat.onednn_enabled()))
 
 
 def _adds_edges(settings: PlanSettings) -> bool:
@@ -193,4 +208,10 @@ def plan_step(step_graph: StepGraph, settings: PlanSettings, copy: bool = False)
     if variables or weights:  # offloading is on: whatever this plan keeps comes back first
         offloaded = {s.tensor for s in plan.swaps if s.kind in ("variable", "weight")}
         resident = [(t, users) for t, users in offload.variable_resources(graph) if t not in offloaded]
-    return PlannedStep(graph, plan, deferrals + orderings + holds, resident)
+    sequence = sequence_for(graph, settings)
+    if sequence.ops:
+        plan.notes.append(f"{len(sequence.ops)} ops chained in the planned order" +
+                          (", swap ops as soon as they are ready" if sequence.with_added else ""))
+    elif sequence.skipped:
+        plan.notes.append(sequence.skipped)
+    return PlannedStep(graph, plan, deferrals + orderings + holds, resident, sequence)

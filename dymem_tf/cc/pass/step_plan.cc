@@ -3,7 +3,10 @@
 
 #include "step_plan.h"
 
+#include <algorithm>
 #include <deque>
+#include <functional>
+#include <queue>
 #include <sstream>
 #include <unordered_map>
 #include <unordered_set>
@@ -65,6 +68,26 @@ bool ParseIn(const std::vector<std::string>& f, StepPlan* plan) {
 bool ParseCtrl(const std::vector<std::string>& f, StepPlan* plan) {
   if (f.size() != 3 || f[1].empty() || f[2].empty()) return false;
   plan->control_edges.push_back({f[1], f[2]});
+  return true;
+}
+
+// Parses one `seq` record; false on a malformed one.
+bool ParseSeq(const std::vector<std::string>& f, StepPlan* plan) {
+  constexpr int kMaxChains = 1 << 16;
+  int chain = 0;
+  if (f.size() != 3 || f[2].empty() || !absl::SimpleAtoi(f[1], &chain) || chain < 0 || chain >= kMaxChains) {
+    return false;
+  }
+  if (plan->sequences.size() <= static_cast<size_t>(chain)) plan->sequences.resize(chain + 1);
+  plan->sequences[chain].push_back(f[2]);
+  return true;
+}
+
+// Parses one `seqadded` record; false on a malformed one.
+bool ParseSeqAdded(const std::vector<std::string>& f, StepPlan* plan) {
+  int chain = 0;
+  if (f.size() != 2 || !absl::SimpleAtoi(f[1], &chain) || chain < 0) return false;
+  plan->chains_with_added.push_back(chain);
   return true;
 }
 
@@ -283,6 +306,14 @@ bool Validate(const StepPlan& plan, const NodeIndex& index, std::string* error) 
       }
     }
   }
+  for (const std::vector<std::string>& sequence : plan.sequences) {
+    for (const std::string& name : sequence) {
+      if (!index.count(name)) {
+        *error = absl::StrCat("the plan's order names node '", name, "', which is not in the graph");
+        return false;
+      }
+    }
+  }
   return true;
 }
 
@@ -325,25 +356,51 @@ bool RerouteConsumer(Graph* graph, Node* consumer, Node* src, int port, Node* ds
 // Whether `e` is a lowered loop's back edge (NextIteration -> Merge), which TF's executor expects to close a cycle.
 bool IsBackEdge(const Edge* e) { return e->src()->IsNextIteration(); }
 
-// Whether the graph (data and control edges, loop back edges aside) is free of cycles (Kahn's algorithm).
-bool Acyclic(const Graph& graph) {
+// Ids of the nodes Kahn's algorithm cannot reach (data and control edges, loop back edges aside): those on a cycle
+// and downstream of one; empty when the graph is acyclic.
+std::vector<bool> Unordered(const Graph& graph, bool* any) {
   std::vector<int> pending(graph.num_node_ids(), 0);
   std::deque<const Node*> ready;
-  int nodes = 0;
   for (const Node* n : graph.nodes()) {
-    ++nodes;
     for (const Edge* e : n->in_edges()) pending[n->id()] += !IsBackEdge(e);
     if (pending[n->id()] == 0) ready.push_back(n);
   }
-  int done = 0;
-  for (; !ready.empty(); ready.pop_front(), ++done) {
+  for (; !ready.empty(); ready.pop_front()) {
     for (const Edge* e : ready.front()->out_edges()) {
       if (!IsBackEdge(e) && --pending[e->dst()->id()] == 0) ready.push_back(e->dst());
     }
   }
-  return done == nodes;
+  std::vector<bool> left(graph.num_node_ids(), false);
+  *any = false;
+  for (const Node* n : graph.nodes()) *any |= left[n->id()] = pending[n->id()] > 0;
+  return left;
 }
 
+// "a -> b -> a" for one cycle of the graph, or "" when it has none (walks back through unordered predecessors).
+std::string FindCycle(const Graph& graph) {
+  bool any = false;
+  std::vector<bool> left = Unordered(graph, &any);
+  if (!any) return "";
+  const Node* n = nullptr;
+  for (const Node* m : graph.nodes()) {
+    if (left[m->id()]) n = m;
+  }
+  std::vector<const Node*> path;
+  std::unordered_map<int, size_t> seen;
+  while (n != nullptr && !seen.count(n->id())) {
+    seen[n->id()] = path.size();
+    path.push_back(n);
+    const Node* back = nullptr;
+    for (const Edge* e : n->in_edges()) {
+      if (!IsBackEdge(e) && left[e->src()->id()]) back = e->src();
+    }
+    n = back;
+  }
+  if (n == nullptr) return "(a cycle)";
+  std::string text = n->name();
+  for (size_t i = path.size(); i-- > seen[n->id()];) absl::StrAppend(&text, " -> ", path[i]->name());
+  return text;
+}
 // Undoes everything in `log`, newest first.
 void Undo(Graph* graph, const UndoLog& log) {
   for (auto it = log.reroutes.rbegin(); it != log.reroutes.rend(); ++it) {
@@ -515,6 +572,65 @@ bool ApplyEdits(const StepPlan& plan, const NodeIndex& index, Graph* graph, Node
   return true;
 }
 
+// Whether `n` may take and give a chain's control edges: not a function's argument or result (TF accepts no control
+// edge out of a result), not the graph's source or sink.
+bool Chainable(const Node* n) { return n->IsOp() && !n->IsArg() && !n->IsRetval(); }
+
+// The sequence's nodes and `extra` in the topological order of `graph` that takes the listed nodes in their listed
+// order as far as the edges allow (Kahn's algorithm, a min-heap keyed by list position; other nodes, `extra` among
+// them, first as they become ready).
+std::vector<Node*> OrderSequence(const std::vector<std::string>& sequence, const std::vector<Node*>& extra,
+                                 const NodeIndex& index, const Graph& graph) {
+  constexpr int kUnchained = -2, kExtra = -1;  // keys: both run as soon as ready, before listed nodes
+  std::vector<int> key(graph.num_node_ids(), kUnchained), pending(graph.num_node_ids(), 0);
+  for (size_t i = 0; i < sequence.size(); ++i) key[index.at(sequence[i])->id()] = static_cast<int>(i);
+  for (const Node* n : extra) key[n->id()] = kExtra;
+  for (const Node* n : graph.nodes()) {
+    if (!Chainable(n)) key[n->id()] = kUnchained;
+  }
+  using Entry = std::pair<int, int>;  // (key, node id)
+  std::priority_queue<Entry, std::vector<Entry>, std::greater<Entry>> ready;
+  std::vector<Node*> by_id(graph.num_node_ids(), nullptr), order;
+  for (Node* n : graph.nodes()) {
+    by_id[n->id()] = n;
+    for (const Edge* e : n->in_edges()) pending[n->id()] += !IsBackEdge(e);
+    if (pending[n->id()] == 0) ready.push({key[n->id()], n->id()});
+  }
+  while (!ready.empty()) {
+    Node* n = by_id[ready.top().second];
+    ready.pop();
+    if (key[n->id()] != kUnchained) order.push_back(n);
+    for (const Edge* e : n->out_edges()) {
+      if (!IsBackEdge(e) && --pending[e->dst()->id()] == 0) {
+        ready.push({key[e->dst()->id()], e->dst()->id()});
+      }
+    }
+  }
+  return order;
+}
+
+// Chains each of the plan's sequences with control edges (see `seq` in step_plan.h), skipping edges the graph has.
+void AddSequences(const StepPlan& plan, const NodeIndex& index, Graph* graph, UndoLog* log) {
+  const std::vector<Node*> added = log->added_nodes;  // copied: the chain's edges are logged too
+  for (size_t k = 0; k < plan.sequences.size(); ++k) {
+    const std::vector<std::string>& sequence = plan.sequences[k];
+    if (sequence.size() < 2) continue;
+    std::vector<Node*> extra;
+    if (std::count(plan.chains_with_added.begin(), plan.chains_with_added.end(), static_cast<int>(k))) {
+      const std::string& device = index.at(sequence[0])->assigned_device_name();
+      for (Node* n : added) {
+        if (n->assigned_device_name() == device) extra.push_back(n);
+      }
+    }
+    std::vector<Node*> order = OrderSequence(sequence, extra, index, *graph);
+    for (size_t i = 1; i < order.size(); ++i) {
+      bool linked = false;
+      for (const Edge* e : order[i]->in_edges()) linked |= e->src() == order[i - 1];
+      if (!linked) AddLoggedControlEdge(graph, order[i - 1], order[i], log);
+    }
+  }
+}
+
 // Adds the plan's control edges.
 void AddControlEdges(const StepPlan& plan, const NodeIndex& index, const NodeIndex& added, Graph* graph,
                      UndoLog* log) {
@@ -532,7 +648,8 @@ bool ParseStepPlan(const std::string& text, StepPlan* plan, std::string* error) 
     if (line.empty()) continue;
     std::vector<std::string> f = Fields(line);
     bool ok = (f[0] == "out" && ParseOut(f, plan)) || (f[0] == "in" && ParseIn(f, plan)) ||
-              (f[0] == "ctrl" && ParseCtrl(f, plan)) || (f[0] == "var" && ParseVar(f, plan)) ||
+              (f[0] == "ctrl" && ParseCtrl(f, plan)) || (f[0] == "seq" && ParseSeq(f, plan)) ||
+              (f[0] == "seqadded" && ParseSeqAdded(f, plan)) || (f[0] == "var" && ParseVar(f, plan)) ||
               ((f[0] == "vin" || f[0] == "vkeep" || f[0] == "vout" || f[0] == "vread") &&
                ParseVariableOp(f, plan)) ||
               (f[0] == "clone" && ParseClone(f, plan)) || (f[0] == "reroute" && ParseReroute(f, plan));
@@ -554,9 +671,13 @@ bool ApplyStepPlan(const StepPlan& plan, Graph* graph, std::string* error) {
             AddSwapIns(plan, index, graph, &added, &log, error) &&
             AddVariableSwaps(plan, index, graph, &log, error) && ApplyEdits(plan, index, graph, &added, &log, error);
   if (ok) AddControlEdges(plan, index, added, graph, &log);
-  if (ok && !Acyclic(*graph)) {
-    *error = "the plan would make the graph cyclic";
-    ok = false;
+  if (ok) AddSequences(plan, index, graph, &log);
+  if (ok) {
+    std::string cycle = FindCycle(*graph);
+    if (!cycle.empty()) {
+      *error = absl::StrCat("the plan would make the graph cyclic: ", cycle);
+      ok = false;
+    }
   }
   if (!ok) Undo(graph, log);
   return ok;

@@ -24,6 +24,15 @@
 // (A recomputation copies a chain of ops with `clone`, after a trigger by `ctrl`, and reroutes its consumers.)
 //   reroute <consumer> <source node> <source port> <new source>      the consumer's data inputs that read the
 //                                                                    source now read `new source`:0
+//
+// The order the planner simulated, applied last, after every other record:
+//   seq   <chain> <node>          one record per node, in the simulated order; chains numbered from 0 (one per
+//                                 replica): each chain's nodes are linked with control edges in the topological
+//                                 order of the rewritten graph that follows its records as far as the graph's edges
+//                                 allow (other nodes run as soon as they are ready), so a chain closes no cycle
+//   seqadded <chain>              chain `chain` also takes the nodes the plan adds on its device (its first node's),
+//                                 each as soon as it is ready: for synchronous copies (the CPU kernels), which the
+//                                 executor could otherwise leave waiting behind the chain
 #ifndef DYMEM_TF_CC_PASS_STEP_PLAN_H_
 #define DYMEM_TF_CC_PASS_STEP_PLAN_H_
 
@@ -99,6 +108,8 @@ struct StepPlan {
   std::vector<ControlEdgeRecord> control_edges;
   std::vector<VariableRecord> variables;
   std::vector<NodeEditRecord> edits;
+  std::vector<std::vector<std::string>> sequences;  // `seq` records: the nodes of each chain, in order
+  std::vector<int> chains_with_added;                // `seqadded` records
 };
 
 // Parses the text form above into `plan`; false with `error` set on a malformed line.

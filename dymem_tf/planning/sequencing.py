@@ -1,0 +1,91 @@
+"""Make the executor run the step's ops in the order the simulator planned them.
+
+The simulator runs the compute ops in dependency-layer order (:meth:`StepGraph.execution_order`); TF's executor
+runs an op as soon as its inputs exist, on whichever inter-op thread is free, so two steps of the same graph may
+interleave parallel branches differently, and with one inter-op thread it runs depth-first. The peak of a step
+depends on that order: at a50db0a the plan's steps differed by up to 27% (MobileNetV2), and with
+``TF_NUM_INTEROP_THREADS=1`` a plan that fitted in the simulator ran out of memory.
+
+This stage chains the step's ops with control edges in the simulated order, so every step runs them in that
+order and the prediction holds for every step, whatever the thread count. The values are unchanged (control edges
+only delay an op), so results stay bit-identical; intra-op parallelism is untouched, only the overlap of
+independent ops is given up (on a GPU the kernels go to one compute stream in order anyway; the swap ops are not
+chained and still overlap compute on their own threads).
+
+On a CPU with oneDNN's kernels on (TF's default on x86 unless ``TF_ENABLE_ONEDNN_OPTS=0``) nothing is chained:
+oneDNN's layout pass runs after Dymem's (``POST_PARTITIONING``) and fuses ops only where no other edge leaves
+them, so the chain's edges would change what it fuses, and the numbers (a small CNN's loss moved by 2e-7). The
+CPU emulation of the benchmarks runs with oneDNN off; on a GPU the pass does not touch the GPU's ops.
+
+Left out of the chain, as Grappler's memory optimizer leaves what it cannot handle: ops in lowered conditional
+branches (a dead op would never release its successor), control-flow ops, ops in another loop frame than the
+step's (TF forbids edges across frames), ops on another device than the step's (an edge across devices costs a
+send and a receive), and ops without inputs (constants, arguments: ready at the start whatever is done).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from dymem_tf.planning.analysis import StepGraph
+
+#: ``execution_order`` values: "planned" chains the ops in the simulated order, "free" leaves the order to TF.
+EXECUTION_ORDERS = ("planned", "free")
+#: Why a CPU step with oneDNN's kernels on keeps TF's order.
+ONEDNN_SKIP = ("ops left in TF's order: oneDNN's layout pass runs after Dymem's and would fuse differently around "
+               "the chain's edges (TF_ENABLE_ONEDNN_OPTS=0 lets Dymem chain them)")
+#: Control-flow ops: their inputs may be dead, or their frame differ from their inputs'.
+CONTROL_FLOW_OP_TYPES = frozenset({
+    "Switch", "RefSwitch", "_SwitchN", "Merge", "RefMerge", "Enter", "RefEnter", "Exit", "RefExit",
+    "NextIteration", "RefNextIteration", "LoopCond", "ControlTrigger"})
+#: A function's arguments and results: TF accepts no control edge out of a result.
+FUNCTION_BOUNDARY_OP_TYPES = frozenset({"_Arg", "_Retval", "_DeviceArg", "_DeviceRetval"})
+
+
+def _step_frame_and_device(sg: StepGraph) -> tuple[str, str]:
+    """The loop frame and the device most of the step's ops run in."""
+    frames = collections.Counter(op.frame for op in sg.ops.values())
+    devices = collections.Counter(op.device for op in sg.ops.values())
+    return frames.most_common(1)[0][0], devices.most_common(1)[0][0]
+
+
+def _chainable(sg: StepGraph, name: str, frame: str, device: str) -> bool:
+    """Whether ``name`` may take and give an ordering edge: not conditional, not control flow, not a function's
+    argument or result, in the step's frame and on its device, and with inputs."""
+    op = sg.ops[name]
+    return (not op.conditional and op.type not in CONTROL_FLOW_OP_TYPES | FUNCTION_BOUNDARY_OP_TYPES
+            and op.frame == frame and op.device == device and bool(op.inputs or op.control_inputs))
+
+
+@dataclasses.dataclass(frozen=True)
+class Sequence:
+    """The order the rewrite makes the executor follow: ``ops`` in the simulator's order and, with ``with_added``,
+    the swap ops the plan adds on their device, each as soon as it is ready."""
+
+    ops: tuple[str, ...] = ()
+    with_added: bool = False
+    #: why nothing is chained, when that is the reason (else "")
+    skipped: str = ""
+
+
+def find_sequence(sg: StepGraph, onednn: bool = False) -> Sequence:
+    """The chainable ops in the simulator's order. The rewrite links them in the topological order of the rewritten
+    graph that follows this order as far as the plan's own edges allow (a weight's reads wait for its swap-in).
+
+    On a CPU device the plan's swap ops join the chain as soon as they are ready: their copies are synchronous
+    kernels, which the executor would otherwise queue behind the chain (a swap-out run late frees its tensor late:
+    a ResNet-50 least-memory step measured 126 MiB for 50 MiB simulated). On a GPU they stay out: their copies run
+    on their own streams and must overlap the chain. ``onednn``: oneDNN's CPU kernels are on (then a CPU step is
+    left in TF's order, see above)."""
+    if not sg.ops:
+        return Sequence()
+    frame, device = _step_frame_and_device(sg)
+    if onednn and _is_cpu(device):
+        return Sequence(skipped=ONEDNN_SKIP)
+    ops = tuple(n for n in sg.execution_order() if _chainable(sg, n, frame, device))
+    return Sequence(ops, with_added=_is_cpu(device))
+
+
+def _is_cpu(device: str) -> bool:
+    """Whether ``device`` (a TF device name, "" when unplaced) is a CPU."""
+    return ":CPU:" in device.upper()

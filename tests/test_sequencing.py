@@ -1,0 +1,134 @@
+"""The executor made to follow the planned order (dymem_tf.planning.sequencing): which ops are chained, when the
+swap ops join, and that a chained step repeats its peak whatever the executor's thread count."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import dymem_tf
+from dymem_tf import compat
+from dymem_tf.planning import pipeline, sequencing
+from dymem_tf.planning.analysis import StepGraph
+
+MB = 1 << 20
+CPU, GPU = "/job:localhost/replica:0/task:0/device:CPU:0", "/job:localhost/replica:0/task:0/device:GPU:0"
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def step_graph(device: str = CPU) -> StepGraph:
+    """Two independent forward branches, a conditional op, a loop op, a control-flow op, an op on another device
+    and the step's result."""
+    spec = {
+        "x": {"type": "Placeholder", "bytes": MB},
+        "a": {"type": "Relu", "inputs": ["x"], "bytes": MB},
+        "b": {"type": "Tanh", "inputs": ["x"], "bytes": MB},
+        "c": {"type": "Add", "inputs": ["a", "b"], "bytes": MB},
+        "cond": {"type": "Mul", "inputs": ["c"], "bytes": MB},
+        "merge": {"type": "Merge", "inputs": ["cond", "c"], "bytes": MB},
+        "loop": {"type": "Neg", "inputs": ["c"], "bytes": MB},
+        "host": {"type": "Shape", "inputs": ["c"], "bytes": 16},
+        "g": {"type": "ReluGrad", "inputs": ["merge", "a"], "bytes": MB, "backward": True},
+        "out": {"type": "_Retval", "inputs": ["g"], "bytes": []},
+    }
+    sg = StepGraph.from_spec(spec)
+    for op in sg.ops.values():
+        op.device = device
+    sg.ops["cond"].conditional = True
+    sg.ops["loop"].frame = "while"
+    sg.ops["host"].device = CPU if device == GPU else GPU
+    return sg
+
+
+def test_the_sequence_is_the_simulators_order_less_what_cannot_take_an_edge():
+    sg = step_graph()
+    seq = sequencing.find_sequence(sg)
+    chainable = {"a", "b", "c", "g"}
+    assert list(seq.ops) == [n for n in sg.execution_order() if n in chainable]
+
+
+@pytest.mark.parametrize("device, with_added", [(CPU, True), (GPU, False)])
+def test_swap_ops_join_the_chain_only_where_their_copies_are_synchronous(device, with_added):
+    assert sequencing.find_sequence(step_graph(device)).with_added is with_added
+
+
+@pytest.mark.parametrize("settings, chained", [
+    (dict(), True),
+    (dict(execution_order="free"), False),
+    (dict(policy="vdnn"), False),
+    (dict(policy="none"), False),
+])
+def test_only_the_dymem_policy_with_the_planned_order_chains_the_ops(settings, chained, monkeypatch):
+    monkeypatch.setattr(compat, "onednn_enabled", lambda: False)
+    planned = pipeline.plan_step(step_graph(), pipeline.PlanSettings(**settings), copy=True)
+    assert bool(planned.sequence.ops) is chained
+    assert any("chained in the planned order" in n for n in planned.plan.notes) is chained
+
+
+@pytest.mark.parametrize("device, chained", [(CPU, False), (GPU, True)])
+def test_with_onednn_on_a_cpu_step_keeps_tfs_order_and_says_why(device, chained, monkeypatch):
+    """oneDNN's layout pass runs after Dymem's and fuses only ops no other edge leaves: a chain would change the
+    numbers on the CPU (a GPU's ops are not oneDNN's)."""
+    monkeypatch.setattr(compat, "onednn_enabled", lambda: True)
+    planned = pipeline.plan_step(step_graph(device), pipeline.PlanSettings(), copy=True)
+    assert bool(planned.sequence.ops) is chained
+    assert any("oneDNN's layout pass" in n for n in planned.plan.notes) is not chained
+
+
+def test_the_callback_stores_execution_order_as_given_and_refuses_unknown_values():
+    assert dymem_tf.DymemCallback(execution_order="free", verbose=0).execution_order == "free"
+    with pytest.raises(ValueError, match="execution_order 'random'.*planned, free"):
+        dymem_tf.DymemCallback(execution_order="random")
+
+
+_PEAKS_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import keras, numpy as np, tensorflow as tf
+    import dymem_tf
+    from dymem_tf.keras import callback as cbmod
+    tf.config.experimental.enable_op_determinism()
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((16, 16, 3))
+    a = keras.layers.Conv2D(8, 3, padding="same", activation="relu")(inputs)
+    b = keras.layers.Conv2D(8, 5, padding="same", activation="relu")(inputs)
+    h = keras.layers.Concatenate()([a, b])
+    h = keras.layers.Conv2D(16, 3, padding="same", activation="relu")(h)
+    out = keras.layers.Dense(4)(keras.layers.GlobalAveragePooling2D()(h))
+    model = keras.Model(inputs, out)
+    model.compile(optimizer="adam", loss=keras.losses.MeanSquaredError())
+    peaks = []
+
+    class Peaks(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            cbmod.reset_device_peaks()
+
+        def on_train_batch_end(self, batch, logs=None):
+            peaks.append(int(cbmod.device_memory_stats()["peak_bytes_in_use"]))
+
+    x, y = np.random.rand(64, 16, 16, 3).astype("float32"), np.random.rand(64, 4).astype("float32")
+    order = sys.argv[1]
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0,
+              callbacks=[dymem_tf.DymemCallback(verbose=0, min_swap_bytes=1024, execution_order=order), Peaks()])
+    print("PEAKS" + json.dumps(peaks))
+""")
+
+
+def _step_peaks(order: str, interop_threads: int | None) -> list[int]:
+    """In-use peaks of each step of a small two-branch convnet trained with Dymem, in a fresh interpreter."""
+    env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="0", TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=REPO)
+    if interop_threads is not None:
+        env["TF_NUM_INTEROP_THREADS"] = str(interop_threads)
+    out = subprocess.run([sys.executable, "-c", _PEAKS_SCRIPT, order], env=env, capture_output=True, text=True,
+                         timeout=600, check=True).stdout
+    return json.loads(out.rsplit("PEAKS", 1)[1])
+
+
+def test_a_chained_step_repeats_its_peak_whatever_the_executors_thread_count():
+    """The planned order is the order: the steps after the first (which also builds the optimizer's state) peak at
+    the same bytes in use, with the default inter-op threads and with one (where TF's executor, left free, runs
+    depth-first instead of layer by layer)."""
+    default, one_thread = _step_peaks("planned", None), _step_peaks("planned", 1)
+    assert len(default) == len(one_thread) == 4
+    assert len(set(default[1:] + one_thread[1:])) == 1, (default, one_thread)
