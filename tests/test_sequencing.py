@@ -132,3 +132,12 @@ def test_a_chained_step_repeats_its_peak_whatever_the_executors_thread_count():
     default, one_thread = _step_peaks("planned", None), _step_peaks("planned", 1)
     assert len(default) == len(one_thread) == 4
     assert len(set(default[1:] + one_thread[1:])) == 1, (default, one_thread)
+
+
+def test_a_step_inside_a_loop_keeps_tfs_order():
+    """steps_per_execution > 1 runs the whole step in one loop frame: the chain could order one iteration only."""
+    sg = step_graph()
+    for op in sg.ops.values():
+        op.frame = "while"
+    seq = sequencing.find_sequence(sg)
+    assert seq.ops == () and seq.skipped == sequencing.LOOP_SKIP

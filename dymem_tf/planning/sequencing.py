@@ -17,6 +17,10 @@ oneDNN's layout pass runs after Dymem's (``POST_PARTITIONING``) and fuses ops on
 them, so the chain's edges would change what it fuses, and the numbers (a small CNN's loss moved by 2e-7). The
 CPU emulation of the benchmarks runs with oneDNN off; on a GPU the pass does not touch the GPU's ops.
 
+A step that runs inside a loop (Keras' ``steps_per_execution > 1`` puts the whole step in one) is not chained
+either: edges inside a loop body order one iteration only, and TF's executor then fed an ``OptionalHasValue`` the
+wrong input.
+
 Left out of the chain, as Grappler's memory optimizer leaves what it cannot handle: ops in lowered conditional
 branches (a dead op would never release its successor), control-flow ops, ops in another loop frame than the
 step's (TF forbids edges across frames), ops on another device than the step's (an edge across devices costs a
@@ -34,6 +38,9 @@ EXECUTION_ORDERS = ("planned", "free")
 #: Why a CPU step with oneDNN's kernels on keeps TF's order.
 ONEDNN_SKIP = ("ops left in TF's order: oneDNN's layout pass runs after Dymem's and would fuse differently around "
                "the chain's edges (TF_ENABLE_ONEDNN_OPTS=0 lets Dymem chain them)")
+#: Why a step that runs inside a loop keeps TF's order.
+LOOP_SKIP = ("ops left in TF's order: the step runs inside a loop (steps_per_execution > 1), whose iterations the "
+             "chain's edges cannot order")
 #: Control-flow ops: their inputs may be dead, or their frame differ from their inputs'.
 CONTROL_FLOW_OP_TYPES = frozenset({
     "Switch", "RefSwitch", "_SwitchN", "Merge", "RefMerge", "Enter", "RefEnter", "Exit", "RefExit",
@@ -82,6 +89,8 @@ def find_sequence(sg: StepGraph, onednn: bool = False) -> Sequence:
     frame, device = _step_frame_and_device(sg)
     if onednn and _is_cpu(device):
         return Sequence(skipped=ONEDNN_SKIP)
+    if frame:
+        return Sequence(skipped=LOOP_SKIP)
     ops = tuple(n for n in sg.execution_order() if _chainable(sg, n, frame, device))
     return Sequence(ops, with_added=_is_cpu(device))
 

@@ -124,7 +124,9 @@ class Simulator:
         times = cost.op_times(step_graph)
         self.dur = np.array([times[n] for n in self.order], dtype=np.float64)
         self.base_end = np.cumsum(self.dur)
-        self.base_start = self.base_end - self.dur
+        # each op starts exactly where the previous one ended (end - dur can round below it, and an op's
+        # temporaries would then overlap the previous op's at the same instant)
+        self.base_start = np.concatenate(([0.0], self.base_end[:-1]))
         names, prod, last, size = [], [], [], []
         for t in step_graph.tensors.values():
             if t.persistent or t.bytes <= 0 or t.alias_of is not None:
