@@ -404,7 +404,9 @@ def test_tensors_at_the_peak_count_each_buffer_once(policy):
     assert sum(r["size"] for r in rows) == timeline["peak"]["bytes"] - plan.persistent_bytes
     assert not {"reshape:0", "gflat:0"} & {r["tensor"] for r in rows}  # aliases own no buffer
     if policy == "none":
-        assert sum(r["size"] for r in rows) == 20 * MiB + 64
+        # the peak is gdense's start: x, conv's buffer (relu, reshape), dense's 4 bytes and gdense; conv's buffer
+        # is freed when grelu ends, before gconv's 64 bytes are allocated
+        assert sum(r["size"] for r in rows) == 20 * MiB + 4
     else:
         assert plan.swaps and any(r["group"] == "mobile" for r in rows)
 
