@@ -49,6 +49,36 @@ def test_the_sequence_is_the_simulators_order_less_what_cannot_take_an_edge():
     assert list(seq.ops) == [n for n in sg.execution_order() if n in chainable]
 
 
+def test_a_gradient_sum_accumulated_in_place_stays_in_tfs_order():
+    # Grappler's memory optimizer lowers an AddN of 3+ inputs into a temporary variable and one AssignAdd per input:
+    # the sum's rounding follows the order they run in, so the chain must not order them (InceptionV3's weights
+    # differed after one step when it did)
+    spec = {
+        "x": {"type": "Placeholder", "bytes": MB},
+        "g0": {"type": "Relu", "inputs": ["x"], "bytes": MB, "backward": True},
+        "g1": {"type": "Tanh", "inputs": ["x"], "bytes": MB, "backward": True},
+        "g2": {"type": "Neg", "inputs": ["x"], "bytes": MB, "backward": True},
+        "sum/tmp_var": {"type": "TemporaryVariable", "control": ["g2"], "bytes": MB, "backward": True},
+        "sum/tmp_var_zeros": {"type": "ZerosLike", "inputs": ["g2"], "bytes": MB, "backward": True},
+        "sum/tmp_var_initializer": {"type": "Assign", "inputs": ["sum/tmp_var", "sum/tmp_var_zeros"], "bytes": MB,
+                                    "backward": True},
+        **{f"sum/tmp_var_accum_{i}": {"type": "AssignAdd", "inputs": ["sum/tmp_var_initializer", f"g{i}"],
+                                      "bytes": MB, "backward": True} for i in range(3)},
+        "sum": {"type": "DestroyTemporaryVariable", "inputs": ["sum/tmp_var_initializer"], "bytes": MB,
+                "control": [f"sum/tmp_var_accum_{i}" for i in range(3)], "backward": True},
+        "out": {"type": "Mul", "inputs": ["sum"], "bytes": MB, "backward": True},
+    }
+    sg = StepGraph.from_spec(spec)
+    for op in sg.ops.values():
+        op.device = CPU
+    seq = sequencing.find_sequence(sg)
+    assert set(seq.ops) == {"g0", "g1", "g2", "sum/tmp_var_zeros", "out"}
+    # and the plan says that the sum's order is TF's threads' race
+    planned = pipeline.plan_step(sg, pipeline.PlanSettings(), copy=True)
+    assert any(n.startswith("1 gradient sum is accumulated in place") for n in planned.plan.notes)
+    assert not sequencing.accumulation_note(step_graph())
+
+
 @pytest.mark.parametrize("device, with_added", [(CPU, True), (GPU, False)])
 def test_swap_ops_join_the_chain_only_where_their_copies_are_synchronous(device, with_added):
     assert sequencing.find_sequence(step_graph(device)).with_added is with_added
@@ -141,3 +171,4 @@ def test_a_step_inside_a_loop_keeps_tfs_order():
         op.frame = "while"
     seq = sequencing.find_sequence(sg)
     assert seq.ops == () and seq.skipped == sequencing.LOOP_SKIP
+

@@ -21,6 +21,15 @@ A step that runs inside a loop (Keras' ``steps_per_execution > 1`` puts the whol
 either: edges inside a loop body order one iteration only, and TF's executor then fed an ``OptionalHasValue`` the
 wrong input.
 
+Grappler's memory optimizer (its scheduling pass, on when its static estimate of the step exceeds 80% of the
+device's memory: 205 MiB of a CPU device's nominal 256 MiB) rewrites a gradient's ``AddN`` of more than two inputs
+into a temporary variable that one ``AssignAdd`` per input accumulates into, each as soon as its input is ready. The
+sum then depends on the order the executor runs them in (float addition is not associative), so those ops stay out
+of the chain and run as TF would run them: chained in the simulator's order, InceptionV3's (75 px, batch 16) weights
+differed from a plain run's after one step, every time. Left to TF, the order is still its threads' race: two
+plain runs of that step usually agree and sometimes do not, with or without Dymem, so the plan says so
+(:func:`accumulation_note`).
+
 Left out of the chain, as Grappler's memory optimizer leaves what it cannot handle: ops in lowered conditional
 branches (a dead op would never release its successor), control-flow ops, ops in another loop frame than the
 step's (TF forbids edges across frames), ops on another device than the step's (an edge across devices costs a
@@ -45,8 +54,14 @@ LOOP_SKIP = ("ops left in TF's order: the step runs inside a loop (steps_per_exe
 CONTROL_FLOW_OP_TYPES = frozenset({
     "Switch", "RefSwitch", "_SwitchN", "Merge", "RefMerge", "Enter", "RefEnter", "Exit", "RefExit",
     "NextIteration", "RefNextIteration", "LoopCond", "ControlTrigger"})
+#: Grappler's lowering of an ``AddN`` into a temporary variable accumulated in place (memory_optimizer's
+#: SchedulingPass), and any other reference-variable update: the result depends on the order TF runs them in.
+ACCUMULATION_OP_TYPES = frozenset({"TemporaryVariable", "DestroyTemporaryVariable", "Assign", "AssignAdd",
+                                   "AssignSub"})
 #: A function's arguments and results: TF accepts no control edge out of a result.
 FUNCTION_BOUNDARY_OP_TYPES = frozenset({"_Arg", "_Retval", "_DeviceArg", "_DeviceRetval"})
+
+_UNCHAINED_OP_TYPES = CONTROL_FLOW_OP_TYPES | FUNCTION_BOUNDARY_OP_TYPES | ACCUMULATION_OP_TYPES
 
 
 def _step_frame_and_device(sg: StepGraph) -> tuple[str, str]:
@@ -58,9 +73,9 @@ def _step_frame_and_device(sg: StepGraph) -> tuple[str, str]:
 
 def _chainable(sg: StepGraph, name: str, frame: str, device: str) -> bool:
     """Whether ``name`` may take and give an ordering edge: not conditional, not control flow, not a function's
-    argument or result, in the step's frame and on its device, and with inputs."""
+    argument or result, not an in-place accumulation, in the step's frame and on its device, and with inputs."""
     op = sg.ops[name]
-    return (not op.conditional and op.type not in CONTROL_FLOW_OP_TYPES | FUNCTION_BOUNDARY_OP_TYPES
+    return (not op.conditional and op.type not in _UNCHAINED_OP_TYPES
             and op.frame == frame and op.device == device and bool(op.inputs or op.control_inputs))
 
 
@@ -93,6 +108,17 @@ def find_sequence(sg: StepGraph, onednn: bool = False) -> Sequence:
         return Sequence(skipped=LOOP_SKIP)
     ops = tuple(n for n in sg.execution_order() if _chainable(sg, n, frame, device))
     return Sequence(ops, with_added=_is_cpu(device))
+
+
+def accumulation_note(sg: StepGraph) -> str:
+    """What the plan says of the step's in-place gradient sums (see above); "" when it has none."""
+    n = sum(op.type == "TemporaryVariable" for op in sg.ops.values())
+    if not n:
+        return ""
+    sums = "1 gradient sum is" if n == 1 else f"{n} gradient sums are"
+    return (f"{sums} accumulated in place by Grappler's memory optimizer, in the order TF's threads "
+            "finish their inputs: their rounding, and so the results, may differ from run to run, with or without "
+            "Dymem")
 
 
 def _is_cpu(device: str) -> bool:
