@@ -171,4 +171,3 @@ def test_a_step_inside_a_loop_keeps_tfs_order():
         op.frame = "while"
     seq = sequencing.find_sequence(sg)
     assert seq.ops == () and seq.skipped == sequencing.LOOP_SKIP
-

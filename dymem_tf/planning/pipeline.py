@@ -214,6 +214,7 @@ def plan_step(step_graph: StepGraph, settings: PlanSettings, copy: bool = False)
                           (", swap ops as soon as they are ready" if sequence.with_added else ""))
     elif sequence.skipped:
         plan.notes.append(sequence.skipped)
-    if sequencing.accumulation_note(graph):
-        plan.notes.append(sequencing.accumulation_note(graph))
+    accumulation = sequencing.accumulation_note(graph)
+    if accumulation:
+        plan.notes.append(accumulation)
     return PlannedStep(graph, plan, deferrals + orderings + holds, resident, sequence)
