@@ -135,3 +135,73 @@ def test_the_callbacks_persistent_group_leaves_out_what_other_models_hold():
     assert own["groups"]["transient"] == stats["groups"]["transient"]
     assert stats["groups"]["persistent"]["in_use"] == 12 * MiB  # the device's statistics are not changed
     assert placement.PersistentGroup.from_stats(own) == placement.PersistentGroup(6 * MiB, 2 * MiB, 2 * MiB)
+
+
+def momentum_update():
+    """A momentum update as Keras's SGD writes it: ``m = m * momentum - g * lr`` assigned with AssignVariableOp,
+    whose input buffer (the Mul's, forwarded by the Sub) becomes m's storage; the weight is updated in place."""
+    return StepGraph.from_spec({
+        "m": {"type": "_Arg", "bytes": 8, "dtype": "resource", "persistent": True},
+        "read_m": {"type": "ReadVariableOp", "inputs": ["m"], "bytes": 3 * MiB, "persistent": True},
+        "f": {"bytes": 1 * MiB, "flops": 1e6},
+        "g": {"inputs": ["f"], "bytes": 3 * MiB, "flops": 1e6, "backward": True},
+        "decay": {"type": "Mul", "inputs": ["read_m"], "bytes": 3 * MiB, "phase": "update"},
+        "step": {"type": "Mul", "inputs": ["g"], "bytes": 3 * MiB, "phase": "update"},
+        "new_m": {"type": "Sub", "inputs": ["decay", "step"], "bytes": 3 * MiB, "phase": "update"},
+        "assign": {"type": "AssignVariableOp", "inputs": ["m", "new_m"], "bytes": [], "phase": "update"},
+    })
+
+
+def test_a_variables_next_buffer_is_the_persistent_groups_not_the_steps():
+    """The buffer AssignVariableOp adopts is found through the forwarding chain (decay -> new_m) and placed as a
+    moving variable: out of the step's own buffers, into the persistent group's steady state."""
+    from dymem_tf.planning.simulator import ADOPTED, adopted_values
+
+    sg = momentum_update()
+    assert adopted_values(sg) == {"new_m": "m:0", "decay": "m:0"}
+    res = simulate(sg, None, TOY)
+    rows = res.allocations
+    assert rows[rows[:, 3] == ADOPTED, 2].tolist() == [3 * MiB]  # decay's buffer, which new_m writes in place
+    group = placement.PersistentGroup(reserved_bytes=4 * MiB, in_use_bytes=3 * MiB, block_size=2 * MiB)
+    placed = placement.place(rows, group)
+    assert placed.step_in_use_bytes == 4 * MiB  # f and g, then g and step: the moving buffer is not the step's
+    # m's 3 MiB and its next 3 MiB live together until the assign: 6 MiB in three blocks
+    assert placed.persistent_reserved_bytes == 6 * MiB
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_moving_variables_replay_their_steps_over_the_persistent_group(seed):
+    """The instance holds the group's bytes in use at every step boundary, each moving variable twice only between
+    its next buffer's allocation and its adoption, and the replayed peak never undercuts the bytes in use."""
+    rng = np.random.default_rng(seed)
+    n, period = 40, 200
+    start = rng.integers(0, period - 20, n)
+    moving = np.stack([start, start + rng.integers(1, 20, n), rng.integers(1, 4 * MiB, n), np.full(n, 3)], axis=1)
+    in_use = int(moving[:, 2].sum()) + 30 * MiB
+    instance = placement.moving_variables_instance(moving, in_use, period, steps=5)
+    assert (instance[:, 1] > instance[:, 0]).all() and (instance[:, 3] == 0).all()
+    boundary = n + 3 * period  # the last event of the third step: every variable in exactly one buffer
+    live = instance[(instance[:, 0] <= boundary) & (instance[:, 1] > boundary), 2].sum()
+    assert live == in_use
+    bound = replay_buffers(instance[:, :3], "first_fit", alignment=1).lower_bound
+    overlap = max(moving[(moving[:, 0] <= t) & (moving[:, 1] > t), 2].sum() for t in range(period))
+    assert bound == in_use + overlap
+    steady = placement.steady_persistent_reserved(moving, in_use, 2 * MiB, period, steps=5)
+    assert steady >= -(-bound // (2 * MiB)) * 2 * MiB
+
+
+def test_an_offloaded_variable_does_not_move_in_the_persistent_group():
+    """A variable the plan offloads comes back to the device for its update and leaves again: its next buffer is
+    the swap-in's business, not the persistent group's."""
+    from dymem_tf.planning import offload
+    from dymem_tf.planning.plan import SwapDecision, SwapIn
+    from dymem_tf.planning.simulator import ADOPTED
+
+    sg = momentum_update()
+    v = offload.OffloadableVariable("m:0", "float32", (3 * MiB // 4,), 3 * MiB)
+    offload.mark(sg, [v])
+    swap = SwapDecision("m:0", "m", 3 * MiB, 0, [], ["read_m", "assign"],
+                        [SwapIn("f", 0, ["read_m", "assign"], 0)], kind="variable")
+    rows = simulate(sg, [swap], TOY).allocations
+    assert not (rows[:, 3] == ADOPTED).any()
+    assert (simulate(sg, None, TOY).allocations[:, 3] == ADOPTED).any()

@@ -47,7 +47,7 @@ from dymem_tf.planning.analysis import ALIAS_OP_TYPES, FREE_OP_TYPES, StepGraph,
 from dymem_tf.planning.cost_model import CostModel, as_cost_model
 from dymem_tf.planning.device_profiles import DeviceProfile
 from dymem_tf.planning.plan import Plan, RecomputeRoute, SwapDecision, SwapIn, WeightRoute
-from dymem_tf.planning.simulator import FORWARDING_OP_TYPES, SimResult, Simulator
+from dymem_tf.planning.simulator import SimResult, Simulator, adopted_values
 from dymem_tf.units import mib
 
 POLICIES = ("none", "dymem", "vdnn", "tflms")
@@ -771,37 +771,11 @@ def _too_small(min_peak: int, budget: int, persistent: int, batch: int | None, n
     return err
 
 
-#: Ops that adopt their input's buffer as the variable's new value (the buffer outlives the step); the in-place
-#: AssignAdd/AssignSub variants copy into the existing buffer instead.
-VARIABLE_WRITE_OP_TYPES = frozenset({"AssignVariableOp"})
-
-
 def _mobility(sg: StepGraph, swaps: list[SwapDecision]) -> dict[str, str]:
-    """persistent (variable reads/handles, new variable values), mobile (producers of swapped tensors) or
-    transient, per op with outputs.
-
-    An optimizer's update (``m = momentum * m - lr * g``) is computed inside the step but its result becomes the
-    variable's buffer (``AssignVariableOp``): the op producing it, and the element-wise ops forwarding their
-    buffer into it, allocate persistent memory.
-    """
+    """persistent (variable reads/handles, new variable values: :func:`~dymem_tf.planning.simulator.adopted_values`),
+    mobile (producers of swapped tensors) or transient, per op with outputs."""
     mobile = {s.producer for s in swaps if s.kind == "tensor"}
-    new_values = set()
-    for name, op in sg.ops.items():
-        if op.type in VARIABLE_WRITE_OP_TYPES:
-            for t in op.inputs[1:]:
-                stack = [t]
-                while stack:  # walk back through aliases and in-place element-wise chains
-                    info = sg.tensors.get(stack.pop())
-                    if info is None or info.persistent or info.producer in new_values:
-                        continue
-                    new_values.add(info.producer)
-                    producer = sg.ops[info.producer]
-                    if info.alias_of is not None:
-                        stack.append(info.alias_of)
-                    elif producer.type in FORWARDING_OP_TYPES:
-                        # TF forwards the first same-sized input it may reuse (variable reads never)
-                        stack.extend([i for i in producer.inputs if sg.tensors.get(i) is not None
-                                      and not sg.tensors[i].persistent and sg.tensors[i].bytes == info.bytes][:1])
+    new_values = adopted_values(sg)
     out = {}
     for name, op in sg.ops.items():
         if not op.outputs:

@@ -49,6 +49,39 @@ FORWARDING_OP_TYPES = frozenset({
     "Square", "SquaredDifference", "Sub", "Tanh", "TanhGrad",
 })
 _TRANSIENT, _MOBILE = 0, 1
+#: Ops that adopt their input's buffer as the variable's new value (the buffer outlives the step); the in-place
+#: AssignAdd/AssignSub variants copy into the existing buffer instead.
+VARIABLE_WRITE_OP_TYPES = frozenset({"AssignVariableOp"})
+#: ``SimResult.allocations`` group of a buffer that becomes a variable's storage at its last use (GTBM's persistent
+#: group: the variable's previous buffer is freed then, so the group's buffers move every step)
+ADOPTED = 3
+
+
+def adopted_values(sg: StepGraph) -> dict[str, str]:
+    """Producer op -> variable resource tensor, for every op whose output buffer becomes a variable's new storage.
+
+    An optimizer's update (``m = momentum * m - lr * g``) is computed inside the step and written by
+    ``AssignVariableOp``, which adopts its input's buffer: the op producing it, and the element-wise ops forwarding
+    their buffer into it (TF forwards the first same-sized input it may reuse; variable reads never), allocate the
+    variable's next buffer, and the previous one is freed."""
+    out: dict[str, str] = {}
+    for op in sg.ops.values():
+        if op.type not in VARIABLE_WRITE_OP_TYPES or len(op.inputs) < 2:
+            continue
+        resource = sg.buffer_of(op.inputs[0]) if op.inputs[0] in sg.tensors else op.inputs[0]
+        stack = list(op.inputs[1:])
+        while stack:  # walk back through aliases and in-place element-wise chains
+            info = sg.tensors.get(stack.pop())
+            if info is None or info.persistent or info.producer in out:
+                continue
+            out[info.producer] = resource
+            producer = sg.ops[info.producer]
+            if info.alias_of is not None:
+                stack.append(info.alias_of)
+            elif producer.type in FORWARDING_OP_TYPES:
+                stack.extend([i for i in producer.inputs if sg.tensors.get(i) is not None
+                              and not sg.tensors[i].persistent and sg.tensors[i].bytes == info.bytes][:1])
+    return out
 
 
 @dataclass
@@ -101,7 +134,8 @@ class SimResult:
     peak_buffers: list[PeakBuffer] = field(default_factory=list, repr=False)
     #: with the timeline: one row ``(lower, upper, bytes, group)`` per device buffer of the step, its allocation and
     #: free as indices into the step's event order (a half-open lifetime, the replay engine's instance format;
-    #: groups numbered as in GTBM: 0 = persistent, a variable the plan keeps; 1 = transient; 2 = mobile)
+    #: groups numbered as in GTBM: 0 = persistent, a variable the plan keeps; 1 = transient; 2 = mobile; and
+    #: :data:`ADOPTED`, persistent too: a kept variable's next buffer, which it adopts at the row's end)
     allocations: np.ndarray | None = field(default=None, repr=False)
 
     def as_predicted(self) -> dict:
@@ -148,6 +182,8 @@ class Simulator:
         self.t_last = np.array(last, dtype=np.int64)
         self.t_bytes = np.array(size, dtype=np.int64)
         self.t_resident = np.array([step_graph.tensors[n].variable for n in names], dtype=bool)
+        adopted = adopted_values(step_graph)
+        self.t_adopts = [adopted.get(step_graph.tensors[n].producer) for n in names]  # the variable it becomes
         held = [(self.pos[n], int(b)) for n, b in (temporaries or {}).items() if n in self.pos and b > 0]
         self.tmp_pos = np.array([p for p, _ in held], dtype=np.int64)
         self.tmp_bytes = np.array([b for _, b in held], dtype=np.int64)
@@ -475,7 +511,11 @@ class Simulator:
                 free = np.concatenate([rank[bounds[j]:bounds[j + 1]] for j in range(1, len(parts_d), 2)])
                 live = [buffers[b] for b in np.flatnonzero((alloc <= pk) & (free > pk)).tolist()]
                 groups = np.where(np.concatenate(parts_g[0::2]) == _MOBILE, 2, 1)
-                groups[:int(keep.sum())][self.t_resident[keep]] = 0  # a kept variable: GTBM's persistent group
+                kept = groups[:int(keep.sum())]
+                kept[self.t_resident[keep]] = 0  # a kept variable: GTBM's persistent group
+                offloaded = {s.tensor for s in swaps}
+                adopts = np.array([v is not None and v not in offloaded for v in self.t_adopts], dtype=bool)
+                kept[adopts[keep]] = ADOPTED  # the next buffer of a variable the device keeps
                 allocations = np.stack([alloc, free, np.concatenate(parts_d[0::2]), groups], axis=1).astype(np.int64)
 
         sw_events = []
