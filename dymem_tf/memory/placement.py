@@ -14,7 +14,9 @@ first step). The simulator models bytes in use; this stage predicts the bytes re
   previous one lives, which is freed at the update. The holes this leaves drift over the steps: InceptionV3 75px +
   SGD, 65 MiB of momentum moving per step, the group's peak grew from 144 MiB in the first planned step to 160 MiB
   by the 12th, at 140.9 MiB in use; the same placer replaying that step's order over and over grows the same way
-  and settles after about six steps (:func:`steady_persistent_reserved`, :data:`STEADY_STEPS`).
+  and settles after about six steps. Such a plan is replayed whole for :data:`STEADY_STEPS` steps
+  (:func:`steady_instance`): the moving buffers' peak and the step's own do not coincide (VGG16 32px + SGD: 72 MiB
+  of momentum in flight during the update, while the feature maps are gone).
 
 Plain data and the TF-free replay library only (no TensorFlow): the planning package's calibration
 (:func:`dymem_tf.planning.first_step.placed_prediction`) takes its results as data.
@@ -79,47 +81,47 @@ class Placement:
         return self.persistent_reserved_bytes + self.step_reserved_bytes
 
 
-def place(allocations: np.ndarray, group: PersistentGroup) -> Placement:
+def place(allocations: np.ndarray, group: PersistentGroup, steps: int = STEADY_STEPS) -> Placement:
     """The placement of a simulated step (``SimResult.allocations``: rows ``(lower, upper, bytes, group)``) that
-    finds the persistent group as ``group``."""
+    finds the persistent group as ``group``. With moving variables (:data:`ADOPTED` rows) the whole step is replayed
+    ``steps`` times over them (:func:`steady_instance`), and the persistent group's share is the steady peak less
+    the step's own blocks."""
     rows = np.asarray(allocations, dtype=np.int64).reshape(-1, 4)
     own = rows[(rows[:, 3] == TRANSIENT) | (rows[:, 3] == MOBILE)]
     resident = int(rows[rows[:, 3] == PERSISTENT, 2].sum())
-    if len(own):
-        result = replay_buffers(own, "gtbm", block_size=group.block_size, alignment=64, groups="trace")
-        in_use, reserved = int(result.peak_in_use), int(result.footprint)
-    else:
-        in_use = reserved = 0
+    in_use, reserved = _replayed(own, group.block_size)
     persistent = group.reserved_with(resident)
     moving = rows[rows[:, 3] == ADOPTED]
     if len(moving):
-        steady = steady_persistent_reserved(moving, group.in_use_bytes + resident, group.block_size,
-                                            int(rows[:, 1].max()) + 1)
-        persistent = max(persistent, steady)
+        instance = steady_instance(own, moving, group.in_use_bytes + resident, int(rows[:, 1].max()) + 1, steps)
+        persistent = max(persistent, _replayed(instance, group.block_size)[1] - reserved)
     return Placement(in_use, reserved, resident, persistent)
 
 
-def moving_variables_instance(moving: np.ndarray, in_use_bytes: int, period: int, steps: int = STEADY_STEPS
-                              ) -> np.ndarray:
-    """The persistent group over ``steps`` steps as a replay instance (rows ``(lower, upper, bytes, 0)``):
-    ``in_use_bytes`` held all along, of which the moving variables' buffers (``moving``: each the next buffer of
-    one variable, allocated at its row's start and adopted at its end, in events of a step ``period`` long) are
-    allocated first and then moved every step: the buffer made in step k is freed at the adoption in step k+1."""
+def _replayed(rows: np.ndarray, block_size: int) -> tuple[int, int]:
+    """``(peak in use, peak reserved)`` of ``rows`` replayed through GTBM's placer in their own groups."""
+    if not len(rows):
+        return 0, 0
+    result = replay_buffers(rows, "gtbm", block_size=block_size, alignment=64, groups="trace")
+    return int(result.peak_in_use), int(result.footprint)
+
+
+def steady_instance(own: np.ndarray, moving: np.ndarray, in_use_bytes: int, period: int,
+                    steps: int = STEADY_STEPS) -> np.ndarray:
+    """``steps`` steps of a plan as one replay instance (rows ``(lower, upper, bytes, group)``): the persistent
+    group's ``in_use_bytes`` held all along, of which the moving variables' buffers (``moving``: each the next
+    buffer of one variable, allocated at its row's start and adopted at its end) are allocated first and then move
+    every step -- the buffer made in step k is freed at the adoption in step k+1 -- and the step's ``own`` buffers
+    again in every step (events of a step ``period`` long)."""
     moving = moving[np.argsort(moving[:, 0], kind="stable")]
     n = len(moving)
     static = max(int(in_use_bytes) - int(moving[:, 2].sum()), 0)
     base = [n + 1 + k * period for k in range(steps + 1)]  # event index of each step's start
     end = base[-1] + period
-    out = [(0, end, static, PERSISTENT)] if static else []
-    out += [(1 + i, base[0] + int(m[1]), int(m[2]), PERSISTENT) for i, m in enumerate(moving)]
+    out = [np.array([(0, end, static, PERSISTENT)] if static else [], dtype=np.int64).reshape(-1, 4),
+           np.stack([1 + np.arange(n), base[0] + moving[:, 1], moving[:, 2], np.zeros(n, np.int64)], axis=1)]
     for k in range(steps):
-        out += [(base[k] + int(m[0]), min(base[k + 1] + int(m[1]), end), int(m[2]), PERSISTENT) for m in moving]
-    return np.array(out, dtype=np.int64).reshape(-1, 4)
-
-
-def steady_persistent_reserved(moving: np.ndarray, in_use_bytes: int, block_size: int, period: int,
-                               steps: int = STEADY_STEPS) -> int:
-    """Peak bytes GTBM's persistent group reserves over ``steps`` steps of moving variables
-    (:func:`moving_variables_instance`), replayed through the live allocator's placer."""
-    instance = moving_variables_instance(moving, in_use_bytes, period, steps)
-    return int(replay_buffers(instance, "gtbm", block_size=block_size, alignment=64, groups="trace").footprint)
+        out.append(np.stack([base[k] + moving[:, 0], np.minimum(base[k + 1] + moving[:, 1], end), moving[:, 2],
+                             np.zeros(n, np.int64)], axis=1))
+        out.append(own + np.array([base[k], base[k], 0, 0], dtype=np.int64))
+    return np.concatenate(out).astype(np.int64)
