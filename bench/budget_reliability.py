@@ -158,6 +158,7 @@ def _budget_run(build, fit, Peaks, budget: int, memory_budget, args) -> dict:
             first_step.calibrated_prediction(cal, int(plan.predicted["peak_bytes"]))
         result["placed"] = "calibrated_peak_bytes" in plan.predicted  # predicted by the plan's placement
         result["calibration_margin"] = cal.get("margin")
+        result["placement_residual"] = cal.get("placement_residual_bytes")
         result["calibrated_measured"] = max(peaks.peaks[first:])
         result["calibrated_first"] = peaks.peaks[first]
         result["calibrated_in_use"] = (plan.measured or {}).get("peak_bytes_in_use")

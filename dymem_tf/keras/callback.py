@@ -454,6 +454,9 @@ class DymemCallback(keras.callbacks.Callback):
                                      temporaries=self.pass_.memory.held_during(record.step_graph))
             predicted = sim.peak_bytes if source == "probe" else predicted
             placed = placement.place(sim.allocations, group) if group is not None else None
+            if placed is not None and source == "probe":  # the group held the variables the probe kept
+                group = self._probe_group = group.without(placed.resident_bytes)
+                placed = placement.place(sim.allocations, group)
         if measured and predicted:
             # the bytes the probe's plan kept on the device all step: optimizer state it offloads is not among them
             # (its prediction counts that state only while it is back on the device)
