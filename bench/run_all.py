@@ -443,12 +443,14 @@ def write_outputs(results: dict, out_md: str, out_json: str, img_dir: str) -> di
 
 
 #: Sections other scripts write into the same file between their markers, carried over when this suite rewrites it.
-KEPT_SECTIONS = ("budget-reliability", "largest-batch", "transformer-depth")
+KEPT_SECTIONS = ("budget-reliability", "largest-batch", "transformer-depth", "backward-ordering", "offload-step-time",
+                 "pass-time")
 
 
 def _kept_sections(path: str) -> str:
     """The sections of :data:`KEPT_SECTIONS` found in ``path`` (``bench/budget_reliability.py``,
-    ``bench/largest_batch.py``, ``bench/transformer_depth.py``), each between its markers."""
+    ``bench/largest_batch.py``, ``bench/transformer_depth.py``, ``bench/backward_ordering.py``,
+    ``bench/offload_step_time.py``, ``bench/pass_time.py``), each between its markers."""
     text = open(path).read() if os.path.exists(path) else ""
     kept = ""
     for name in KEPT_SECTIONS:

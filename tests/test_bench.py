@@ -469,10 +469,35 @@ def test_run_all_keeps_the_sections_other_scripts_wrote(tmp_path):
     path = tmp_path / "benchmarks.md"
     path.write_text("# old\n<!-- largest-batch:begin -->\nLB\n<!-- largest-batch:end -->\nfree text\n"
                     "<!-- budget-reliability:begin -->\nBR\n<!-- budget-reliability:end -->\n"
-                    "<!-- transformer-depth:begin -->\nTD\n<!-- transformer-depth:end -->\n")
+                    "<!-- transformer-depth:begin -->\nTD\n<!-- transformer-depth:end -->\n"
+                    "<!-- pass-time:begin -->\nPT\n<!-- pass-time:end -->\n"
+                    "<!-- backward-ordering:begin -->\nBO\n<!-- backward-ordering:end -->\n")
     kept = run_all._kept_sections(str(path))
-    assert [kept.index(x) < kept.index(y) for x, y in (("BR", "LB"), ("LB", "TD"))] == [True, True]
+    assert [kept.index(x) < kept.index(y) for x, y in (("BR", "LB"), ("LB", "TD"), ("TD", "BO"), ("BO", "PT"))] \
+        == [True] * 4
     assert "free text" not in kept and "# old" not in kept
+
+
+def test_pass_time_cli_checks_its_arguments_and_reports_each_stage():
+    script = os.path.join(REPO, "bench", "pass_time.py")
+    bad = subprocess.run([sys.executable, script, "--modes", "none,fast"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--modes: choose from none, budget" in bad.stderr
+    import pass_time
+
+    args = types.SimpleNamespace(argv=["--write"], image_size=224, batch=8, budget="2GiB", repeats=2,
+                                 modes=["none", "budget"])
+    plan = {"stage": "plan", "pass_seconds": 1.25, "ops": 9000, "swaps": 106}
+    results = {"none": [{"outcome": "trained", "passes": [plan]}, {"outcome": "trained", "passes": [
+                   dict(plan, pass_seconds=0.75)]}],
+               "budget": [{"outcome": "trained", "passes": [dict(plan, stage="probe", pass_seconds=2.0),
+                                                            dict(plan, stage="calibrated", pass_seconds=3.0)]},
+                          {"outcome": "refused: too small", "passes": [dict(plan, stage="probe")]}]}
+    text = pass_time.report(results, args, 120.0, "abc1234")
+    assert text.startswith(pass_time.BEGIN) and text.endswith(pass_time.END)
+    assert "| none | plan | 9000 | 106 | 1.25, 0.75 | 1.00 |" in text
+    assert "| budget | probe | 9000 | 106 | 2.00, 1.25 | 1.62 |" in text
+    assert "| budget | calibrated | 9000 | 106 | 3.00 | 3.00 |" in text
+    assert "1 fit(s) refused: refused: too small" in text and "at commit abc1234" in text
 
 
 def test_section_3_reads_the_searches_that_last(tmp_path):

@@ -22,6 +22,7 @@ import enum
 import functools
 import logging
 import re
+import time
 from collections import Counter
 
 import numpy as np
@@ -89,6 +90,9 @@ class TraceRecord:
     report: RewriteReport
     replica: int | None = None
     rewritten_graph_def: bytes = b""  # the graph TF runs, swap ops included, serialized
+    #: wall seconds the pass took on this instantiation: reading the graph, capturing, planning (calibrated plans:
+    #: every placement re-plan) and the C++ rewrite, for all replicas together
+    pass_seconds: float = 0.0
 
     @property
     def graph(self) -> graph_def_view.GraphView:
@@ -193,6 +197,7 @@ class StepPass:
 
     def __call__(self, call: graph_pass.PassCall) -> None:
         """Plan and rewrite one instantiated graph (the :func:`dymem_tf.passes.graph_pass.armed` listener)."""
+        start = time.perf_counter()
         graph = graph_def_view.GraphView(call.graph_def_bytes)
         planned = []
         groups = replica_ops(graph)
@@ -206,7 +211,7 @@ class StepPass:
             if result is not None:
                 planned.append((replica, result))
         if planned:
-            self._apply(call, planned)
+            self._apply(call, planned, start)
 
     def plan_ops(self, function_name: str, ops: list, replica: int | None, replicas: int = 1):
         """The planned step for one device's ops, or None when they are left unmodified."""
@@ -302,8 +307,9 @@ class StepPass:
             return False
         return all("GPU" not in (op.device or "").upper() for op in ops)
 
-    def _apply(self, call: graph_pass.PassCall, planned: list) -> None:
-        """Hand every replica's plan to the C++ pass at once and record what it inserted."""
+    def _apply(self, call: graph_pass.PassCall, planned: list, start: float) -> None:
+        """Hand every replica's plan to the C++ pass at once and record what it inserted (and the pass's seconds
+        since ``start``)."""
         swaps = [d for _, step in planned for d in step.plan.swaps]
         edges = [e for _, step in planned for e in step.deferrals]
         resident = [r for _, step in planned for r in step.resident]
@@ -314,19 +320,21 @@ class StepPass:
             self.skip(call.function_name, Unsupported(SkipKind.UNSUPPORTED_GRAPH, "", f"the plan did not fit the "
                                                                                    f"graph ({err})"), None)
             return
+        seconds = time.perf_counter() - start
         for replica, step in planned:
             step_graph, plan, deferrals = step.step_graph, step.plan, step.deferrals
             report = rewrite_report(plan, deferrals)
             for name in report.swap_in_ops:
                 plan.mobility[name] = "mobile"
             self._mobility.update(plan.mobility)  # every instantiation of this fit stays callable
-            record = TraceRecord(call.function_name, plan.batch_size, step_graph, plan, report, replica, rewritten)
+            record = TraceRecord(call.function_name, plan.batch_size, step_graph, plan, report, replica, rewritten,
+                                 seconds)
             self.records.append(record)
             self.last_skipped = None
             if self.config.verbose:
                 where = f" (replica {replica})" if replica is not None else ""
                 self._print(plan.summary())
-                self._print(f"dymem_tf: rewrite{where}: {report.summary()}")
+                self._print(f"dymem_tf: rewrite{where}: {report.summary()} (pass: {seconds:.2f} s)")
         _install_mobility(self._mobility)
 
     def skip(self, function_name: str, problem: Unsupported, replica: int | None) -> None:

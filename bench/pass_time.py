@@ -1,0 +1,130 @@
+"""Time of the Dymem pass on a ResNet-50 224px train step: reading the graph, planning and rewriting, after Grappler.
+
+    python bench/pass_time.py --write                # batch 8, SGD, no budget and a budget; 3 fits each
+    python bench/pass_time.py --image-size 96 --repeats 1   # quicker, writes nothing
+
+The pass runs inside TensorFlow while it instantiates the train step (``dymem_tf/passes/step_pass.py``), so it is
+timed there: ``TraceRecord.pass_seconds`` is the wall time from the graph handed over to the rewritten graph handed
+back (capture, analysis, deferral, planning and the C++ insertion; under a budget also the calibrated plan's
+placement re-plans). Each fit re-instantiates the step, so every fit of a mode times its pass(es) again; the first
+fit of the process also pays for imports the pass makes once. Modes:
+
+* ``none``: ``memory_budget=None``, one plan per fit;
+* ``budget``: ``memory_budget=--budget`` with the GTBM device capped at it: the probe's least-memory plan and the
+  calibrated plan, each a pass of its own.
+
+One process, oneDNN off (as in every budgeted measurement here); the batch only scales the sizes in the plan, not
+the graph the pass reads. With ``--write`` the results go to docs/pass_time.json and the "Pass time" section of
+docs/benchmarks.md (between its markers).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+BEGIN, END = "<!-- pass-time:begin -->", "<!-- pass-time:end -->"
+MODES = ("none", "budget")
+
+
+def run(args) -> dict:
+    """Every fit's pass times per mode and stage: ``{mode: [{"stage": ..., "pass_seconds": ...}, ...]}``."""
+    import keras
+    import numpy as np
+
+    import dymem_tf
+    from dymem_tf.memory import allocator
+    from dymem_tf.units import parse_bytes
+
+    keras.utils.set_random_seed(0)
+    model = keras.applications.ResNet50(weights=None, input_shape=(args.image_size, args.image_size, 3),
+                                        classes=10)
+    model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
+                  loss=keras.losses.SparseCategoricalCrossentropy())
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(args.batch * 2, args.image_size, args.image_size, 3)).astype("float32")
+    y = rng.integers(0, 10, size=(args.batch * 2,))
+    results: dict = {}
+    for mode in args.modes:
+        budget = parse_bytes(args.budget) if mode == "budget" else None
+        results[mode] = []
+        for _ in range(args.repeats):
+            cb = dymem_tf.DymemCallback(memory_budget=budget, verbose=0)
+            outcome = "trained"
+            try:
+                model.fit(x, y, batch_size=args.batch, epochs=1, steps_per_epoch=2, shuffle=False, verbose=0,
+                          callbacks=[cb])
+            except dymem_tf.BudgetTooSmallError as err:
+                outcome = f"refused: {str(err)[:160]}"
+            results[mode].append({"outcome": outcome, "passes": [
+                {"stage": r.plan.params.get("stage") or "plan", "pass_seconds": round(r.pass_seconds, 3),
+                 "ops": len(r.step_graph.ops) if hasattr(r.step_graph, "ops") else None,
+                 "swaps": len(r.plan.swaps)} for r in cb.records]})
+            print(mode, json.dumps(results[mode][-1]), flush=True)
+    results["device_limit_bytes"] = allocator.get_memory_limit() if allocator.is_active() else None
+    return results
+
+
+def report(results: dict, args, seconds: float, commit: str) -> str:
+    """The markdown section for docs/benchmarks.md."""
+    lines = [BEGIN, "## Pass time: planning and rewriting after Grappler (measured on the CPU)", "",
+             f"`python bench/pass_time.py {' '.join(args.argv)}` at commit {commit or '?'} on this 2-core CPU machine "
+             f"({seconds / 60:.1f} min). Keras ResNet-50, {args.image_size}x{args.image_size}, batch {args.batch}, "
+             f"SGD with momentum, {args.repeats} fit{'s' if args.repeats > 1 else ''} per mode; *budget* is `memory_budget={args.budget}` with the "
+             "device capped at it. Each time is `TraceRecord.pass_seconds`: the pass from the graph TF hands over "
+             "to the rewritten graph handed back (the first fit of the process includes the pass's one-time "
+             "imports).", "",
+             "| mode | stage | ops in the step graph | swaps | pass seconds per fit | median |",
+             "| --- | --- | ---: | ---: | --- | ---: |"]
+    for mode in args.modes:
+        stages: dict = {}
+        for fit in results.get(mode, []):
+            for p in fit["passes"]:
+                stages.setdefault(p["stage"], []).append(p)
+        for stage, passes in stages.items():
+            times = [p["pass_seconds"] for p in passes]
+            lines.append(f"| {mode} | {stage} | {passes[0]['ops'] or '-'} | {passes[0]['swaps']} | "
+                         f"{', '.join(f'{t:.2f}' for t in times)} | {statistics.median(times):.2f} |")
+        refused = [f["outcome"] for f in results.get(mode, []) if f["outcome"] != "trained"]
+        if refused:
+            lines.append(f"| {mode} | - | - | - | {len(refused)} fit(s) refused: {refused[0]} | - |")
+    lines += ["", "Raw times: [docs/pass_time.json](pass_time.json).", END]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--budget", default="2GiB", help="memory_budget of the budget mode (and the device cap)")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--write", action="store_true", help="write docs/pass_time.json and the docs section")
+    args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in args.modes if m not in MODES]
+    if bad or args.repeats < 1:
+        parser.error(f"--modes: choose from {', '.join(MODES)}; --repeats at least 1")
+    os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    os.environ.setdefault("DYMEM_DEVICE_MEMORY_LIMIT", args.budget)
+    sys.path.insert(0, HERE)
+    from largest_batch import _commit, write_section
+
+    t0 = time.perf_counter()
+    results = run(args)
+    section = report(results, args, time.perf_counter() - t0, _commit())
+    print(section)
+    if args.write:
+        write_section(section, BEGIN, END, results, "pass_time.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
