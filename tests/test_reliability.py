@@ -430,6 +430,22 @@ def test_budget_below_persistent_tensors_names_both_sizes():
     assert_same_weights([w.numpy() for w in model.weights], before)
 
 
+def test_budget_below_gtbms_pageblocks_is_refused_before_training():
+    """GTBM holds whole pageblocks per mobility group: a budget below the persistent group's blocks plus one each for
+    the transient and mobile groups cannot run a step (TF's iterator failed with "Cannot parse tensor from proto")."""
+    x, y = data(8)
+    keras.utils.set_random_seed(0)
+    model = net(channels=4)
+    model.compile(optimizer="sgd", loss=LOSS)
+    before = [w.numpy() for w in model.weights]
+    with pytest.raises(dymem_tf.BudgetTooSmallError) as info:
+        model.fit(x, y, batch_size=8, verbose=0, callbacks=[dymem_tf.DymemCallback(memory_budget="5MiB")])
+    text = str(info.value)
+    assert "memory_budget 5.0 MiB is smaller than the least GTBM can train in: 6.0 MiB" in text
+    assert "raise the budget to at least that" in text
+    assert_same_weights([w.numpy() for w in model.weights], before)
+
+
 def _lstm():
     return keras.Sequential([keras.Input((6, 8)), keras.layers.LSTM(16), keras.layers.Dense(10)])
 

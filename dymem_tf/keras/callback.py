@@ -169,6 +169,13 @@ class DymemCallback(keras.callbacks.Callback):
             raise planner.BudgetTooSmallError(
                 f"memory_budget {_fmt(self.budget_bytes)} is smaller than {what} ({_fmt(resident)}); raise the "
                 "budget or use a smaller model.")
+        floor = _pageblock_floor(stats, resident)
+        if self.budget_bytes is not None and floor > self.budget_bytes:
+            raise planner.BudgetTooSmallError(
+                f"memory_budget {_fmt(self.budget_bytes)} is smaller than the least GTBM can train in: "
+                f"{_fmt(floor)}, the pageblocks of the variables that stay on the device ({_fmt(resident)}) and one "
+                f"{_fmt(int(stats['block_size']))} pageblock each for the step's transient and mobile tensors; "
+                "raise the budget to at least that.")
         _warn_onednn_out_of_memory_crash()
         fit_locals = compat.fit_frame_locals(model)  # the running fit's locals: its data adapter, its batch_size
         self.pass_.default_batch_size = _fit_batch_size(fit_locals)
@@ -722,6 +729,17 @@ def _device_resident_bytes(model) -> int:
             seen.add(id(var))
             total += 0 if swap_ops.variable_is_offloaded(var) else step_pass.variable_bytes(var)
     return total
+
+
+def _pageblock_floor(stats: dict | None, resident: int) -> int:
+    """The least device memory GTBM can train in with ``resident`` bytes of variables on the device (0 without
+    GTBM's pageblocks): each mobility group holds whole pageblocks, the persistent one enough for the variables and
+    the transient and mobile ones at least one each. Below it nothing runs, not even the input pipeline's first
+    tensor (an LSTM under a 3 MiB device: TF's "Cannot parse tensor from proto" from its iterator)."""
+    block = int((stats or {}).get("block_size") or 0)
+    if block <= 0:
+        return 0
+    return (max(-(-int(resident) // block), 1) + 2) * block
 
 
 def _resident_weight_bytes(model, min_bytes: int) -> int:
