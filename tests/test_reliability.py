@@ -416,34 +416,31 @@ def test_valid_argument_forms_are_accepted(tmp_path):
     assert dymem_tf.DymemCallback(memory_budget=float(1 << 30)).budget_bytes == 1 << 30
 
 
-def test_budget_below_persistent_tensors_names_both_sizes():
+def _refusal_before_training(budget: str, channels: int, optimizer: str) -> str:
+    """The BudgetTooSmallError of a fit under ``budget``, after checking that it left every weight as it was."""
     x, y = data(8)
     keras.utils.set_random_seed(0)
-    model = net(channels=32)
-    model.compile(optimizer="adam", loss=LOSS)
+    model = net(channels=channels)
+    model.compile(optimizer=optimizer, loss=LOSS)
     before = [w.numpy() for w in model.weights]
     with pytest.raises(dymem_tf.BudgetTooSmallError) as info:
-        model.fit(x, y, batch_size=8, verbose=0, callbacks=[dymem_tf.DymemCallback(memory_budget="16KiB")])
-    text = str(info.value)
+        model.fit(x, y, batch_size=8, verbose=0, callbacks=[dymem_tf.DymemCallback(memory_budget=budget)])
+    assert_same_weights([w.numpy() for w in model.weights], before)
+    return str(info.value)
+
+
+def test_budget_below_persistent_tensors_names_both_sizes():
+    text = _refusal_before_training("16KiB", 32, "adam")
     assert "memory_budget 16.0 KiB is smaller than the model's weights that must stay on the device" in text
     assert "raise the budget" in text
-    assert_same_weights([w.numpy() for w in model.weights], before)
 
 
 def test_budget_below_gtbms_pageblocks_is_refused_before_training():
     """GTBM holds whole pageblocks per mobility group: a budget below the persistent group's blocks plus one each for
     the transient and mobile groups cannot run a step (TF's iterator failed with "Cannot parse tensor from proto")."""
-    x, y = data(8)
-    keras.utils.set_random_seed(0)
-    model = net(channels=4)
-    model.compile(optimizer="sgd", loss=LOSS)
-    before = [w.numpy() for w in model.weights]
-    with pytest.raises(dymem_tf.BudgetTooSmallError) as info:
-        model.fit(x, y, batch_size=8, verbose=0, callbacks=[dymem_tf.DymemCallback(memory_budget="5MiB")])
-    text = str(info.value)
+    text = _refusal_before_training("5MiB", 4, "sgd")
     assert "memory_budget 5.0 MiB is smaller than the least GTBM can train in: 6.0 MiB" in text
     assert "raise the budget to at least that" in text
-    assert_same_weights([w.numpy() for w in model.weights], before)
 
 
 def _lstm():
