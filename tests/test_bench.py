@@ -484,8 +484,8 @@ def test_pass_time_cli_checks_its_arguments_and_reports_each_stage():
     assert bad.returncode == 2 and "--modes: choose from none, budget" in bad.stderr
     import pass_time
 
-    args = types.SimpleNamespace(argv=["--write"], image_size=224, batch=8, budget="2GiB", repeats=2,
-                                 modes=["none", "budget"])
+    args = types.SimpleNamespace(argv=["--write"], image_size=224, batch=8, budget="2GiB", device_limit="8GiB",
+                                 repeats=2, modes=["none", "budget"])
     plan = {"stage": "plan", "pass_seconds": 1.25, "ops": 9000, "swaps": 106}
     results = {"none": [{"outcome": "trained", "passes": [plan]}, {"outcome": "trained", "passes": [
                    dict(plan, pass_seconds=0.75)]}],
