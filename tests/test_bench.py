@@ -542,3 +542,15 @@ def test_backward_ordering_reports_both_arms():
     text = backward_ordering.report(results, args, 120.0)
     assert "| holds | 146 | trained | 160 | 44.0 / 86.0 | 500.0 / 47.6 |" in text
     assert "| none | - | refused (memory_budget 192.0 MiB is too small) | - |" in text
+
+
+def test_execution_order_cli_checks_its_arguments_and_reports_ratios():
+    script = os.path.join(REPO, "bench", "execution_order.py")
+    bad = subprocess.run([sys.executable, script, "--models", "vgg16"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--models: choose from resnet50, densenet121" in bad.stderr
+    import execution_order
+
+    runs = [{"model": "densenet121", "order": o, "step_s": s, "swaps": 213}
+            for o, s in (("planned", 0.58), ("free", 0.46), ("planned", 0.57), ("free", 0.46))]
+    text = execution_order.report(runs)
+    assert "| densenet121 | 0.575 | 0.460 | [1.26, 1.24] | 1.25x |" in text

@@ -1,0 +1,107 @@
+"""Step time of the planned execution order against TF's own, interleaved: what the chain costs on the CPU.
+
+    python bench/execution_order.py                          # ResNet-50 and DenseNet-121, 64px, 3 rounds
+    python bench/execution_order.py --models resnet50 --rounds 1
+
+``DymemCallback(execution_order="planned")`` chains the step's ops with control edges in the simulator's order
+(``dymem_tf/planning/sequencing.py``); ``"free"`` leaves the order to TF's executor. Each run is a fresh
+interpreter with oneDNN off (the chain is skipped with oneDNN on, as in section 1 of docs/benchmarks.md) that trains
+6 steps of batch 16 with SGD and momentum, no budget; its step time is the median after the first step. The two
+orders alternate within each round, and the report gives planned / free per round and their median.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+MODELS = ("resnet50", "densenet121")
+ORDERS = ("planned", "free")
+
+
+def child(name: str, order: str, image_size: int) -> dict:
+    """One run in this interpreter: the median step time after the first, and the plan's swap count."""
+    import time
+
+    import keras
+    import numpy as np
+
+    import dymem_tf
+
+    keras.utils.set_random_seed(0)
+    app = {"resnet50": keras.applications.ResNet50, "densenet121": keras.applications.DenseNet121}[name]
+    model = app(weights=None, input_shape=(image_size, image_size, 3), classes=10)
+    model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
+                  loss=keras.losses.SparseCategoricalCrossentropy())
+    x = np.random.default_rng(0).normal(size=(96, image_size, image_size, 3)).astype("float32")
+    y = np.zeros(96, dtype="int64")
+    times: list[float] = []
+
+    class Timer(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, batch, logs=None):
+            times.append(time.perf_counter() - self.start)
+
+    cb = dymem_tf.DymemCallback(verbose=0, execution_order=order)
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[cb, Timer()])
+    return {"model": name, "order": order, "step_s": statistics.median(times[1:]),
+            "swaps": len(cb.plan.swaps) if cb.plan is not None else 0}
+
+
+def run(name: str, order: str, image_size: int) -> dict:
+    """:func:`child` in a fresh interpreter (oneDNN off)."""
+    env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="0", TF_CPP_MIN_LOG_LEVEL="3",
+               DYMEM_DEVICE_MEMORY_LIMIT=os.environ.get("DYMEM_DEVICE_MEMORY_LIMIT", "4GiB"))
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", name, order, "--image-size", str(image_size)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{name} {order} failed: {(proc.stderr or '').strip().splitlines()[-1:]}")
+    return json.loads(lines[-1])
+
+
+def report(results: list[dict]) -> str:
+    """planned / free step time per model: each round's ratio and their median."""
+    lines = ["| model | planned s | free s | planned / free [per round] | median |",
+             "| --- | ---: | ---: | --- | ---: |"]
+    for name in dict.fromkeys(r["model"] for r in results):
+        rounds = [r for r in results if r["model"] == name]
+        planned = [r["step_s"] for r in rounds if r["order"] == "planned"]
+        free = [r["step_s"] for r in rounds if r["order"] == "free"]
+        ratios = [p / f for p, f in zip(planned, free)]
+        lines.append(f"| {name} | {statistics.median(planned):.3f} | {statistics.median(free):.3f} | "
+                     f"[{', '.join(f'{x:.2f}' for x in ratios)}] | {statistics.median(ratios):.2f}x |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--image-size", type=int, default=64)
+    parser.add_argument("--child", nargs=2, metavar=("MODEL", "ORDER"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(args.child[0], args.child[1], args.image_size)))
+        return 0
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    if any(m not in MODELS for m in models) or args.rounds < 1:
+        parser.error(f"--models: choose from {', '.join(MODELS)}; --rounds at least 1")
+    results = []
+    for _ in range(args.rounds):
+        for name in models:
+            for order in ORDERS:
+                results.append(run(name, order, args.image_size))
+                print(json.dumps(results[-1]), flush=True)
+    print(f"python bench/execution_order.py {' '.join(sys.argv[1:] if argv is None else argv)}")
+    print(report(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
