@@ -169,7 +169,8 @@ class DymemCallback(keras.callbacks.Callback):
             raise planner.BudgetTooSmallError(
                 f"memory_budget {_fmt(self.budget_bytes)} is smaller than {what} ({_fmt(resident)}); raise the "
                 "budget or use a smaller model.")
-        floor = _pageblock_floor(stats, resident)
+        # a budget the device will be capped at (_cap_device_at_budget) cannot go below GTBM's pageblocks
+        floor = _pageblock_floor(stats, resident) if self.calibrate and self.policy != "none" else 0
         if self.budget_bytes is not None and floor > self.budget_bytes:
             raise planner.BudgetTooSmallError(
                 f"memory_budget {_fmt(self.budget_bytes)} is smaller than the least GTBM can train in: "
