@@ -169,9 +169,11 @@ class DymemCallback(keras.callbacks.Callback):
             raise planner.BudgetTooSmallError(
                 f"memory_budget {_fmt(self.budget_bytes)} is smaller than {what} ({_fmt(resident)}); raise the "
                 "budget or use a smaller model.")
-        # a budget the device will be capped at (_cap_device_at_budget) cannot go below GTBM's pageblocks
-        floor = _pageblock_floor(stats, resident) if self.calibrate and self.policy != "none" else 0
-        if self.budget_bytes is not None and floor > self.budget_bytes:
+        # under a budget the first step is the probe (dymem_tf.planning.first_step): least memory, measured,
+        # variables guarded, and the device capped at the budget (which cannot go below GTBM's pageblocks)
+        guard = self.budget_bytes is not None and self.policy != "none" and self.calibrate
+        floor = _pageblock_floor(stats, resident)
+        if guard and floor > self.budget_bytes:
             raise planner.BudgetTooSmallError(
                 f"memory_budget {_fmt(self.budget_bytes)} is smaller than the least GTBM can train in: "
                 f"{_fmt(floor)}, the pageblocks of the variables that stay on the device ({_fmt(resident)}) and one "
@@ -188,9 +190,8 @@ class DymemCallback(keras.callbacks.Callback):
             if self._offloads_weights():  # so do the weights: the first step (the probe) finds them there
                 _offload_weights(model, self.pass_.config.min_swap_bytes)
             _compact_weights(model)  # what stays (and state made in the host arena) is packed on the device
-        # A new train function: its first call instantiates it, and the graph pass plans that instantiation. Under
-        # a budget that first step is the probe (dymem_tf.planning.first_step): least memory, measured, variables guarded.
-        guard = self.budget_bytes is not None and self.policy != "none" and self.calibrate
+        # A new train function: its first call instantiates it, and the graph pass plans that instantiation (the
+        # probe under a guarded budget, see above).
         self.pass_.probe, self.pass_.calibration, self.pass_.memory = guard, None, None
         self._refined = False  # a budgeted plan calibrated again from its own first step (at most once)
         if guard:
@@ -461,10 +462,9 @@ class DymemCallback(keras.callbacks.Callback):
             sim = simulator.simulate(record.step_graph, record.plan, self.pass_.config.device,
                                      temporaries=self.pass_.memory.held_during(record.step_graph))
             predicted = sim.peak_bytes if source == "probe" else predicted
+            if group is not None and source == "probe":  # the group held the variables the probe kept
+                group = self._probe_group = group.without(placement.resident_bytes(sim.allocations))
             placed = placement.place(sim.allocations, group) if group is not None else None
-            if placed is not None and source == "probe":  # the group held the variables the probe kept
-                group = self._probe_group = group.without(placed.resident_bytes)
-                placed = placement.place(sim.allocations, group)
         if measured and predicted:
             # the bytes the probe's plan kept on the device all step: optimizer state it offloads is not among them
             # (its prediction counts that state only while it is back on the device)
@@ -740,7 +740,7 @@ def _pageblock_floor(stats: dict | None, resident: int) -> int:
     block = int((stats or {}).get("block_size") or 0)
     if block <= 0:
         return 0
-    return (max(-(-int(resident) // block), 1) + 2) * block
+    return placement.PersistentGroup(0, 0, block).reserved_with(max(int(resident), 1)) + 2 * block
 
 
 def _resident_weight_bytes(model, min_bytes: int) -> int:

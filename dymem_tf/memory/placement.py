@@ -93,9 +93,9 @@ def place(allocations: np.ndarray, group: PersistentGroup, steps: int = STEADY_S
     finds the persistent group as ``group``. With moving variables (:data:`ADOPTED` rows) the whole step is replayed
     ``steps`` times over them (:func:`steady_instance`), and the persistent group's share is the steady peak less
     the step's own blocks."""
-    rows = np.asarray(allocations, dtype=np.int64).reshape(-1, 4)
+    rows = _rows(allocations)
     own = rows[(rows[:, 3] == TRANSIENT) | (rows[:, 3] == MOBILE)]
-    resident = int(rows[rows[:, 3] == PERSISTENT, 2].sum())
+    resident = resident_bytes(rows)
     in_use, reserved = _replayed(own, group.block_size)
     persistent = group.reserved_with(resident)
     moving = rows[rows[:, 3] == ADOPTED]
@@ -103,6 +103,17 @@ def place(allocations: np.ndarray, group: PersistentGroup, steps: int = STEADY_S
         instance = steady_instance(own, moving, group.in_use_bytes + resident, int(rows[:, 1].max()) + 1, steps)
         persistent = max(persistent, _replayed(instance, group.block_size)[1] - reserved)
     return Placement(in_use, reserved, resident, persistent)
+
+
+def resident_bytes(allocations: np.ndarray) -> int:
+    """Bytes of the variables a simulated step keeps on the device (its persistent rows)."""
+    rows = _rows(allocations)
+    return int(rows[rows[:, 3] == PERSISTENT, 2].sum())
+
+
+def _rows(allocations: np.ndarray) -> np.ndarray:
+    """``allocations`` as an ``(n, 4)`` int64 array."""
+    return np.asarray(allocations, dtype=np.int64).reshape(-1, 4)
 
 
 def _replayed(rows: np.ndarray, block_size: int) -> tuple[int, int]:
