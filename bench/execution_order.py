@@ -24,12 +24,13 @@ ORDERS = ("planned", "free")
 
 def child(name: str, order: str, image_size: int) -> dict:
     """One run in this interpreter: the median step time after the first, and the plan's swap count."""
-    import time
-
     import keras
     import numpy as np
 
     import dymem_tf
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    from common import StepTimer
 
     keras.utils.set_random_seed(0)
     app = {"resnet50": keras.applications.ResNet50, "densenet121": keras.applications.DenseNet121}[name]
@@ -38,18 +39,9 @@ def child(name: str, order: str, image_size: int) -> dict:
                   loss=keras.losses.SparseCategoricalCrossentropy())
     x = np.random.default_rng(0).normal(size=(96, image_size, image_size, 3)).astype("float32")
     y = np.zeros(96, dtype="int64")
-    times: list[float] = []
-
-    class Timer(keras.callbacks.Callback):
-        def on_train_batch_begin(self, batch, logs=None):
-            self.start = time.perf_counter()
-
-        def on_train_batch_end(self, batch, logs=None):
-            times.append(time.perf_counter() - self.start)
-
-    cb = dymem_tf.DymemCallback(verbose=0, execution_order=order)
-    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[cb, Timer()])
-    return {"model": name, "order": order, "step_s": statistics.median(times[1:]),
+    cb, timer = dymem_tf.DymemCallback(verbose=0, execution_order=order), StepTimer()
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[cb, timer])
+    return {"model": name, "order": order, "step_s": timer.median_step_s(),
             "swaps": len(cb.plan.swaps) if cb.plan is not None else 0}
 
 
