@@ -156,3 +156,101 @@ def test_random_dags_layers_are_longest_paths(seed):
                 if a != b:
                     assert not nx.has_path(g, a, b)
     assert sorted(sum(sg.layers, [])) == sorted(spec)
+
+
+def random_spec_with_identities(rng: random.Random, n: int) -> dict:
+    """A random DAG where about a quarter of the ops are Identity/IdentityN (chains of them included), some with
+    control inputs, some read through several outputs."""
+    spec: dict = {}
+    names: list[str] = []
+    for i in range(n):
+        name = f"op{i}"
+        kind = rng.random()
+        k = rng.randint(1 if names else 0, min(3, len(names)))
+        inputs = [f"{p}:0" for p in rng.sample(names, k)] if k else []
+        control = rng.sample(names, 1) if names and rng.random() < 0.15 else []
+        if kind < 0.15 and inputs:
+            spec[name] = {"type": "Identity", "inputs": inputs[:1], "control": control, "bytes": 4}
+        elif kind < 0.25 and inputs:
+            spec[name] = {"type": "IdentityN", "inputs": inputs, "control": control, "bytes": [4] * len(inputs)}
+        else:
+            spec[name] = {"inputs": inputs, "control": control, "bytes": 8}
+        names.append(name)
+    for name, d in spec.items():  # read any output of an IdentityN producer
+        d["inputs"] = [f"{i.split(':')[0]}:{rng.randrange(len(spec[i.split(':')[0]]['bytes']))}"
+                       if isinstance(spec[i.split(":")[0]].get("bytes"), list) else i for i in d["inputs"]]
+    return spec
+
+
+def reference_layers(sg: StepGraph) -> list[list[str]]:
+    """The dependency layers as the first implementation computed them: a copy of the graph with every identity's
+    out-edges replaced (outermost first), then networkx's topological generations."""
+    g = sg.graph
+    bypass = [n for n, op in sg.ops.items() if op.type in ("Identity", "IdentityN")]
+    h = g.copy()
+    for name in reversed(list(nx.topological_sort(g.subgraph(bypass)))):
+        op = sg.ops[name]
+        sources = {sg.tensors[t].producer for t in op.inputs} | set(op.control_inputs)
+        for c in list(h.successors(name)):
+            cop = sg.ops[c]
+            fed = {op.inputs[k] for k, out in enumerate(op.outputs) if out in cop.inputs and k < len(op.inputs)}
+            for p in ({sg.tensors[t].producer for t in fed} if fed else sources):
+                h.add_edge(p, c)
+            h.remove_edge(name, c)
+    program = {n: i for i, n in enumerate(sg.ops)}
+    return [sorted(gen, key=program.__getitem__) for gen in nx.topological_generations(h)]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_layers_bypass_identities_as_the_graph_copy_did(seed):
+    rng = random.Random(seed)
+    sg = StepGraph.from_spec(random_spec_with_identities(rng, rng.randint(5, 120)))
+    assert layer_names(sg) == reference_layers(sg)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_generations_match_networkx_and_paths_match_has_path(seed):
+    from dymem_tf.planning.analysis import Reachability, is_acyclic_with, topological_generations
+
+    rng = random.Random(100 + seed)
+    sg = StepGraph.from_spec(random_spec_with_identities(rng, rng.randint(5, 60)))
+    g = sg.graph
+    assert topological_generations(g) == [list(gen) for gen in nx.topological_generations(g)]
+    assert sg.topological_order() == list(nx.topological_sort(g))
+    paths = Reachability(g)
+    for u in g.nodes:
+        for v in g.nodes:
+            assert paths.has_path(u, v) == nx.has_path(g, u, v), (u, v)
+    u, v = rng.choice(list(g.edges))
+    assert not is_acyclic_with(g, [(v, u)])
+    assert is_acyclic_with(g, [(u, v)])
+    with pytest.raises(CycleError):
+        topological_generations(g, [(v, u)])
+
+
+def test_reachability_is_dropped_when_the_graph_is_analysed_again():
+    from dymem_tf.planning import update_deferral
+
+    sg = StepGraph.from_spec({"a": {"bytes": 4}, "b": {"inputs": ["a"], "bytes": 4}, "c": {"bytes": 4},
+                              "d": {"inputs": ["c"]}})
+    assert not sg.reachability().has_path("b", "d")
+    update_deferral.defer(sg, [("b", "c")])
+    assert sg.reachability().has_path("b", "d")
+    assert sg.topological_order() == ["a", "b", "c", "d"]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_copy_equals_a_round_trip_and_is_independent(seed):
+    from dymem_tf.planning import update_deferral
+
+    rng = random.Random(200 + seed)
+    sg = StepGraph.from_spec(random_spec_with_identities(rng, 40))
+    before = json.dumps(sg.to_dict())
+    twin = sg.copy()
+    assert json.dumps(twin.to_dict()) == before
+    assert set(twin.graph.edges) == set(sg.graph.edges)
+    last, first = sg.execution_order()[-1], sg.execution_order()[0]
+    moved = update_deferral.defer(sg, [(first, last)], copy=True)
+    assert moved is not sg and moved.graph.has_edge(first, last)
+    twin.tensors[next(iter(twin.tensors))].variable = True
+    assert json.dumps(sg.to_dict()) == before  # neither the deferral nor the marking reached the original

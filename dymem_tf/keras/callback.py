@@ -71,7 +71,7 @@ class DymemCallback(keras.callbacks.Callback):
             planner simulated them, chained by control edges, so every step's peak is the one predicted, whatever the
             executor's thread count (see :mod:`dymem_tf.planning.sequencing`; the values are unchanged).
             ``"free"``: TF's executor orders the ops as they become ready; steps then differ by a few % in memory.
-        verbose: 0 silent, 1 prints the plan summary when the step is traced.
+        verbose: 0 silent, 1 prints the plan summary when the step is traced, 2 also the pass's time per stage.
     """
 
     def __init__(self, memory_budget=None, policy: str = "dymem", device=None, swapin_ahead: int = 1,

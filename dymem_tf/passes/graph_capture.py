@@ -14,17 +14,17 @@ names back to the model's layer names).
 """
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections import Counter
 from typing import Iterable, Sequence
 
-import networkx as nx
 import tensorflow as tf
 
 from dymem_tf.passes import host_memory
 from dymem_tf.planning.analysis import (ALIAS_OP_TYPES, METADATA_OP_TYPES, CycleError, OpInfo, StepGraph, TensorInfo,
-                                       analyse)
+                                       analyse, descendants)
 
 _GRAD_PREFIX = "gradient_tape/"
 #: Ops whose outputs alias variable storage (persistent memory): never swapped, counted in persistent bytes.
@@ -53,7 +53,7 @@ def is_gradient_name(name: str) -> bool:
 
 def _strip_gradient(name: str) -> str:
     i = name.find(_GRAD_PREFIX)
-    return _REPLICA.sub(r"\1", name[i + len(_GRAD_PREFIX):], count=1) if i >= 0 else name
+    return _without_replica(name[i + len(_GRAD_PREFIX):]) if i >= 0 else name
 
 
 _DEVICE_KIND = re.compile(r"(?:^|/)(?:device:)?([A-Za-z_]+):\d+$")
@@ -61,13 +61,19 @@ _DEVICE_KIND = re.compile(r"(?:^|/)(?:device:)?([A-Za-z_]+):\d+$")
 HOST_MEMORY_DTYPES_ON_ACCELERATORS = frozenset({"int32"})
 
 
+@functools.lru_cache(maxsize=256)
+def device_kind(device: str) -> str:
+    """The device type of a TF device name, upper-case (``"GPU"``); ``"CPU"`` for an unplaced op."""
+    match = _DEVICE_KIND.search(device or "")
+    return match.group(1).upper() if match else "CPU"
+
+
 def in_host_memory(device: str, dtype: str, op=None, index: int = 0) -> bool:
     """Whether output ``index`` of ``op``, of ``dtype``, produced on ``device`` lives in host memory (so a swap
     kernel must never see it and it takes no device memory): on an accelerator, int32 tensors, and the outputs the
     op's kernel for that device registers as ``HostMemory`` (:func:`host_memory.host_memory_outputs`; only with
     ``op``, a ``tf.Operation`` or a GraphDef view of one)."""
-    match = _DEVICE_KIND.search(device or "")
-    kind = match.group(1).upper() if match else "CPU"
+    kind = device_kind(device)
     if kind == "CPU":
         return False
     return dtype in HOST_MEMORY_DTYPES_ON_ACCELERATORS or (
@@ -87,7 +93,12 @@ _REPLICA = re.compile(r"(^|/)replica_\d+/")
 def _local(name: str, prefix: str) -> str:
     """``name`` without the inlining prefix ``prefix`` and without a strategy's replica scope (``replica_1/``)."""
     name = name[len(prefix):] if prefix and name.startswith(prefix) else name
-    return _REPLICA.sub(r"\1", name, count=1)
+    return _without_replica(name)
+
+
+def _without_replica(name: str) -> str:
+    """``name`` without its first ``replica_N/`` scope."""
+    return _REPLICA.sub(r"\1", name, count=1) if "replica_" in name else name
 
 
 def infer_model_scope(names: Iterable[str]) -> str | None:
@@ -136,36 +147,41 @@ def keras_layer_of(name: str, model_scope: str | None, layer_names: frozenset[st
     return comp
 
 
+def _static_dims(t) -> tuple | None:
+    """The static shape of ``t`` (a ``tf.Tensor`` or a GraphDef view's tensor) as a tuple with None for unknown
+    dimensions, or None for an unknown rank."""
+    dims = getattr(t, "dims", False)
+    if dims is not False:
+        return dims
+    return None if t.shape.rank is None else tuple(t.shape.as_list())
+
+
 def _shape_of(t: tf.Tensor, batch_size: int | None) -> tuple[tuple, bool]:
-    shape = t.shape
-    if shape.rank is None:
+    dims = _static_dims(t)
+    if dims is None:
         return (), False
-    dims = list(shape.as_list())
-    known = True
-    for i, d in enumerate(dims):
-        if d is None:
-            if i == 0 and batch_size is not None:
-                dims[i] = int(batch_size)
-            else:
-                known = False
-    return tuple(dims), known
+    if dims and dims[0] is None and batch_size is not None:
+        dims = (int(batch_size),) + dims[1:]
+    return dims, None not in dims
 
 
-def _nbytes(dtype: tf.DType, dims: tuple, known: bool) -> int:
-    if not known or dtype.name in _HANDLE_DTYPES or dtype == tf.string:
-        return 0
+@functools.lru_cache(maxsize=None)
+def _dtype_info(dtype: tf.DType) -> tuple[str, int]:
+    """``(name, bytes per element)`` of ``dtype``; 0 bytes for handles, strings and dtypes without a fixed size."""
+    if dtype.name in _HANDLE_DTYPES or dtype == tf.string:
+        return dtype.name, 0
     try:
-        size = dtype.size
+        return dtype.name, int(dtype.size)
     except Exception:  # noqa: BLE001  (exotic dtypes without a fixed size)
-        return 0
-    return int(size * math.prod(dims))
+        return dtype.name, 0
 
 
 def _dims(t: tf.Tensor, batch_size: int | None) -> list[int]:
     """Static dims with an unknown leading dim replaced by ``batch_size``; ValueError if any stays unknown."""
-    if t.shape.rank is None:
+    dims = _static_dims(t)
+    if dims is None:
         raise ValueError("unknown rank")
-    dims = t.shape.as_list()
+    dims = list(dims)
     if dims and dims[0] is None and batch_size is not None:
         dims[0] = int(batch_size)
     if any(d is None for d in dims):
@@ -234,20 +250,21 @@ def capture_step_graph(ops: Sequence[tf.Operation], batch_size: int | None = Non
     unknown = 0
     for op in ops:
         outs = []
+        holds_variables = op.type in _VARIABLE_READ_TYPES or op.type in _SOURCE_OP_TYPES
         for k, t in enumerate(op.outputs):
             dims, known = _shape_of(t, batch_size)
-            persistent = (op.type in _VARIABLE_READ_TYPES or op.type in _SOURCE_OP_TYPES
-                          or t.dtype.name in _HANDLE_DTYPES)
+            dtype, size = _dtype_info(t.dtype)
+            persistent = holds_variables or dtype in _HANDLE_DTYPES
             alias_of = None
             if op.type in ALIAS_OP_TYPES and k < len(op.inputs) and op.inputs[k].name in tensors:
                 alias_of = op.inputs[k].name
                 persistent = persistent or tensors[alias_of].persistent
-            host = in_host_memory(op.device, t.dtype.name, op, k)
+            host = in_host_memory(op.device, dtype, op, k)
             persistent = persistent or host  # never swapped: it does not occupy the device
             if not known and not persistent and alias_of is None:
                 unknown += 1
-            nbytes = 0 if host else _nbytes(t.dtype, dims, known)
-            tensors[t.name] = TensorInfo(t.name, op.name, k, t.dtype.name, dims, nbytes,
+            nbytes = int(size * math.prod(dims)) if known and not host else 0
+            tensors[t.name] = TensorInfo(t.name, op.name, k, dtype, dims, nbytes,
                                          persistent=persistent, shape_known=known, alias_of=alias_of)
             outs.append(t.name)
         # A lowered loop's back edge (NextIteration -> Merge) is left out: the step graph stays a DAG, and the
@@ -279,8 +296,10 @@ def capture_step_graph(ops: Sequence[tf.Operation], batch_size: int | None = Non
         analyse(sg)
     except CycleError as err:
         raise UnsupportedGraphError(str(err)) from err
-    _mark_frames(sg, enter_frames)
-    _mark_conditional(sg)
+    if enter_frames:  # without loops every op runs in the step's own frame ("")
+        _mark_frames(sg, enter_frames)
+    if any(op.type == "Switch" for op in infos):  # without conditionals no op is in a branch
+        _mark_conditional(sg)
     return sg
 
 
@@ -382,6 +401,4 @@ def _mark_backward(sg: StepGraph) -> None:
 
 def reach(g, seeds: list[str], direction: str) -> set[str]:
     """The seeds and every node reachable from them: ``"down"`` along edges, ``"up"`` against them."""
-    if direction == "down":
-        return set(seeds) | {v for _, v in nx.edge_dfs(g, seeds)}
-    return set(seeds) | {u for u, _, _ in nx.edge_dfs(g, seeds, orientation="reverse")}
+    return descendants(g, seeds, reverse=direction != "down")

@@ -12,6 +12,7 @@ Grappler legitimately produces (bfloat16 ``_FusedConv2D`` under oneDNN) and cost
 from __future__ import annotations
 
 import functools
+import hashlib
 
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
@@ -21,11 +22,21 @@ OUTPUT_SHAPES_ATTR = "_dymem_output_shapes"
 
 
 class TensorView:
-    """Output ``value_index`` of ``op``."""
+    """Output ``value_index`` of ``op``. ``dims`` is the static shape as a tuple (None for an unknown dimension),
+    or None for an unknown rank; ``shape`` is the same as a ``tf.TensorShape``, built when first asked for."""
 
-    def __init__(self, op: "OpView", value_index: int, dtype, shape):
-        self.op, self.value_index, self.dtype, self.shape = op, value_index, dtype, shape
+    __slots__ = ("op", "value_index", "dtype", "dims", "name", "_shape")
+
+    def __init__(self, op: "OpView", value_index: int, dtype, dims: tuple | None):
+        self.op, self.value_index, self.dtype, self.dims = op, value_index, dtype, dims
         self.name = f"{op.name}:{value_index}"
+        self._shape = None
+
+    @property
+    def shape(self) -> tf.TensorShape:
+        if self._shape is None:
+            self._shape = tf.TensorShape(self.dims)
+        return self._shape
 
     @property
     def device(self) -> str:
@@ -45,17 +56,19 @@ class OpView:
     def __init__(self, graph: "GraphView", node):
         self.graph, self.node_def = graph, node
         self.name, self.type, self.device = node.name, node.op, node.device
-        self.outputs = [TensorView(self, k, dt, sh) for k, (dt, sh) in enumerate(_outputs_of(node))]
+        self.outputs = [TensorView(self, k, dt, dims) for k, (dt, dims) in enumerate(_outputs_of(node))]
+        #: data inputs, in order, and the ops this op waits for through control edges (set by the graph once
+        #: every op exists)
+        self.inputs: list[TensorView] = []
+        self.control_inputs: list[OpView] = []
 
-    @functools.cached_property
-    def inputs(self) -> list[TensorView]:
-        """Data inputs, in order."""
-        return [self.graph.get_tensor_by_name(_tensor_name(i)) for i in self.node_def.input if not i.startswith("^")]
-
-    @functools.cached_property
-    def control_inputs(self) -> list["OpView"]:
-        """Ops this op waits for through control edges."""
-        return [self.graph.op(i[1:]) for i in self.node_def.input if i.startswith("^")]
+    def _link(self) -> None:
+        """Resolve the node's input strings into the graph's tensors and ops."""
+        for i in self.node_def.input:
+            if i.startswith("^"):
+                self.control_inputs.append(self.graph.op(i[1:]))
+            else:
+                self.inputs.append(self.graph.get_tensor_by_name(_tensor_name(i)))
 
     def get_attr(self, name: str):
         """The attribute's value, as ``tf.Operation.get_attr`` returns it for scalars and types."""
@@ -74,14 +87,37 @@ class OpView:
         return f"<OpView {self.name} ({self.type})>"
 
 
-class GraphView:
-    """All nodes of a serialized GraphDef, in file order."""
+#: Attributes that differ between two instantiations of one function and mean nothing to the pass (the name a
+#: ``_Arg`` was traced with); the nodes' ``experimental_debug_info`` (the function each was inlined from) differs too.
+INSTANCE_ATTRS = ("_user_specified_name",)
 
-    def __init__(self, data: bytes):
-        self.graph_def = graph_pb2.GraphDef.FromString(data)
+
+def parse(data: bytes) -> graph_pb2.GraphDef:
+    """The GraphDef serialized in ``data``."""
+    return graph_pb2.GraphDef.FromString(data)
+
+
+def fingerprint(graph_def: graph_pb2.GraphDef) -> bytes:
+    """A digest equal for two instantiations of the same step (:data:`INSTANCE_ATTRS` and the debug information
+    cleared in ``graph_def``, which is otherwise unchanged)."""
+    for node in graph_def.node:
+        node.ClearField("experimental_debug_info")
+        for name in INSTANCE_ATTRS:
+            if name in node.attr:
+                del node.attr[name]
+    return hashlib.sha256(graph_def.SerializeToString(deterministic=True)).digest()
+
+
+class GraphView:
+    """All nodes of a GraphDef (or its serialized bytes), in file order."""
+
+    def __init__(self, data: "bytes | graph_pb2.GraphDef"):
+        self.graph_def = parse(data) if isinstance(data, (bytes, bytearray)) else data
         self._ops = [OpView(self, node) for node in self.graph_def.node]
         self._by_name = {op.name: op for op in self._ops}
         self._consumers: dict[str, list[OpView]] | None = None
+        for op in self._ops:
+            op._link()
 
     def get_operations(self) -> list[OpView]:
         return list(self._ops)
@@ -119,12 +155,20 @@ def _tensor_name(graph_def_input: str) -> str:
 
 
 def _outputs_of(node) -> list[tuple]:
-    """``(dtype, TensorShape)`` of every output of ``node``, from the pass's annotations."""
-    types = [tf.dtypes.as_dtype(t) for t in node.attr[OUTPUT_TYPES_ATTR].list.type] \
-        if OUTPUT_TYPES_ATTR in node.attr else []
-    shapes = list(node.attr[OUTPUT_SHAPES_ATTR].list.shape) if OUTPUT_SHAPES_ATTR in node.attr else []
-    out = []
-    for k, dtype in enumerate(types):
-        shape = tf.TensorShape(shapes[k]) if k < len(shapes) else tf.TensorShape(None)
-        out.append((dtype, shape))
-    return out
+    """``(dtype, dims)`` of every output of ``node``, from the pass's annotations (see :class:`TensorView`)."""
+    attr = node.attr
+    types = [_dtype(t) for t in attr[OUTPUT_TYPES_ATTR].list.type] if OUTPUT_TYPES_ATTR in attr else []
+    shapes = list(attr[OUTPUT_SHAPES_ATTR].list.shape) if OUTPUT_SHAPES_ATTR in attr else []
+    return [(dtype, _dims(shapes[k]) if k < len(shapes) else None) for k, dtype in enumerate(types)]
+
+
+def _dims(proto) -> tuple | None:
+    """A ``TensorShapeProto`` as ``tf.TensorShape`` reads it: None for an unknown rank, -1 sizes as None."""
+    if proto.unknown_rank:
+        return None
+    return tuple(None if d.size < 0 else d.size for d in proto.dim)
+
+
+@functools.lru_cache(maxsize=None)
+def _dtype(enum: int) -> tf.DType:
+    return tf.dtypes.as_dtype(enum)

@@ -17,9 +17,11 @@ is unknown, a step without gradient ops.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import functools
+import gc
 import logging
 import re
 import time
@@ -31,7 +33,7 @@ import tensorflow as tf
 from dymem_tf import compat
 from dymem_tf.memory import placement
 from dymem_tf.passes import graph_capture, graph_def_view, graph_pass
-from dymem_tf.planning import first_step, pipeline, planner, simulator
+from dymem_tf.planning import first_step, pipeline, planner, simulator, stages
 from dymem_tf.planning.device_profiles import DeviceProfile
 
 logger = logging.getLogger("dymem_tf")
@@ -93,6 +95,8 @@ class TraceRecord:
     #: wall seconds the pass took on this instantiation: reading the graph, capturing, planning (calibrated plans:
     #: every placement re-plan) and the C++ rewrite, for all replicas together
     pass_seconds: float = 0.0
+    #: the pass's exclusive seconds per stage (:mod:`dymem_tf.planning.stages`; printed with ``verbose=2``)
+    stage_times: stages.StageTimes = stages.StageTimes()
 
     @property
     def graph(self) -> graph_def_view.GraphView:
@@ -188,8 +192,14 @@ class StepPass:
         #: the most recent instantiation, when the pass left it unmodified (None once a later one is planned)
         self.last_skipped: SkippedTrace | None = None
         self._print = print_fn
+        self._captures = CaptureCache()
         self._warned: set[str] = set()
         self._mobility: dict = {}
+
+    def _plans_again(self) -> bool:
+        """Whether the graph of this instantiation is likely planned again: under a budget the probe's step is
+        instantiated anew for the calibrated plan, with the same graph."""
+        return self.config.budget_bytes is not None
 
     @property
     def last_plan(self):
@@ -198,20 +208,22 @@ class StepPass:
     def __call__(self, call: graph_pass.PassCall) -> None:
         """Plan and rewrite one instantiated graph (the :func:`dymem_tf.passes.graph_pass.armed` listener)."""
         start = time.perf_counter()
-        graph = graph_def_view.GraphView(call.graph_def_bytes)
-        planned = []
-        groups = replica_ops(graph)
-        for replica, ops in groups:
-            try:
-                result = self.plan_ops(call.function_name, ops, replica, len(groups))
-            except planner.BudgetTooSmallError as err:
-                self.refusal = err
-                call.fail(str(err))
-                return
-            if result is not None:
-                planned.append((replica, result))
-        if planned:
-            self._apply(call, planned, start)
+        clock = stages.StageClock()
+        with clock.active(), _collector_paused():
+            with stages.stage("read"):
+                groups = self._captures.read(call.graph_def_bytes, keep=self._plans_again())
+            planned = []
+            for replica, ops in groups:
+                try:
+                    result = self.plan_ops(call.function_name, ops, replica, len(groups))
+                except planner.BudgetTooSmallError as err:
+                    self.refusal = err
+                    call.fail(str(err))
+                    return
+                if result is not None:
+                    planned.append((replica, result))
+            if planned:
+                self._apply(call, planned, start, clock)
 
     def plan_ops(self, function_name: str, ops: list, replica: int | None, replicas: int = 1):
         """The planned step for one device's ops, or None when they are left unmodified."""
@@ -223,11 +235,13 @@ class StepPass:
             # the same values for any batch. A budget needs the largest batch, which the first ones do not bound.
             if self.config.budget_bytes is None and not self.probe:
                 batch = observed
-        step_graph, problem = capture(ops, batch, observed if batch is None else None)
+        with stages.stage("capture"):
+            step_graph, problem = self._captures.capture(replica, ops, batch, observed if batch is None else None)
         if problem is not None:
             self.skip(function_name, problem, replica)
             return None
         cfg = self.config
+        shared = self._plans_again()  # the graph stays in the cache for the next plan: plan on copies of it
 
         def plan_with(headroom: float, copy: bool = False):
             # copy: another plan of the same graph follows (plan_step adds its deferral edges in place, and would
@@ -239,7 +253,7 @@ class StepPass:
                 headroom=0.0 if self.probe else headroom, defer_updates=cfg.defer_updates,
                 execution_order=cfg.execution_order, offload_variables=self._may_offload(ops, cfg.offload_variables),
                 offload_weights=self._may_offload(ops, cfg.offload_weights), least_memory=self.probe,
-                memory=None if self.probe else self.memory), copy=copy)
+                memory=None if self.probe else self.memory), copy=copy or shared)
 
         if self.probe or self.calibration is None or not self.calibration.persistent_group:
             planned = plan_with(cfg.headroom)
@@ -291,6 +305,7 @@ class StepPass:
             f"{limit / 2**20:.1f} MiB ({tries} plan{'s' if tries > 1 else ''} made)")
         return planned
 
+    @stages.timed("placement")
     def _placed_peak(self, planned) -> int:
         """The calibrated device peak that the placement of ``planned``'s simulated step predicts."""
         res = simulator.simulate(planned.step_graph, planned.plan, self.config.device,
@@ -307,20 +322,22 @@ class StepPass:
             return False
         return all("GPU" not in (op.device or "").upper() for op in ops)
 
-    def _apply(self, call: graph_pass.PassCall, planned: list, start: float) -> None:
+    def _apply(self, call: graph_pass.PassCall, planned: list, start: float, clock: stages.StageClock) -> None:
         """Hand every replica's plan to the C++ pass at once and record what it inserted (and the pass's seconds
-        since ``start``)."""
+        since ``start``, with ``clock``'s stages)."""
         swaps = [d for _, step in planned for d in step.plan.swaps]
         edges = [e for _, step in planned for e in step.deferrals]
         resident = [r for _, step in planned for r in step.resident]
         sequences = [(step.sequence.ops, step.sequence.with_added) for _, step in planned if step.sequence.ops]
         try:
-            rewritten = call.apply(graph_pass.encode_plan(swaps, edges, resident, sequences))
+            with stages.stage("rewrite"):
+                rewritten = call.apply(graph_pass.encode_plan(swaps, edges, resident, sequences))
         except graph_pass.PlanApplyError as err:
             self.skip(call.function_name, Unsupported(SkipKind.UNSUPPORTED_GRAPH, "", f"the plan did not fit the "
                                                                                    f"graph ({err})"), None)
             return
         seconds = time.perf_counter() - start
+        times = clock.times()
         for replica, step in planned:
             step_graph, plan, deferrals = step.step_graph, step.plan, step.deferrals
             report = rewrite_report(plan, deferrals)
@@ -328,13 +345,15 @@ class StepPass:
                 plan.mobility[name] = "mobile"
             self._mobility.update(plan.mobility)  # every instantiation of this fit stays callable
             record = TraceRecord(call.function_name, plan.batch_size, step_graph, plan, report, replica, rewritten,
-                                 seconds)
+                                 seconds, times)
             self.records.append(record)
             self.last_skipped = None
             if self.config.verbose:
                 where = f" (replica {replica})" if replica is not None else ""
                 self._print(plan.summary())
                 self._print(f"dymem_tf: rewrite{where}: {report.summary()} (pass: {seconds:.2f} s)")
+                if self.config.verbose >= 2:
+                    self._print(f"dymem_tf: pass stages{where}: {times.summary()}")
         _install_mobility(self._mobility)
 
     def skip(self, function_name: str, problem: Unsupported, replica: int | None) -> None:
@@ -349,6 +368,58 @@ class StepPass:
         if key not in self._warned:
             self._warned.add(key)
             compat.warn_user(message)
+
+
+class CaptureCache:
+    """The graph of the last instantiation the pass read, and the step graphs captured from it.
+
+    Under a budget one ``fit`` instantiates the same train step two or three times (the probe's plan, the
+    calibrated plan, a refined one), and TensorFlow hands the pass the same graph each time: it is read and
+    captured once. Callers that keep an entry must plan on copies of its step graph (the planning stages add
+    edges and mark tensors in place). Only the last graph is kept: a large step's analysis holds hundreds of MiB.
+    """
+
+    def __init__(self) -> None:
+        self._key: bytes | None = None
+        self._groups: list = []
+        self._graphs: dict = {}
+        self.hits = 0  # instantiations whose graph was read before
+
+    def read(self, data: bytes, keep: bool) -> list[tuple[int | None, list]]:
+        """The graph's ops per training device (:func:`replica_ops`), read again only for another graph;
+        ``keep``: keep the graph (and what is captured from it) for the next call."""
+        graph_def = graph_def_view.parse(data)
+        key = graph_def_view.fingerprint(graph_def)
+        if key == self._key:
+            self.hits += 1
+            return self._groups
+        groups = replica_ops(graph_def_view.GraphView(graph_def))
+        self._key, self._groups, self._graphs = (key, groups, {}) if keep else (None, [], {})
+        return groups
+
+    def capture(self, replica: int | None, ops: list, batch_size: int | None, observed_batch: int | None = None):
+        """:func:`capture` of one replica's ops, once per graph kept and batch size."""
+        entry = (replica, batch_size, observed_batch)
+        if entry in self._graphs:
+            return self._graphs[entry]
+        result = capture(ops, batch_size, observed_batch)
+        if self._key is not None:
+            self._graphs[entry] = result
+        return result
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    """Python's cyclic garbage collector off while the pass runs: the pass creates several hundred thousand
+    objects on a large step, and each collection they trigger walks the whole heap (a third of the capture's time
+    on a 47k-op step); what the pass leaves behind is collected afterwards as usual."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 @functools.lru_cache(maxsize=4)

@@ -15,9 +15,7 @@ It is the memory-aware ordering of the backward pass (issue #14, item 3) for the
 """
 from __future__ import annotations
 
-import networkx as nx
-
-from dymem_tf.planning.analysis import StepGraph, no_autograph
+from dymem_tf.planning.analysis import Reachability, StepGraph, is_acyclic_with, no_autograph
 
 #: Ops owning fewer output bytes than this are not worth an edge.
 MIN_HOLD_BYTES = 64 * 1024
@@ -57,7 +55,8 @@ def _inputs_stay(sg: StepGraph, name: str, effective: dict[str, int], held: dict
     return extended <= _owned_bytes(sg, name)
 
 
-def _propose(sg: StepGraph, order: list[str], min_bytes: int, excluded: set[str]) -> tuple[dict, dict]:
+def _propose(sg: StepGraph, order: list[str], min_bytes: int, excluded: set[str], paths: Reachability
+             ) -> tuple[dict, dict]:
     """Anchors for the gradient ops ready long before their first consumer (consumers first, so a chain of such
     ops follows its last link), and the dependency layers the ops would then have."""
     g = sg.graph
@@ -77,7 +76,7 @@ def _propose(sg: StepGraph, order: list[str], min_bytes: int, excluded: set[str]
                       and effective[p] < effective[first] and sg.ops[p].frame == op.frame]
         if first in anchor_of:
             candidates.append(anchor_of[first])
-        candidates = [p for p in candidates if effective[p] > op.layer and not nx.has_path(g, name, p)]
+        candidates = [p for p in candidates if effective[p] > op.layer and not paths.has_path(name, p)]
         if candidates:
             anchor_of[name] = max(candidates, key=effective.__getitem__)
             effective[name] = effective[anchor_of[name]] + 1
@@ -89,15 +88,14 @@ def find_holds(sg: StepGraph, min_bytes: int = MIN_HOLD_BYTES) -> list[tuple[str
     """``(anchor, op)`` pairs: gradient op ``op``, ready long before its first consumer, should run after ``anchor``
     (an op its first consumer waits for). A hold that would keep an input alive longer is dropped, and the
     proposal made again without it, until every hold is free."""
-    order = list(nx.topological_sort(sg.graph))
+    order = sg.topological_order()
+    paths = sg.reachability()
     excluded: set[str] = set()
     while True:
-        anchor_of, effective = _propose(sg, order, min_bytes, excluded)
+        anchor_of, effective = _propose(sg, order, min_bytes, excluded, paths)
         costly = {n for n in anchor_of if not _inputs_stay(sg, n, effective, anchor_of)}
         if not costly:
             break
         excluded |= costly
     pairs = sorted(((a, n) for n, a in anchor_of.items()), key=lambda p: effective[p[1]])
-    trial = sg.graph.copy()
-    trial.add_edges_from(pairs)
-    return pairs if nx.is_directed_acyclic_graph(trial) else []
+    return pairs if is_acyclic_with(sg.graph, pairs) else []

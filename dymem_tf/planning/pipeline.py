@@ -18,6 +18,7 @@ from dymem_tf.planning.cost_model import CostModel
 from dymem_tf.planning.device_profiles import DeviceProfile
 from dymem_tf.planning.memory_model import MeasuredMemory
 from dymem_tf.planning.plan import Plan
+from dymem_tf.planning.stages import stage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,19 +158,26 @@ def plan_step(step_graph: StepGraph, settings: PlanSettings, copy: bool = False)
     the deferral edges are added to it in place. Raises :class:`~dymem_tf.planning.planner.BudgetTooSmallError`
     (a ValueError) when no plan fits the budget.
     """
-    variables = offloadable_for(step_graph, settings)
-    weights = weights_for(step_graph, settings)
-    deferrals = deferrals_for(step_graph, settings, always=offload.early_reads(step_graph, variables, weights))
-    graph = update_deferral.defer(step_graph, deferrals, copy=copy) if deferrals or copy else step_graph
-    orderings = read_orderings_for(graph, settings)
-    if orderings:
-        graph = update_deferral.defer(graph, orderings)
-    holds = holds_for(graph, settings)
-    if holds:
-        graph = update_deferral.defer(graph, holds)
-    modelled = offload.mark(graph, variables)
-    modelled_weights = offload.mark(graph, weights)
-    recomputable = recomputable_for(graph, settings)
+    with stage("offload"):
+        variables = offloadable_for(step_graph, settings)
+        weights = weights_for(step_graph, settings)
+        early = offload.early_reads(step_graph, variables, weights)
+    with stage("defer"):
+        deferrals = deferrals_for(step_graph, settings, always=early)
+        graph = update_deferral.defer(step_graph, deferrals, copy=copy) if deferrals or copy else step_graph
+    with stage("order"):
+        orderings = read_orderings_for(graph, settings)
+        if orderings:
+            graph = update_deferral.defer(graph, orderings)
+    with stage("hold"):
+        holds = holds_for(graph, settings)
+        if holds:
+            graph = update_deferral.defer(graph, holds)
+    with stage("offload"):
+        modelled = offload.mark(graph, variables)
+        modelled_weights = offload.mark(graph, weights)
+    with stage("recompute"):
+        recomputable = recomputable_for(graph, settings)
     plan = planner.make_plan(
         graph, policy=settings.policy, budget_bytes=settings.budget_bytes,
         persistent_bytes=max(settings.persistent_bytes - modelled - modelled_weights, 0), profile=settings.profile,
@@ -208,7 +216,8 @@ def plan_step(step_graph: StepGraph, settings: PlanSettings, copy: bool = False)
     if variables or weights:  # offloading is on: whatever this plan keeps comes back first
         offloaded = {s.tensor for s in plan.swaps if s.kind in ("variable", "weight")}
         resident = [(t, users) for t, users in offload.variable_resources(graph) if t not in offloaded]
-    sequence = sequence_for(graph, settings)
+    with stage("sequence"):
+        sequence = sequence_for(graph, settings)
     if sequence.ops:
         plan.notes.append(f"{len(sequence.ops)} ops chained in the planned order" +
                           (", swap ops as soon as they are ready" if sequence.with_added else ""))

@@ -48,6 +48,7 @@ from dymem_tf.planning.cost_model import CostModel, as_cost_model
 from dymem_tf.planning.device_profiles import DeviceProfile
 from dymem_tf.planning.plan import Plan, RecomputeRoute, SwapDecision, SwapIn, WeightRoute
 from dymem_tf.planning.simulator import SimResult, Simulator, adopted_values
+from dymem_tf.planning.stages import stage, timed
 from dymem_tf.units import mib
 
 POLICIES = ("none", "dymem", "vdnn", "tflms")
@@ -247,6 +248,7 @@ class _Planner:
         return groups
 
     # ----------------------------------------------------------------------------------------------- candidates
+    @timed("candidates")
     def candidates(self, policy: str, relaxed: bool = False) -> list[_Candidate]:
         """Swap candidates of ``policy``; ``relaxed`` drops the size threshold and the round-trip test."""
         out = []
@@ -376,6 +378,7 @@ class _Planner:
             self._bwd_start = sorted((p, k) for k, p in first.items())
         return self._bwd_start
 
+    @timed("triggers")
     def decisions(self, policy: str, cands: list[_Candidate], mode: TriggerMode = "queue") -> list[SwapDecision]:
         """Swap decisions (with triggers) for the chosen candidates under ``policy``.
 
@@ -508,6 +511,7 @@ class _Planner:
         return wins
 
     # --------------------------------------------------------------------------------------------- selection
+    @timed("simulate")
     def run(self, swaps: list[SwapDecision], persistent: int, timeline: bool = False) -> SimResult:
         return self.sim.run(swaps, persistent, timeline=timeline, validate=False)
 
@@ -637,8 +641,9 @@ def make_plan(step_graph: StepGraph, policy: str = "dymem", budget_bytes: int | 
     if not 0.0 <= headroom < 1.0:
         raise ValueError(f"headroom must be in [0, 1), got {headroom!r}")
     cost = as_cost_model(profile)
-    pl = _Planner(step_graph, cost, min_swap_bytes, swapin_ahead, group_gap_layers, temporaries, weights,
-                  recomputable)
+    with stage("simulate"):
+        pl = _Planner(step_graph, cost, min_swap_bytes, swapin_ahead, group_gap_layers, temporaries, weights,
+                      recomputable)
     notes: list[str] = []
     target = None
     if budget_bytes is not None:
@@ -654,7 +659,8 @@ def make_plan(step_graph: StepGraph, policy: str = "dymem", budget_bytes: int | 
     mode: TriggerMode = "queue"
     if policy != "none":
         try:
-            chosen, mode = _choose(pl, policy, target, persistent_bytes, base, batch_size, notes, least_memory)
+            with stage("search"):
+                chosen, mode = _choose(pl, policy, target, persistent_bytes, base, batch_size, notes, least_memory)
         except BudgetTooSmallError as err:
             if not headroom:
                 raise

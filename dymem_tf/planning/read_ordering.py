@@ -14,9 +14,7 @@ value either way), so results stay bit-identical; the step graph the planner sim
 """
 from __future__ import annotations
 
-import networkx as nx
-
-from dymem_tf.planning.analysis import StepGraph, no_autograph
+from dymem_tf.planning.analysis import Reachability, StepGraph, no_autograph
 
 #: Ops that update a resource variable's buffer in place (input 0 is the resource).
 IN_PLACE_UPDATE_OP_TYPES = frozenset({"AssignAddVariableOp", "AssignSubVariableOp", "AssignVariableOp"})
@@ -41,19 +39,20 @@ def _value_bytes(sg: StepGraph, read: str) -> int:
     return sg.tensors[outputs[0]].bytes if outputs else 0
 
 
-def _uses_before(sg: StepGraph, update: str, reads: list[str], position: dict[str, int]) -> set[str]:
+def _uses_before(sg: StepGraph, update: str, reads: list[str], position: dict[str, int], paths: Reachability
+                 ) -> set[str]:
     """The ops that use a value of ``reads`` and do not depend on ``update`` (edges from them cannot close a cycle)."""
     g = sg.graph
     users: set[str] = set()
     for read in reads:
-        if position[read] > position[update] and nx.has_path(g, update, read):
+        if position[read] > position[update] and paths.has_path(update, read):
             continue  # a read of the updated value
         value = sg.ops[read].outputs[0]
         passing = {sg.tensors[a].producer for a in sg.aliases().get(value, ())}  # Identity ... of the value
         for user in sg.buffer_consumers(value):
             if user == update or user in passing or g.has_edge(user, update):
                 continue
-            if position[user] > position[update] and nx.has_path(g, update, user):
+            if position[user] > position[update] and paths.has_path(update, user):
                 continue
             users.add(user)
     return users
@@ -67,11 +66,12 @@ def find_read_orderings(sg: StepGraph, min_bytes: int = MIN_VARIABLE_BYTES) -> l
     for name, op in sg.ops.items():
         if op.type == "ReadVariableOp" and op.inputs and op.outputs and _value_bytes(sg, name) >= min_bytes:
             reads.setdefault(_resource(sg, name), []).append(name)
-    position = {name: i for i, name in enumerate(nx.topological_sort(sg.graph))}
+    position = {name: i for i, name in enumerate(sg.topological_order())}
+    paths = sg.reachability()
     pairs = []
     for name, op in sg.ops.items():
         if not is_in_place_update(op.type) or not op.inputs:
             continue
-        users = _uses_before(sg, name, reads.get(_resource(sg, name), []), position)
+        users = _uses_before(sg, name, reads.get(_resource(sg, name), []), position, paths)
         pairs += [(user, name) for user in sorted(users, key=position.__getitem__)]
     return pairs

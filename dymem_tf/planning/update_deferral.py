@@ -9,8 +9,6 @@ arithmetic is unchanged, so results stay bit-identical; only the temporaries' li
 """
 from __future__ import annotations
 
-import networkx as nx
-
 from dymem_tf.planning.analysis import StepGraph, analyse, no_autograph
 
 #: Ops producing fewer bytes than this are not worth an edge.
@@ -24,7 +22,7 @@ def find_deferrals(sg: StepGraph, min_bytes: int = MIN_DEFER_BYTES, always: froz
     (the op producing the gradient-derived operand it is combined with). Ops in ``always`` (reads of offloaded
     optimizer state, :mod:`dymem_tf.planning.offload`) are deferred whatever they own."""
     g = sg.graph
-    order = list(nx.topological_sort(g))
+    order = sg.topological_order()
     derived: dict[str, bool] = {}
     for name in order:
         op = sg.ops[name]
@@ -44,10 +42,11 @@ def find_deferrals(sg: StepGraph, min_bytes: int = MIN_DEFER_BYTES, always: froz
         if candidates:
             anchor[name] = min(candidates, key=program.__getitem__)
     pairs = []
+    paths = sg.reachability()
     for name, anc in anchor.items():
         owned = sum(sg.tensors[t].bytes for t in sg.ops[name].outputs
                     if not sg.tensors[t].persistent and sg.tensors[t].alias_of is None)
-        if (owned >= min_bytes or name in always) and not nx.has_path(g, name, anc):
+        if (owned >= min_bytes or name in always) and not paths.has_path(name, anc):
             pairs.append((anc, name))
     pairs.sort(key=lambda p: program[p[1]])
     return pairs
@@ -58,7 +57,7 @@ def defer(sg: StepGraph, deferrals: list[tuple[str, str]], copy: bool = False) -
     """Add the deferral edges to ``sg`` as control inputs and recompute its dependency layers (in place, or on a
     copy with ``copy=True``)."""
     if copy:
-        sg = StepGraph.from_dict(sg.to_dict())
+        sg = sg.copy()
     for anc, name in deferrals:
         op = sg.ops[name]
         if anc not in op.control_inputs:
