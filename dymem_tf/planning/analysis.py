@@ -112,8 +112,9 @@ class StepGraph:
         for t in self.tensors.values():
             if t.alias_of is not None and t.alias_of not in self.tensors:
                 raise ValueError(f"tensor {t.name!r} aliases unknown tensor {t.alias_of!r}")
-        data: dict[tuple[str, str], None] = {}  # insertion-ordered set
-        control: list[tuple[str, str]] = []
+        # one ordered map of edges, in the order the ops list them: each node's successors keep that order (the
+        # topological order, and so ties between equal candidates in the planning stages, depend on it)
+        kinds: dict[tuple[str, str], str] = {}
         for op in self.ops.values():
             for tname in op.inputs:
                 t = self.tensors.get(tname)
@@ -123,15 +124,14 @@ class StepGraph:
                     raise ValueError(f"tensor {tname!r} has unknown producer {t.producer!r}")
                 if op.name not in t.consumers:
                     t.consumers.append(op.name)
-                data[(t.producer, op.name)] = None
+                kinds[(t.producer, op.name)] = "data"
             for src in op.control_inputs:
                 if src not in self.ops:
                     raise ValueError(f"op {op.name!r} has unknown control input {src!r}")
-                control.append((src, op.name))
+                kinds.setdefault((src, op.name), "control")
         g = self.graph
         g.add_nodes_from(self.ops)
-        g.add_edges_from(data, kind="data")
-        g.add_edges_from((e for e in control if e not in data), kind="control")
+        g.add_edges_from((u, v, {"kind": kind}) for (u, v), kind in kinds.items())
 
     def copy(self) -> "StepGraph":
         """An independent copy (ops, tensors, edges, layers) to plan the same step again: the planning stages add

@@ -29,9 +29,11 @@ def _owned_bytes(sg: StepGraph, name: str) -> int:
     return sum(t.bytes for t in tensors if not t.persistent and t.alias_of is None)
 
 
-def _consumers(sg: StepGraph, name: str) -> set[str]:
-    """Ops reading an output of ``name`` (through aliases)."""
-    return {c for t in sg.ops[name].outputs for c in sg.buffer_consumers(t) if c != name}
+def _consumers(sg: StepGraph, name: str) -> list[str]:
+    """Ops reading an output of ``name`` (through aliases), once each, in the order the graph lists them: a set's
+    order would change with Python's string hashing and so, between equal candidates, the plan from one process
+    to the next."""
+    return list(dict.fromkeys(c for t in sg.ops[name].outputs for c in sg.buffer_consumers(t) if c != name))
 
 
 def _inputs_stay(sg: StepGraph, name: str, effective: dict[str, int], held: dict[str, str]) -> bool:
