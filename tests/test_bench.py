@@ -554,3 +554,36 @@ def test_execution_order_cli_checks_its_arguments_and_reports_ratios():
             for o, s in (("planned", 0.58), ("free", 0.46), ("planned", 0.57), ("free", 0.46))]
     text = execution_order.report(runs)
     assert "| densenet121 | 0.575 | 0.460 | [1.26, 1.24] | 1.25x |" in text
+
+
+def test_pass_scaling_checks_its_arguments_and_reports_stages_ratios_and_before():
+    script = os.path.join(REPO, "bench", "pass_scaling.py")
+    for bad_args, says in ((["--modes", "budget"], "--modes: none, then optionally budget"),
+                           (["--models", "vgg16,alexnet"], "--models from vgg16"),
+                           (["--budget-fraction", "1.5"], "--budget-fraction in (0, 1)")):
+        bad = subprocess.run([sys.executable, script, *bad_args], capture_output=True, text=True)
+        assert bad.returncode == 2 and says in bad.stderr
+    import pass_scaling
+
+    def entry(model, ops, seconds, stages, budget=None):
+        out = {"model": model, "none": {"outcome": "trained", "passes": [
+            {"stage": "plan", "pass_seconds": seconds, "ops": ops, "layers": ops // 10, "swaps": 7, "stages": stages}]}}
+        if budget:
+            out["budget"] = {"outcome": "trained", "passes": [
+                {"stage": s, "pass_seconds": t, "ops": ops, "layers": 1, "swaps": 9, "stages": {}} for s, t in budget]}
+        return out
+
+    results = {"vgg16": entry("vgg16", 2000, 0.2, {"read": 0.05, "capture": 0.1}),
+               "nasnetlarge": entry("nasnetlarge", 40000, 2.0, {"read": 0.5, "capture": 1.0, "rewrite": 0.2},
+                                    budget=[("probe", 2.1), ("calibrated", 1.9), ("plan", 9.0)]),
+               "resnet152": {"model": "resnet152", "error": ["MemoryError"]}}
+    args = types.SimpleNamespace(argv=["--write"], budget_fraction=0.85)
+    before = {"commit": "41d1bae", "results": {"nasnetlarge": entry("nasnetlarge", 40000, 20.0, {})}}
+    text = pass_scaling.report(results, args, 600.0, "abc1234", before)
+    assert text.startswith(pass_scaling.BEGIN) and text.endswith(pass_scaling.END)
+    # stage columns, the rest as "other", seconds per 1k ops; budget: the first step's passes only (not a retrace)
+    assert "| vgg16 | 2,000 | 200 | 7 | 0.05 | 0.10 | - | - | - | - | - | - | 0.05 | 0.20 | 0.100 | - | - |" in text
+    assert "| nasnetlarge | 40,000 | 4,000 | 7 | 0.50 | 1.00 |" in text and "| 2, 4.00 | 2.00x |" in text
+    assert "0.050 to 0.100 (2.00x between the models)" in text
+    assert "Failed: resnet152: ['MemoryError']" in text
+    assert "| nasnetlarge | 40,000 | 20.00 | 2.00 | 10.0x |" in text and "at commit abc1234" in text

@@ -186,3 +186,35 @@ def test_temporaries_of_consecutive_ops_never_overlap_whatever_their_durations()
     temp = 10 << 20
     res = simulate(sg, [], "cpu", temporaries={f"op{i}": temp for i in range(300)})
     assert temp <= res.peak_bytes < temp + 4 * 1024
+
+
+def test_a_swap_in_whose_trigger_was_dropped_starts_after_its_swap_out():
+    """pipeline.drop_conditional_triggers blanks the trigger of a swap-in whose layer runs only inside a
+    conditional branch; the plan is simulated again afterwards (the calibrated plan's placement, the callback's
+    prediction), which must read the blank trigger as "as soon as the swap-out is done", as the rewrite does."""
+    from dymem_tf.planning import pipeline, planner
+
+    mb = 1 << 20
+    sg = StepGraph.from_spec({
+        "x": {"type": "Placeholder", "bytes": mb},
+        "f1": {"type": "Relu", "inputs": ["x"], "bytes": 4 * mb},
+        "f2": {"type": "Tanh", "inputs": ["f1"], "bytes": 4 * mb},
+        "f3": {"type": "Neg", "inputs": ["f2"], "bytes": 4 * mb},
+        "loss": {"type": "Sum", "inputs": ["f3"], "bytes": 4},
+        "b1": {"type": "Neg", "inputs": ["loss"], "bytes": 4 * mb, "backward": True},
+        "b2": {"type": "Neg", "inputs": ["b1"], "bytes": 4 * mb, "backward": True},
+        "b3": {"type": "Neg", "inputs": ["b2"], "bytes": 4 * mb, "backward": True},
+        "b4": {"type": "ReluGrad", "inputs": ["b3", "f1"], "bytes": 4 * mb, "backward": True},
+    })
+    plan = planner.make_plan(sg, least_memory=True)
+    (f1,) = [s for s in plan.swaps if s.tensor == "f1:0"]
+    assert f1.swap_ins[0].trigger_op == "b3"
+    sg.ops["b3"].conditional = True  # the trigger layer runs only inside a branch
+    assert pipeline.drop_conditional_triggers(plan, sg) >= 1 and f1.swap_ins[0].trigger_op == ""
+    assert planner.validate_plan(sg, plan) == []
+    res = simulate(sg, plan)
+    (event,) = [e for e in res.swap_events if e.tensor == "f1:0"]
+    assert event.in_start == pytest.approx(event.out_end)
+    # back at once, the swap-in's buffer lives from the forward pass to its consumer: no memory saved, and the
+    # prediction says so (it used to fail on the blank trigger)
+    assert res.peak_by_group["mobile"] > 0 and res.peak_bytes >= simulate(sg, None).peak_bytes

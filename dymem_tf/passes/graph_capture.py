@@ -35,14 +35,6 @@ _HANDLE_DTYPES = frozenset({"resource", "variant"})
 _SUFFIX = re.compile(r"_\d+$")
 
 
-def ops_created_by(fn, *args):
-    """Call ``fn(*args)`` while a graph is being built; return its outputs and the ops it added to that graph."""
-    graph = tf.compat.v1.get_default_graph()
-    start = len(graph.get_operations())
-    outputs = fn(*args)
-    return outputs, graph.get_operations()[start:]
-
-
 class UnsupportedGraphError(ValueError):
     """The ops do not form a step graph dymem can plan (no ops, or a dependency cycle)."""
 

@@ -807,6 +807,9 @@ def validate_plan(step_graph: StepGraph, plan: Plan) -> list[str]:
             errs.append(f"{s.tensor} is persistent")
         served = set(s.forward_consumers)
         for si in s.swap_ins:
+            if not si.trigger_op:  # untriggered (its layer was conditional): starts after the swap-out
+                served.update(si.consumers)
+                continue
             trig = step_graph.ops.get(si.trigger_op)
             if trig is None:
                 errs.append(f"{s.tensor}: unknown trigger {si.trigger_op}")

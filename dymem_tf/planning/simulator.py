@@ -289,12 +289,12 @@ class Simulator:
             if t.alias_of is not None:
                 raise ValueError(f"plan swaps {s.tensor!r}, an alias of {t.alias_of!r}: swap the buffer's owner")
             for si in s.swap_ins:
-                if si.trigger_op not in self.pos:
+                if si.trigger_op and si.trigger_op not in self.pos:
                     raise ValueError(f"swap-in of {s.tensor!r} has unknown trigger op {si.trigger_op!r}")
                 if not si.consumers:
                     raise ValueError(f"a swap-in of {s.tensor!r} has no consumers")
-                tp = self.pos[si.trigger_op]
-                if tp <= self.pos[t.producer]:
+                tp = self._trigger_pos(s, si)
+                if si.trigger_op and tp <= self.pos[t.producer]:
                     raise ValueError(f"swap-in of {s.tensor!r} is triggered by {si.trigger_op!r}, "
                                      f"which does not run after the producer {t.producer!r}")
                 for c in si.consumers:
@@ -310,9 +310,10 @@ class Simulator:
             raise ValueError(f"weight {s.tensor!r} needs two swap-ins (forward, backward) and a route")
         last = self.pos[s.producer]
         for si in s.swap_ins:
-            if si.trigger_op not in self.pos or any(c not in self.pos for c in si.consumers) or not si.consumers:
+            if (si.trigger_op and si.trigger_op not in self.pos) or any(c not in self.pos for c in si.consumers) \
+                    or not si.consumers:
                 raise ValueError(f"a swap-in of weight {s.tensor!r} names unknown ops or has no users")
-            tp = self.pos[si.trigger_op]
+            tp = self.pos[si.trigger_op] if si.trigger_op else last
             if not last <= tp < min(self.pos[c] for c in si.consumers):
                 raise ValueError(f"a swap-in of weight {s.tensor!r} is not triggered between its previous stay "
                                  f"and its users")
@@ -325,12 +326,19 @@ class Simulator:
         if r is None or len(s.swap_ins) != 1 or not r.ops or any(op not in self.pos for op, _ in r.ops):
             raise ValueError(f"recomputation of {s.tensor!r} needs its chain of ops and one swap-in")
         si = s.swap_ins[0]
-        if si.trigger_op not in self.pos or not si.consumers or any(c not in self.pos for c in si.consumers):
+        if (si.trigger_op and si.trigger_op not in self.pos) or not si.consumers \
+                or any(c not in self.pos for c in si.consumers):
             raise ValueError(f"recomputation of {s.tensor!r} names unknown ops")
         if set(si.consumers) != {c for c, _ in r.reroutes}:
             raise ValueError(f"recomputation of {s.tensor!r} must feed exactly the consumers it reroutes")
-        if not self.pos[s.producer] < self.pos[si.trigger_op] < min(self.pos[c] for c in si.consumers):
+        if not self.pos[s.producer] < self._trigger_pos(s, si, after=1) < min(self.pos[c] for c in si.consumers):
             raise ValueError(f"recomputation of {s.tensor!r} is not triggered between its producer and consumers")
+
+    def _trigger_pos(self, s: SwapDecision, si, after: int = 0) -> int:
+        """Position of the op whose end starts swap-in ``si``: its trigger or, for a swap-in without one (its layer
+        ran only inside a conditional branch: :func:`dymem_tf.planning.pipeline.drop_conditional_triggers`), the
+        producer's plus ``after``: the copy starts as soon as its input is there, as the rewrite runs it."""
+        return self.pos[si.trigger_op] if si.trigger_op else self.pos[s.producer] + after
 
     def recompute_time(self, s: SwapDecision) -> float:
         """Modelled time of the ops a recomputation copies."""
@@ -357,8 +365,9 @@ class Simulator:
             for k, si in enumerate(s.swap_ins):
                 cpos = [self.pos[c] for c in si.consumers]
                 j = len(swap_ins)
-                swap_ins.append((i, k, s.bytes, self.pos[si.trigger_op], min(cpos), max(cpos)))
-                events.append((self.pos[si.trigger_op], 2, min(cpos), j))
+                tp = self._trigger_pos(s, si)
+                swap_ins.append((i, k, s.bytes, tp, min(cpos), max(cpos)))
+                events.append((tp, 2, min(cpos), j))
                 events.append((min(cpos), 0, j, j))
         events.sort()
         n_in = len(swap_ins)

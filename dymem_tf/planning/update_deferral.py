@@ -65,13 +65,3 @@ def defer(sg: StepGraph, deferrals: list[tuple[str, str]], copy: bool = False) -
             sg.graph.add_edge(anc, name, kind="control")
     return analyse(sg)
 
-
-def apply_deferrals(graph, deferrals: list[tuple[str, str]]) -> int:
-    """Add the deferral control edges to the TF ``graph`` being traced; returns how many were added."""
-    ops = {op.name: op for op in graph.get_operations()}
-    added = 0
-    for anc, name in deferrals:
-        if anc in ops and name in ops and ops[anc] not in ops[name].control_inputs:
-            ops[name]._add_control_input(ops[anc])  # pylint: disable=protected-access
-            added += 1
-    return added
