@@ -389,3 +389,35 @@ def test_region_allocator_through_a_host_stand_in_for_the_gpu_sub_allocator(thre
 def test_region_selftest_reports_invalid_arguments():
     with pytest.raises(RuntimeError, match="invalid"):
         allocator.region_selftest(base_alignment=3)
+
+
+def test_the_out_of_memory_hint_on_a_gpu_names_the_gpu_not_the_cpu_pool(monkeypatch):
+    """On a GPU the step's memory is the GPU's: the hint must not send the user to DYMEM_DEVICE_MEMORY_LIMIT (the
+    CPU device's pool, which does nothing there) but say what frees or enlarges GPU memory (faked device list)."""
+    from dymem_tf.keras import callback
+
+    monkeypatch.setattr(callback, "training_gpus", lambda: ["GPU:0"])
+    monkeypatch.setattr(callback, "device_memory_capacity", lambda: 40 << 30)
+    hint = callback.DymemCallback(memory_budget="30GiB", verbose=0).out_of_memory_hint()
+    assert "DYMEM_DEVICE_MEMORY_LIMIT" not in hint and "set_memory_limit" not in hint and "GTBM device" not in hint
+    assert "GPU:0" in hint and "40.0 GiB" in hint and "memory_budget=30.0 GiB" in hint
+    assert "lower the batch size" in hint and "GPU with more memory" in hint
+    monkeypatch.setattr(callback, "training_gpus", lambda: [])  # the CPU keeps its own advice
+    assert "GPU" not in callback.DymemCallback(verbose=0).out_of_memory_hint()
+
+
+def test_an_unknown_gpu_says_which_profile_it_falls_back_to(monkeypatch):
+    import tensorflow as tf
+
+    from dymem_tf import compat
+    from dymem_tf.keras import callback
+
+    warned = []
+    monkeypatch.setattr(compat, "warn_user", warned.append)
+    monkeypatch.setattr(tf.config, "list_physical_devices", lambda kind=None: ["GPU:0"] if kind == "GPU" else [])
+    names = iter(["NVIDIA H100 80GB HBM3", "NVIDIA GeForce RTX 4090"])
+    monkeypatch.setattr(tf.config.experimental, "get_device_details", lambda gpu: {"device_name": next(names)})
+    assert callback.default_device_profile() == "h100" and warned == []
+    assert callback.default_device_profile() == "a100"
+    assert len(warned) == 1 and "NVIDIA GeForce RTX 4090" in warned[0] and "'a100'" in warned[0]
+    assert "device=" in warned[0]

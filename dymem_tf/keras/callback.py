@@ -593,16 +593,23 @@ class DymemCallback(keras.callbacks.Callback):
     def out_of_memory_hint(self) -> str:
         """What the out-of-memory error of a train step under this callback adds: the budget, and what to change."""
         limits = []
-        if allocator.is_active():
-            env = os.environ.get(allocator.LIMIT_ENV)
-            src = f"{allocator.LIMIT_ENV}={env}" if env else "the GTBM default (no DYMEM_DEVICE_MEMORY_LIMIT set)"
-            limits.append(f"GTBM device budget {_fmt(allocator.get_memory_limit())} ({src})")
+        gpus = training_gpus()
+        if gpus:  # GTBM's CPU pool (DYMEM_DEVICE_MEMORY_LIMIT) is not the step's memory there
+            capacity = device_memory_capacity()
+            limits.append(f"memory of {', '.join(gpus)}" + (f" ({_fmt(capacity)} for TensorFlow)" if capacity else ""))
+            device_limit = capacity
+            raise_budget = ("free GPU memory that other processes hold, or use a GPU with more memory")
+        else:
+            if allocator.is_active():
+                env = os.environ.get(allocator.LIMIT_ENV)
+                src = f"{allocator.LIMIT_ENV}={env}" if env else "the GTBM default (no DYMEM_DEVICE_MEMORY_LIMIT set)"
+                limits.append(f"GTBM device budget {_fmt(allocator.get_memory_limit())} ({src})")
+            device_limit = allocator.get_memory_limit() if allocator.is_active() else None
+            raise_budget = (f"raise the budget ({allocator.LIMIT_ENV} before starting Python, or "
+                            "dymem_tf.set_memory_limit)" if device_limit is not None else "use a device with more memory")
         if self.budget_bytes is not None:
             limits.append(f"memory_budget={_fmt(self.budget_bytes)}")
         where = "; ".join(limits) if limits else "the device's memory"
-        device_limit = allocator.get_memory_limit() if allocator.is_active() else None
-        raise_budget = (f"raise the budget ({allocator.LIMIT_ENV} before starting Python, or "
-                        "dymem_tf.set_memory_limit)" if device_limit is not None else "use a device with more memory")
         skipped = self.pass_.last_skipped
         if skipped is not None:  # no plan runs in this step: swapping (or a plan's budget) cannot change anything
             why = skipped.reason.split(": ", 1)[-1].rstrip(".")
@@ -976,10 +983,15 @@ def default_device_profile() -> str:
     gpus = tf.config.list_physical_devices("GPU")
     if not gpus:
         return "cpu"
-    name = tf.config.experimental.get_device_details(gpus[0]).get("device_name", "").lower()
+    shown = tf.config.experimental.get_device_details(gpus[0]).get("device_name", "")
+    name = shown.lower()
     for key in ("h200", "gh200", "h100", "a100", "v100"):
         if key in name:
             return key
+    compat.warn_user(f"dymem_tf: no cost profile matches the GPU {shown!r}; planning with the 'a100' profile. Pass "
+                     "DymemCallback(device=...) with the closest of "
+                     f"{', '.join(p for p in device_profiles.known_profiles() if p != 'cpu')}, or a DeviceProfile "
+                     "measured on this GPU (dymem_tf.planning.device_profiles).")
     return "a100"
 
 
