@@ -353,6 +353,28 @@ def test_a_var_record_keeps_the_state_in_host_memory_between_its_uses():
     assert types.count("DymemVariableSwapOut") == 2 and types.count("DymemVariableSwapIn") == 1
 
 
+def test_records_may_name_the_nodes_a_var_record_adds():
+    """Validation accepts a control edge (or a clone input) that names a node a ``var`` record adds; the applier
+    must find it too (it looked up only the graph's nodes and the other records' ones: std::out_of_range inside
+    TensorFlow ended the process)."""
+    base = _run_momentum(lambda call: None, steps=2)
+    rewritten = []
+
+    def apply(call):
+        view = graph_def_view.GraphView(call.graph_def_bytes)
+        arg, users = _state_arg(view)
+        n = arg.name
+        plan = (f"var\t{n}\t0\t{n}/e\t{n}/i\t{n}/o\t\t{','.join(users)}\n"
+                f"ctrl\t{n}/e\t{users[0]}\n")
+        rewritten.append((graph_def_view.GraphView(call.apply(plan)), f"{n}/e", users[0]))
+
+    losses, w, m, offloaded = _run_momentum(apply, steps=2)
+    assert losses == base[0] and offloaded == [True, True]
+    np.testing.assert_array_equal(w, base[1])
+    view, evict, user = rewritten[0]
+    assert evict in [c.name for c in view.op(user).control_inputs]
+
+
 @pytest.mark.parametrize("record, fragment", [
     ("var\t{x}\t0\ta\tb\tc\t\t{users}\n", "is not a resource"),
     ("var\t{arg}\t0\ta\tb\tc\t\t{x}\n", "does not read"),

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <deque>
+#include <exception>
 #include <functional>
 #include <queue>
 #include <sstream>
@@ -469,8 +470,10 @@ void AddLoggedControlEdge(Graph* graph, Node* from, Node* to, UndoLog* log) {
   if (e != nullptr) log->added_control_edges.push_back(e);
 }
 
-// Adds each variable's evict, swap-in and swap-out with their control edges; false with `error` on failure.
-bool AddVariableSwaps(const StepPlan& plan, const NodeIndex& index, Graph* graph, UndoLog* log, std::string* error) {
+// Adds each variable's evict, swap-in and swap-out with their control edges, and names them in `added` (validation
+// lets later records name them); false with `error` on failure.
+bool AddVariableSwaps(const StepPlan& plan, const NodeIndex& index, Graph* graph, NodeIndex* added, UndoLog* log,
+                      std::string* error) {
   for (const VariableRecord& r : plan.variables) {
     Node* resource = index.at(r.resource);
     Node* evict = AddVariableNode(graph, r.evict, "DymemVariableSwapOut", resource, r.port, error);
@@ -480,6 +483,7 @@ bool AddVariableSwaps(const StepPlan& plan, const NodeIndex& index, Graph* graph
     Node* out = in ? AddVariableNode(graph, r.swap_out, "DymemVariableSwapOut", resource, r.port, error) : nullptr;
     if (out == nullptr) return false;
     log->added_nodes.push_back(out);
+    for (Node* n : {evict, in, out}) (*added)[n->name()] = n;
     AddLoggedControlEdge(graph, evict, in, log);
     if (!r.trigger.empty()) AddLoggedControlEdge(graph, index.at(r.trigger), in, log);
     for (const std::string& c : r.consumers) {
@@ -639,6 +643,29 @@ void AddControlEdges(const StepPlan& plan, const NodeIndex& index, const NodeInd
   }
 }
 
+// ApplyStepPlan's work; `log` holds what it changed.
+bool ApplyValidated(const StepPlan& plan, Graph* graph, UndoLog* log, std::string* error) {
+  NodeIndex index;
+  for (Node* n : graph->nodes()) index[n->name()] = n;
+  if (!Validate(plan, index, error)) return false;
+  NodeIndex added;
+  bool ok = AddSwapOuts(plan, index, graph, &added, log, error) &&
+            AddSwapIns(plan, index, graph, &added, log, error) &&
+            AddVariableSwaps(plan, index, graph, &added, log, error) &&
+            ApplyEdits(plan, index, graph, &added, log, error);
+  if (ok) AddControlEdges(plan, index, added, graph, log);
+  if (ok) AddSequences(plan, index, graph, log);
+  if (ok) {
+    std::string cycle = FindCycle(*graph);
+    if (!cycle.empty()) {
+      *error = absl::StrCat("the plan would make the graph cyclic: ", cycle);
+      ok = false;
+    }
+  }
+  if (!ok) Undo(graph, *log);
+  return ok;
+}
+
 }  // namespace
 
 bool ParseStepPlan(const std::string& text, StepPlan* plan, std::string* error) {
@@ -662,25 +689,16 @@ bool ParseStepPlan(const std::string& text, StepPlan* plan, std::string* error) 
 }
 
 bool ApplyStepPlan(const StepPlan& plan, Graph* graph, std::string* error) {
-  NodeIndex index;
-  for (Node* n : graph->nodes()) index[n->name()] = n;
-  if (!Validate(plan, index, error)) return false;
+  // Validation is meant to make every look-up below succeed; should one still throw, the plan is refused and the
+  // graph put back instead of the exception ending the process inside TensorFlow.
   UndoLog log;
-  NodeIndex added;
-  bool ok = AddSwapOuts(plan, index, graph, &added, &log, error) &&
-            AddSwapIns(plan, index, graph, &added, &log, error) &&
-            AddVariableSwaps(plan, index, graph, &log, error) && ApplyEdits(plan, index, graph, &added, &log, error);
-  if (ok) AddControlEdges(plan, index, added, graph, &log);
-  if (ok) AddSequences(plan, index, graph, &log);
-  if (ok) {
-    std::string cycle = FindCycle(*graph);
-    if (!cycle.empty()) {
-      *error = absl::StrCat("the plan would make the graph cyclic: ", cycle);
-      ok = false;
-    }
+  try {
+    return ApplyValidated(plan, graph, &log, error);
+  } catch (const std::exception& e) {
+    Undo(graph, log);
+    *error = absl::StrCat("the plan could not be applied: ", e.what());
+    return false;
   }
-  if (!ok) Undo(graph, log);
-  return ok;
 }
 
 }  // namespace dymem
