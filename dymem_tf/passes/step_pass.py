@@ -242,18 +242,22 @@ class StepPass:
             return None
         cfg = self.config
         shared = self._plans_again()  # the graph stays in the cache for the next plan: plan on copies of it
+        prepared: list = []  # the graph prepared once (its edges and marks do not depend on the headroom)
 
         def plan_with(headroom: float, copy: bool = False):
-            # copy: another plan of the same graph follows (plan_step adds its deferral edges in place, and would
-            # find none to insert on a graph that has them)
-            return pipeline.plan_step(step_graph, pipeline.PlanSettings(
+            # copy: another plan of the same graph follows (the preparation adds its deferral edges in place, and
+            # would find none to insert on a graph that has them)
+            settings = pipeline.PlanSettings(
                 policy=cfg.policy, budget_bytes=None if self.probe else cfg.budget_bytes,
                 persistent_bytes=self.persistent_bytes, profile=cfg.device, batch_size=batch,
                 min_swap_bytes=cfg.min_swap_bytes, swapin_ahead=cfg.swapin_ahead,
                 headroom=0.0 if self.probe else headroom, defer_updates=cfg.defer_updates,
                 execution_order=cfg.execution_order, offload_variables=self._may_offload(ops, cfg.offload_variables),
                 offload_weights=self._may_offload(ops, cfg.offload_weights), least_memory=self.probe,
-                memory=None if self.probe else self.memory), copy=copy or shared)
+                memory=None if self.probe else self.memory)
+            if not prepared:
+                prepared.append(pipeline.prepare_step(step_graph, settings, copy=copy or shared))
+            return pipeline.finish_plan(prepared[0], settings)
 
         if self.probe or self.calibration is None or not self.calibration.persistent_group:
             planned = plan_with(cfg.headroom)

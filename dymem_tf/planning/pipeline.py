@@ -148,6 +148,23 @@ def recomputable_for(step_graph: StepGraph, settings: PlanSettings) -> list[reco
     return recompute.find_recomputable(step_graph, settings.min_swap_bytes)
 
 
+@dataclasses.dataclass
+class PreparedStep:
+    """A step graph made ready to plan: the ordering edges added (``deferrals``, read ``orderings``, ``holds``),
+    offloadable optimizer state and weights found and marked (their ``modelled`` bytes), recomputable tensors
+    found. None of it depends on the budget or the headroom, so re-plans of one graph share it."""
+
+    graph: StepGraph
+    variables: list
+    weights: list
+    deferrals: list[tuple[str, str]]
+    orderings: list[tuple[str, str]]
+    holds: list[tuple[str, str]]
+    modelled: int
+    modelled_weights: int
+    recomputable: list
+
+
 def plan_step(step_graph: StepGraph, settings: PlanSettings, copy: bool = False) -> PlannedStep:
     """Defer gradient-independent optimizer ops, plan the swaps, and clear triggers the rewrite cannot place.
 
@@ -156,8 +173,14 @@ def plan_step(step_graph: StepGraph, settings: PlanSettings, copy: bool = False)
 
     ``copy=True`` leaves ``step_graph`` untouched (the dry run plans one graph under several policies); otherwise
     the deferral edges are added to it in place. Raises :class:`~dymem_tf.planning.planner.BudgetTooSmallError`
-    (a ValueError) when no plan fits the budget.
+    (a ValueError) when no plan fits the budget. :func:`prepare_step` and :func:`finish_plan` are its two halves.
     """
+    return finish_plan(prepare_step(step_graph, settings, copy), settings)
+
+
+def prepare_step(step_graph: StepGraph, settings: PlanSettings, copy: bool = False) -> PreparedStep:
+    """Everything :func:`plan_step` does before the planner's search (see :class:`PreparedStep`); ``settings``'
+    budget, headroom, profile and measured memory are not read."""
     with stage("offload"):
         variables = offloadable_for(step_graph, settings)
         weights = weights_for(step_graph, settings)
@@ -178,6 +201,16 @@ def plan_step(step_graph: StepGraph, settings: PlanSettings, copy: bool = False)
         modelled_weights = offload.mark(graph, weights)
     with stage("recompute"):
         recomputable = recomputable_for(graph, settings)
+    return PreparedStep(graph, variables, weights, deferrals, orderings, holds, modelled, modelled_weights,
+                        recomputable)
+
+
+def finish_plan(prepared: PreparedStep, settings: PlanSettings) -> PlannedStep:
+    """The plan of a :func:`prepare_step`'d graph under ``settings`` (which must match the preparation's but for
+    the budget, headroom, profile and measured memory); ``prepared`` is not changed."""
+    graph, variables, weights = prepared.graph, prepared.variables, prepared.weights
+    deferrals, orderings, holds = prepared.deferrals, prepared.orderings, prepared.holds
+    modelled, modelled_weights, recomputable = prepared.modelled, prepared.modelled_weights, prepared.recomputable
     plan = planner.make_plan(
         graph, policy=settings.policy, budget_bytes=settings.budget_bytes,
         persistent_bytes=max(settings.persistent_bytes - modelled - modelled_weights, 0), profile=settings.profile,
