@@ -550,7 +550,9 @@ def test_predicted_vs_measured_per_plan(dashboard, trained_logdir):
             (cal_row,) = calibration_rows
             cal = written[1]["calibration"]
             assert attr(cal_row, "data-index", int) == 1
-            assert attr(cal_row, "data-raw-predicted-bytes", int) == cal["predicted_peak_bytes"] == \
+            # the probe simulated again with the kernel temporaries its step measured: never below the plan's own
+            # prediction, far above it where Eigen's convolution gradients take im2col workspaces (oneDNN off)
+            assert attr(cal_row, "data-raw-predicted-bytes", int) == cal["predicted_peak_bytes"] >= \
                 written[0]["predicted_peak_bytes"]
             assert attr(cal_row, "data-measured-bytes", int) == cal["measured_peak_bytes"]
             assert attr(cal_row, "data-headroom", float) == pytest.approx(cal["headroom"])
