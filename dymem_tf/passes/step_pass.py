@@ -393,8 +393,9 @@ class CaptureCache:
         """The graph's ops per training device (:func:`replica_ops`), read again only for another graph;
         ``keep``: keep the graph (and what is captured from it) for the next call."""
         graph_def = graph_def_view.parse(data)
-        key = graph_def_view.fingerprint(graph_def)
-        if key == self._key:
+        # the fingerprint (a deterministic serialization of the whole graph) only where a hit is possible
+        key = graph_def_view.fingerprint(graph_def) if keep or self._key is not None else None
+        if key is not None and key == self._key:
             self.hits += 1
             return self._groups
         groups = replica_ops(graph_def_view.GraphView(graph_def))
