@@ -17,6 +17,7 @@ Each measurement runs in a fresh interpreter (Keras keeps every model it built a
 
 ``python bench/budget_reliability.py`` writes the "Budget reliability" section of docs/benchmarks.md (between its
 markers) and prints it; ``--quick`` runs fewer steps on fewer samples and writes nothing unless ``--write``.
+The ``bert`` and ``bert_base`` models need keras-hub (``pip install --no-build-isolation -e '.[bench]'``).
 """
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ BEGIN, END = "<!-- budget-reliability:begin -->", "<!-- budget-reliability:end -
 #: batch size per model (small images: seconds per step on 2 cores)
 BATCH = {"vgg16": 32, "resnet50_sgd": 32, "resnet50_adam": 32, "densenet121": 32, "inception_v3": 16,
          "mobilenet_v2": 32, "efficientnet_b0": 32, "transformer_encoder": 32, "gpt_decoder": 16, "unet": 8,
-         "gan": 64, "lstm": 64}
+         "gan": 64, "lstm": 64, "bert": 16, "bert_base": 4,
+         "gated_cnn": 32}
 MiB = 1 << 20
 
 

@@ -115,6 +115,26 @@ def unet(batch: int, samples: int, seed: int, size: int = 64, base: int = 16):
             rng.integers(0, 4, size=(samples, size, size)))
 
 
+class Gate(keras.layers.Layer):
+    """A data-dependent gate (the shape of stochastic depth and mixture routing): ``keras.ops.cond`` picks one of
+    two branches by the feature map's mean, so the step holds a lowered conditional (Switch/Merge) per gate."""
+
+    def call(self, x):
+        return keras.ops.cond(keras.ops.mean(x) > 0.0, lambda: keras.ops.relu(x), lambda: x * 0.5)
+
+
+def gated_cnn(batch: int, samples: int, seed: int, size: int = 64, width: int = 32, convs: int = 6):
+    """A CNN with a :class:`Gate` after each of its ``convs`` convolutions, trained with Adam."""
+    inp = keras.Input((size, size, 3))
+    h = inp
+    for _ in range(convs):
+        h = Gate()(keras.layers.Conv2D(width, 3, padding="same")(h))
+    model = keras.Model(inp, keras.layers.Dense(10)(keras.layers.GlobalAveragePooling2D()(h)))
+    model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return (model, *_images(samples, size, seed))
+
+
 class GAN(keras.Model):
     """A DCGAN-style GAN: a custom ``train_step`` with two gradient tapes and two optimizers."""
 
@@ -181,6 +201,33 @@ def lstm(batch: int, samples: int, seed: int, seq: int = 32, features: int = 32)
     return model, rng.normal(size=(samples, seq, features)).astype("float32"), rng.integers(0, 10, size=(samples,))
 
 
+def bert(batch: int, samples: int, seed: int, layers: int = 4, hidden: int = 256, intermediate: int = 1024,
+         heads: int = 4, seq: int = 128):
+    """keras_hub's BERT backbone built from a configuration (random weights, no download) with a 3-class head on
+    ``pooled_output``, trained with AdamW: token, segment and padding-mask inputs (a dict), einsum attention,
+    dropout, tanh-GELU. Needs ``keras-hub`` (the ``bench`` extra)."""
+    try:
+        import keras_hub
+    except ImportError as err:
+        raise ImportError("the bert models need keras-hub: pip install --no-build-isolation -e '.[bench]'") from err
+
+    backbone = keras_hub.models.BertBackbone(vocabulary_size=30522, num_layers=layers, num_heads=heads,
+                                             hidden_dim=hidden, intermediate_dim=intermediate,
+                                             max_sequence_length=seq)
+    model = keras.Model(backbone.input, keras.layers.Dense(3)(backbone.output["pooled_output"]))
+    model.compile(optimizer=keras.optimizers.AdamW(1e-4),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(seed)
+    x = {"token_ids": rng.integers(0, 30522, (samples, seq)).astype("int32"),
+         "segment_ids": np.zeros((samples, seq), "int32"), "padding_mask": np.ones((samples, seq), "int32")}
+    return model, x, rng.integers(0, 3, (samples,))
+
+
+def bert_base(batch: int, samples: int, seed: int):
+    """BERT-base's configuration (12 layers, 768 wide, 12 heads, intermediate 3072, sequence 128)."""
+    return bert(batch, samples, seed, layers=12, hidden=768, intermediate=3072, heads=12)
+
+
 ZOO = {
     "vgg16": _application("VGG16", 32, _sgd),
     "resnet50_sgd": _application("ResNet50", 32, _sgd),
@@ -192,6 +239,9 @@ ZOO = {
     "transformer_encoder": transformer_encoder,
     "gpt_decoder": gpt_decoder,
     "unet": unet,
+    "gated_cnn": gated_cnn,
     "gan": gan,
     "lstm": lstm,
+    "bert": bert,
+    "bert_base": bert_base,
 }

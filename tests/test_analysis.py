@@ -102,6 +102,20 @@ def test_aliases_share_buffers():
     assert sg.ops["r"].bytes_accessed == 0
 
 
+def test_switch_and_optionals_forward_their_input_buffer():
+    # a lowered cond: Switch forwards to both outputs, cond's gradient keeps the branch's value in an Optional
+    sg = StepGraph.from_spec({
+        "p": {"bytes": 1}, "a": {"bytes": 64}, "s": {"type": "Switch", "inputs": ["a", "p"], "bytes": [64, 64]},
+        "relu": {"inputs": ["s:1"], "bytes": 64},
+        "opt": {"type": "OptionalFromValue", "inputs": ["relu"], "bytes": 0},
+        "get": {"type": "OptionalGetValue", "inputs": ["opt"], "bytes": 64, "backward": True},
+        "grad": {"inputs": ["get"], "bytes": 64, "backward": True}})
+    assert sg.buffer_of("s:0") == sg.buffer_of("s:1") == "a:0"
+    assert sg.buffer_of("get:0") == "relu:0"
+    assert "grad" in sg.buffer_consumers("relu:0")
+    assert sg.ops["s"].bytes_accessed == 0
+
+
 def test_dict_round_trip_is_json_serialisable():
     sg = StepGraph.from_spec({
         "a": {"bytes": 16, "shape": (2, 2), "keras_layer": "dense", "flops": 10.0},

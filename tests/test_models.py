@@ -2,6 +2,8 @@
 
 Small images keep each model to a few seconds a step on 2 cores; the rewrite is the same at any size.
 """
+import re
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -66,16 +68,27 @@ def transformer_encoder(seq=16, dim=32, heads=4, vocab=50):
     return keras.Model(inp, keras.layers.Dense(10)(keras.layers.GlobalAveragePooling1D()(h)))
 
 
-def train_transformer(callbacks, steps=3, batch=8, seed=3):
+def fit_fresh(build, optimizer, callbacks, x_of, steps=3, batch=8, seed=3):
+    """Losses and weights after ``steps`` steps of ``build()`` compiled with ``optimizer()``, from a cleared session
+    and fixed seeds, on ``x_of(rng, n)`` with 10-class labels."""
     keras.backend.clear_session()
     keras.utils.set_random_seed(seed)
-    model = transformer_encoder()
-    model.compile(optimizer=keras.optimizers.AdamW(1e-3), loss="sparse_categorical_crossentropy")
+    model = build()
+    model.compile(optimizer=optimizer(), loss="sparse_categorical_crossentropy")
     rng = np.random.default_rng(seed)
-    x = rng.integers(0, 50, size=(batch * steps, 16)).astype("int32")
+    x = x_of(rng, batch * steps)
     y = rng.integers(0, 10, size=(batch * steps,))
     hist = model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
     return hist.history["loss"], [w.numpy() for w in model.weights]
+
+
+def _tokens(rng, n):
+    return rng.integers(0, 50, size=(n, 16)).astype("int32")
+
+
+def train_transformer(callbacks, steps=3, batch=8, seed=3):
+    return fit_fresh(transformer_encoder, lambda: keras.optimizers.AdamW(1e-3), callbacks, _tokens, steps, batch,
+                     seed)
 
 
 def test_transformer_encoder_with_adamw_trains_bit_identically():
@@ -85,6 +98,75 @@ def test_transformer_encoder_with_adamw_trains_bit_identically():
     cb = dymem_tf.DymemCallback(min_swap_bytes=0, verbose=0)
     loss, weights = train_transformer([cb])
     assert cb.records and cb.records[-1].report.swapped_tensors > 5
+    assert loss == base_loss
+    for a, b in zip(weights, base_weights):
+        np.testing.assert_array_equal(a, b)
+
+
+def gelu_stack(seq=16, dim=32, blocks=2):
+    """Feed-forward blocks as BERT's: a 3-D ``Dense`` (its matmul reads a ``Reshape`` of the feature map) with
+    tanh-GELU, whose ``x**3`` Grappler merges with its gradient's ``x**2`` under the gradient's name."""
+    inp = keras.Input((seq,), dtype="int32")
+    h = keras.layers.Embedding(50, dim)(inp)
+    for k in range(blocks):
+        f = keras.layers.Dense(4 * dim, name=f"up_{k}",
+                               activation=lambda x: keras.activations.gelu(x, approximate=True))(h)
+        h = keras.layers.LayerNormalization(name=f"norm_{k}")(h + keras.layers.Dense(dim, name=f"down_{k}")(f))
+    return keras.Model(inp, keras.layers.Dense(10)(keras.layers.GlobalAveragePooling1D()(h)))
+
+
+class _Gate(keras.layers.Layer):
+    """``keras.ops.cond`` on the feature map's mean: a lowered conditional (Switch/Merge) in the step."""
+
+    def __init__(self, threshold, **kwargs):
+        super().__init__(**kwargs)
+        self.threshold = threshold
+
+    def call(self, x):
+        return keras.ops.cond(keras.ops.mean(x) > self.threshold, lambda: keras.ops.relu(x), lambda: x * 0.5)
+
+
+def test_feature_maps_after_a_cond_are_swapped_bit_identically():
+    # Regression: cond's gradient branches on the same predicate, CSE merged the forward and backward pivots under
+    # the gradient's name, and every op after the first gate counted as the update: one tensor was swapped.
+    # Thresholds take the "then" branch (ReLU, whose output cond's gradient keeps in an Optional) and the "else".
+    def gated():
+        inp = keras.Input((16, 16, 3))
+        h = inp
+        for k, threshold in enumerate([-1e9, 1e9, -1e9, 1e9]):
+            h = _Gate(threshold, name=f"gate_{k}")(keras.layers.Conv2D(8, 3, padding="same", name=f"conv_{k}")(h))
+        return keras.Model(inp, keras.layers.Dense(10)(keras.layers.GlobalAveragePooling2D()(h)))
+
+    def run(callbacks):
+        return fit_fresh(gated, lambda: keras.optimizers.Adam(1e-3), callbacks,
+                         lambda rng, n: rng.uniform(size=(n, 16, 16, 3)).astype("float32"))
+
+    base_loss, base_weights = run([])
+    cb = dymem_tf.DymemCallback(min_swap_bytes=0, verbose=0)
+    loss, weights = run([cb])
+    swapped = [s.tensor for s in cb.plan.feature_maps]
+    for k in (1, 2):  # gates after the first one: both branch kinds
+        assert any(re.search(rf"/gate_{k}(_\d+)?/cond/output", t) for t in swapped), swapped
+    assert cb.records[-1].report.swapped_tensors == len(cb.plan.swaps)
+    assert loss == base_loss
+    for a, b in zip(weights, base_weights):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_feature_maps_after_a_merged_gelu_and_behind_reshapes_are_swapped_bit_identically():
+    # Regression (keras_hub's BERT): the first tanh-GELU made every later op count as the update, and backward
+    # matmuls reading a Reshape of a feature map kept it on the device; a 4-layer BERT moved 25 tensors, all in
+    # its first layer.
+    def run(callbacks):
+        return fit_fresh(gelu_stack, lambda: keras.optimizers.AdamW(1e-3), callbacks, _tokens)
+
+    base_loss, base_weights = run([])
+    cb = dymem_tf.DymemCallback(min_swap_bytes=0, verbose=0)
+    loss, weights = run([cb])
+    swapped = [s for s in cb.plan.feature_maps]
+    assert any("/up_1" in s.producer or "/down_1" in s.producer for s in swapped), [s.tensor for s in swapped]
+    assert any(s.alias_reads for s in swapped)
+    assert cb.records[-1].report.swapped_tensors == len(cb.plan.swaps)
     assert loss == base_loss
     for a, b in zip(weights, base_weights):
         np.testing.assert_array_equal(a, b)

@@ -102,15 +102,40 @@ def test_metadata_and_forward_consumers_stay_on_the_original():
     assert sorted(s.forward_consumers) == ["b", "sh"] and s.backward_consumers == ["g"]
 
 
+def test_tensors_made_in_a_conditional_branch_are_not_swapped():
+    # a swap-out in a lowered branch is dead when the branch is not taken, and chained (seqadded) with the plan's
+    # order it would stop every op after it
+    chain = {f"w{i}": {"inputs": [f"w{i - 1}" if i else "b"], "bytes": KB, "flops": MS} for i in range(6)}
+    spec = {"a": {"bytes": MB, "flops": MS, "shape": (250, 1000)}, "b": {"inputs": ["a"], "bytes": KB, "flops": MS},
+            **chain, "g1": {"inputs": ["w5", "a"], "backward": True, "flops": MS}}
+    assert make_plan(StepGraph.from_spec(spec), "dymem", profile=TOY, min_swap_bytes=1).swap_for("a:0") is not None
+    branch = StepGraph.from_spec(spec)
+    branch.ops["a"].conditional = True
+    assert make_plan(branch, "dymem", profile=TOY, min_swap_bytes=1).swap_for("a:0") is None
+
+
 def test_alias_consumers_keep_the_buffer():
     chain = {f"w{i}": {"inputs": [f"w{i - 1}" if i else "b"], "bytes": KB, "flops": MS} for i in range(6)}
-    # a late backward read through an alias (Reshape) pins the buffer: swapping a would save nothing
+    # a late backward read through an alias op (Reshape) reads a copy of it on the swap-in
     late = StepGraph.from_spec({
         "a": {"bytes": MB, "flops": MS, "shape": (250, 1000)}, "r": {"type": "Reshape", "inputs": ["a"], "bytes": MB},
         "b": {"inputs": ["a"], "bytes": KB, "flops": MS}, **chain,
         "g1": {"inputs": ["w5", "a"], "backward": True, "flops": MS, "bytes": KB},
         "g2": {"inputs": ["g1", "r"], "backward": True, "flops": MS}})
-    assert make_plan(late, "dymem", profile=TOY, min_swap_bytes=1).swap_for("a:0") is None
+    plan = make_plan(late, "dymem", profile=TOY, min_swap_bytes=1)
+    s = plan.swap_for("a:0")
+    assert s is not None and s.alias_reads == [["g2", "r"]]
+    assert sorted(c for si in s.swap_ins for c in si.consumers) == ["g1", "g2"]
+    assert validate_plan(late, plan) == []
+    # ... but not through an alias of an alias: that read pins the buffer, swapping a would save nothing
+    nested = StepGraph.from_spec({
+        "a": {"bytes": MB, "flops": MS, "shape": (250, 1000)}, "r": {"type": "Reshape", "inputs": ["a"], "bytes": MB},
+        "r2": {"type": "Reshape", "inputs": ["r"], "bytes": MB},
+        "b": {"inputs": ["a"], "bytes": KB, "flops": MS}, **chain,
+        "g1": {"inputs": ["w5", "a"], "backward": True, "flops": MS, "bytes": KB},
+        "g2": {"inputs": ["g1", "r2"], "backward": True, "flops": MS}})
+    assert nested.alias_readers("a:0") is None
+    assert make_plan(nested, "dymem", profile=TOY, min_swap_bytes=1).swap_for("a:0") is None
     # an early (forward) read through an alias only delays the release; the decision lists direct consumers
     early = StepGraph.from_spec({
         "a": {"bytes": MB, "flops": MS, "shape": (250, 1000)}, "r": {"type": "Reshape", "inputs": ["a"], "bytes": MB},

@@ -23,8 +23,8 @@ from typing import Iterable, Sequence
 import tensorflow as tf
 
 from dymem_tf.passes import host_memory
-from dymem_tf.planning.analysis import (ALIAS_OP_TYPES, METADATA_OP_TYPES, CycleError, OpInfo, StepGraph, TensorInfo,
-                                       analyse, descendants)
+from dymem_tf.planning.analysis import (ALIAS_OP_TYPES, FORWARDING_OP_TYPES, METADATA_OP_TYPES, CycleError, OpInfo,
+                                       StepGraph, TensorInfo, aliased_input, analyse, descendants)
 
 _GRAD_PREFIX = "gradient_tape/"
 #: Ops whose outputs alias variable storage (persistent memory): never swapped, counted in persistent bytes.
@@ -247,9 +247,8 @@ def capture_step_graph(ops: Sequence[tf.Operation], batch_size: int | None = Non
             dims, known = _shape_of(t, batch_size)
             dtype, size = _dtype_info(t.dtype)
             persistent = holds_variables or dtype in _HANDLE_DTYPES
-            alias_of = None
-            if op.type in ALIAS_OP_TYPES and k < len(op.inputs) and op.inputs[k].name in tensors:
-                alias_of = op.inputs[k].name
+            alias_of = _aliased_tensor(op, k, dtype, tensors)
+            if alias_of is not None:
                 persistent = persistent or tensors[alias_of].persistent
             host = in_host_memory(op.device, dtype, op, k)
             persistent = persistent or host  # never swapped: it does not occupy the device
@@ -272,7 +271,7 @@ def capture_step_graph(ops: Sequence[tf.Operation], batch_size: int | None = Non
     unknown -= inferred
     # bytes accessed: data inputs and outputs (metadata ops read no data)
     for info in infos:
-        if info.type in ALIAS_OP_TYPES or info.type in METADATA_OP_TYPES or info.type in _VARIABLE_READ_TYPES:
+        if info.type in ALIAS_OP_TYPES | FORWARDING_OP_TYPES | METADATA_OP_TYPES or info.type in _VARIABLE_READ_TYPES:
             info.bytes_accessed = 0  # buffer forwarding, metadata only, or a variable read (aliases the variable)
             continue
         read = sum(tensors[i].bytes for i in info.inputs)
@@ -293,6 +292,21 @@ def capture_step_graph(ops: Sequence[tf.Operation], batch_size: int | None = Non
     if any(op.type == "Switch" for op in infos):  # without conditionals no op is in a branch
         _mark_conditional(sg)
     return sg
+
+
+def _aliased_tensor(op, k: int, dtype: str, tensors: dict[str, TensorInfo]) -> str | None:
+    """The captured tensor whose buffer output ``k`` of ``op`` shares, or None. A ``Merge`` of optionals (``cond``
+    returning a branch's intermediate for its gradient: the value in one branch, ``OptionalNone`` in the other)
+    shares the buffer of the input that holds one; a ``Merge`` of data has its own (either branch's)."""
+    if op.type == "Merge" and k == 0 and dtype == "variant":
+        names = [t.name for t in op.inputs]
+        return next((n for n in names if n in tensors and tensors[n].alias_of is not None), None)
+    if op.type not in ALIAS_OP_TYPES and op.type not in FORWARDING_OP_TYPES:
+        return None
+    inputs = op.inputs
+    src = aliased_input(op.type, k, len(inputs))
+    name = inputs[src].name if src is not None else None
+    return name if name in tensors else None
 
 
 def _mark_frames(sg: StepGraph, enter_frames: dict[str, str]) -> None:
@@ -378,6 +392,8 @@ def _mark_backward(sg: StepGraph) -> None:
     # and CSE keep one of the merged nodes' names): only ops that compute on data seed the backward pass.
     grads = [n for n, op in sg.ops.items() if is_gradient_name(n) and op.inputs
              and op.type not in _SOURCE_OP_TYPES and op.type not in METADATA_OP_TYPES]
+    shared = _shared_with_forward(sg, grads)
+    grads = [n for n in grads if n not in shared]
     below = reach(g, grads, "down") - set(grads)
     feeds_grads = reach(g, grads, "up")
     update = below | (reach(g, list(below), "up") - feeds_grads - set(grads))
@@ -389,6 +405,33 @@ def _mark_backward(sg: StepGraph) -> None:
             op.is_backward, op.phase = True, "update"
         else:
             op.is_backward, op.phase = False, "forward"
+
+
+#: The ops of a lowered conditional's predicate that its branches take a control edge from.
+_PIVOT_OP_TYPES = frozenset({"Switch", "Identity"})
+
+
+def _shared_with_forward(sg: StepGraph, grads: list[str]) -> set[str]:
+    """Gradient-named ops that compute a forward value: Grappler's common-subexpression elimination can merge a
+    forward op with an identical gradient op and keep the gradient's name (the ``Square`` that a tanh-GELU's
+    ``x**3`` and its gradient's ``3 * x**2`` share). Seeded by those whose output a Keras layer's forward op reads,
+    closed over their gradient-named data inputs; without this everything after the first merged op would count as
+    the update and no later feature map could be swapped. The same for a lowered conditional's predicate plumbing:
+    a gradient's ``If`` branches on the forward ``cond``'s predicate, CSE merges the two ``Switch(pred, pred)`` and
+    their pivot ``Identity`` ops, and the forward branch's ops then take a control edge from a gradient-named pivot."""
+    g, grad_set = sg.graph, set(grads)
+    todo = [n for n in grads if any(
+        not is_gradient_name(s) and sg.ops[s].keras_layer is not None
+        and (data.get("kind") == "data" or sg.ops[n].type in _PIVOT_OP_TYPES)
+        for s, data in g.succ[n].items())]
+    shared: set[str] = set()
+    while todo:
+        n = todo.pop()
+        if n in shared:
+            continue
+        shared.add(n)
+        todo.extend(p for p, data in g.pred[n].items() if p in grad_set and data.get("kind") == "data")
+    return shared
 
 
 def reach(g, seeds: list[str], direction: str) -> set[str]:

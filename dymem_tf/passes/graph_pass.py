@@ -175,10 +175,13 @@ def encode_plan(swaps, control_edges=(), resident=(), sequences=()) -> str:
             continue
         out = swap_out_name(decision.tensor)
         lines.append(f"out\t{producer}\t{port}\t{out}")
+        via = dict(getattr(decision, "alias_reads", None) or ())
         for i, swap_in in enumerate(decision.swap_ins):
             if swap_in.consumers:
-                lines.append(f"in\t{out}\t{swap_in_name(decision.tensor, i)}\t{swap_in.trigger_op or ''}\t"
-                             + ",".join(swap_in.consumers))
+                name = swap_in_name(decision.tensor, i)
+                lines.append(f"in\t{out}\t{name}\t{swap_in.trigger_op or ''}\t"
+                             + ",".join(c for c in swap_in.consumers if c not in via))
+                lines += _alias_copy_records(name, [(c, via[c]) for c in swap_in.consumers if c in via])
     for resource, users in resident:  # kept variables: back on the device before their users, if they were not
         producer, port = split_tensor_name(resource)
         name = resident_op_name(resource)
@@ -188,6 +191,18 @@ def encode_plan(swaps, control_edges=(), resident=(), sequences=()) -> str:
     for k, (sequence, with_added) in enumerate(sequences):
         lines += [f"seq\t{k}\t{name}" for name in sequence] + ([f"seqadded\t{k}"] if with_added else [])
     return "\n".join(lines) + "\n"
+
+
+def _alias_copy_records(swap_in: str, reads: list[tuple[str, str]]) -> list[str]:
+    """The records serving consumers that read a swapped tensor through a forward alias op (``reads``: consumer,
+    alias op): a copy of each alias op reading ``swap_in``, the consumers rerouted to it."""
+    lines, copies = [], {}
+    for consumer, alias in reads:
+        if alias not in copies:
+            copies[alias] = f"{alias}/dymem_alias_of_{swap_in.rpartition('/')[2]}"
+            lines.append(f"clone\t{alias}\t{copies[alias]}\t0:{swap_in}")
+        lines.append(f"reroute\t{consumer}\t{alias}\t0\t{copies[alias]}")
+    return lines
 
 
 def resident_op_name(resource: str) -> str:

@@ -19,10 +19,28 @@ import networkx as nx
 #: buffer keeps serving them, so they never force a swap-in.
 METADATA_OP_TYPES = frozenset({"Shape", "ShapeN", "Size", "Rank"})
 
+#: Alias ops a rewrite may copy for backward consumers that read a swapped or recomputed tensor through them.
+COPYABLE_ALIAS_OP_TYPES = frozenset({"Identity", "Reshape", "Squeeze", "ExpandDims", "EnsureShape"})
+
 #: Ops whose outputs share their inputs' buffers (output k aliases input k): they allocate nothing and keep the
 #: input buffer alive for their own consumers.
 ALIAS_OP_TYPES = frozenset({"Identity", "IdentityN", "StopGradient", "PreventGradient", "Reshape", "Squeeze",
                             "ExpandDims", "EnsureShape"})
+
+#: Ops that forward input 0's buffer to each output: a lowered conditional's ``Switch`` (to the taken branch), an
+#: ``OptionalFromValue`` (the optional holds the buffer, as ``cond``'s gradient keeps a branch's intermediates) and
+#: ``OptionalGetValue`` (returns it).
+FORWARDING_OP_TYPES = frozenset({"Switch", "OptionalFromValue", "OptionalGetValue"})
+
+
+def aliased_input(op_type: str, k: int, num_inputs: int) -> int | None:
+    """The input whose buffer output ``k`` of an ``op_type`` op shares, or None when the output has its own."""
+    if op_type in ALIAS_OP_TYPES:
+        return k if k < num_inputs else None
+    if op_type in FORWARDING_OP_TYPES:
+        return 0 if num_inputs else None
+    return None
+
 
 #: Op types that cost nothing to run (graph inputs, constants, no-ops).
 FREE_OP_TYPES = frozenset({"Placeholder", "_Arg", "_Retval", "Const", "NoOp", "VarHandleOp"})
@@ -155,7 +173,7 @@ class StepGraph:
         output of 0 bytes, ``[]`` for none), ``shape`` (output 0's shape; default ``(bytes // 4,)``), ``dtype``,
         ``backward`` (bool), ``phase`` (``"update"`` for optimizer ops; default from ``backward``), ``type``, ``keras_layer``, ``flops``, ``bytes_accessed`` (default: bytes of inputs
         and outputs), ``persistent`` (outputs are variable reads) and ``alias`` (output k shares input k's buffer,
-        like Identity; default True for :data:`ALIAS_OP_TYPES`).
+        like Identity; default: :func:`aliased_input` of the type).
         """
         ops: list[OpInfo] = []
         tensors: dict[str, TensorInfo] = {}
@@ -170,10 +188,10 @@ class StepGraph:
                                             persistent=bool(d.get("persistent", False)))
                 outs.append(tname)
             inputs = [i if ":" in i else f"{i}:0" for i in d.get("inputs", [])]
-            if d.get("alias", d.get("type") in ALIAS_OP_TYPES):
-                for k, tname in enumerate(outs):
-                    if k < len(inputs):
-                        tensors[tname].alias_of = inputs[k]
+            for k, tname in enumerate(outs):
+                src = aliased_input(d.get("type", "Op"), k, len(inputs))
+                if d.get("alias", src is not None):
+                    tensors[tname].alias_of = inputs[k if src is None else src] if k < len(inputs) else None
             ops.append(OpInfo(
                 name=name, type=d.get("type", "Op"), inputs=inputs, outputs=outs,
                 control_inputs=list(d.get("control", [])),
@@ -184,7 +202,7 @@ class StepGraph:
         sg = cls(ops, tensors.values())
         for op in sg.ops.values():
             if op.bytes_accessed < 0:
-                op.bytes_accessed = 0 if op.type in ALIAS_OP_TYPES | METADATA_OP_TYPES else sum(
+                op.bytes_accessed = 0 if op.type in ALIAS_OP_TYPES | FORWARDING_OP_TYPES | METADATA_OP_TYPES else sum(
                     sg.tensors[t].bytes for t in op.inputs + op.outputs)
         return analyse(sg) if analysed else sg
 
@@ -274,6 +292,33 @@ class StepGraph:
         out = list(self.tensors[tensor].consumers)
         for a in self.aliases().get(tensor, ()):
             out.extend(c for c in self.tensors[a].consumers if c not in out)
+        return out
+
+    def alias_readers(self, tensor: str) -> dict[str, str] | None:
+        """Backward data consumers that read ``tensor`` only through one forward alias op of it (a ``Reshape`` of
+        a feature map that a gradient ``MatMul`` reads ...), each mapped to that alias op: a swap of ``tensor`` can
+        serve them by a copy of the alias op reading the swap-in. None when some backward op reads the buffer in
+        a way a copy cannot serve (an alias of an alias, an alias op of another type, one reading the tensor both
+        directly and through an alias)."""
+        direct = set(self.tensors[tensor].consumers)
+        out: dict[str, str] = {}
+        for c in self.tensors[tensor].consumers:
+            op = self.ops[c]
+            alias = [o for o in op.outputs if self.tensors[o].alias_of == tensor]
+            if op.is_backward or not alias:
+                continue
+            if any(self.tensors[o].alias_of is not None and any(self.ops[x].is_backward
+                                                                  for x in self.buffer_consumers(o))
+                   for a in alias for u in self.tensors[a].consumers if not self.ops[u].is_backward
+                   for o in self.ops[u].outputs):
+                return None  # a backward read through an alias of the alias
+            readers = [u for a in alias for u in self.tensors[a].consumers if self.ops[u].is_backward]
+            if not readers:
+                continue
+            if (op.type not in COPYABLE_ALIAS_OP_TYPES or alias != op.outputs[:1] or op.inputs[:1] != [tensor]
+                    or any(u in direct or u in out for u in readers)):
+                return None
+            out.update((u, c) for u in readers if self.is_data_consumer(u))
         return out
 
     def is_data_consumer(self, op: str) -> bool:

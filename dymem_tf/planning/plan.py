@@ -90,6 +90,9 @@ class SwapDecision:
     kind: str = "tensor"
     route: WeightRoute | None = None  # kind "weight" only
     recompute: RecomputeRoute | None = None  # kind "recompute" only
+    #: kind "tensor": ``(consumer, alias op)`` pairs, the swap-in consumers that read the tensor through a forward
+    #: alias op (a ``Reshape`` ...): the rewrite copies the alias op onto their swap-in and reroutes them to it
+    alias_reads: list[list[str]] = field(default_factory=list)
 
 
 @dataclass

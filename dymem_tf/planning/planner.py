@@ -181,6 +181,8 @@ class _Planner:
                 continue
             if sg.ops[t.producer].is_backward and not t.variable:
                 continue
+            if sg.ops[t.producer].conditional:
+                continue  # made in a lowered branch: its swap ops would be dead when the branch is not taken
             frame = sg.ops[t.producer].frame
             if any(sg.ops[c].frame != frame for c in t.consumers):
                 continue  # read across a loop frame's boundary: swap ops cannot sit there
@@ -190,20 +192,29 @@ class _Planner:
                     bwd.append(c)
                 else:
                     orig.append(c)
-            # Consumers of aliases (a Reshape of the tensor ...) read the original buffer: they cannot be rerouted.
-            keepers = [c for c in sg.buffer_consumers(t.name) if c not in t.consumers]
+            # Backward ops reading the tensor through a forward alias op (a Reshape ...) read a copy of that op on
+            # the swap-in; other consumers of aliases read the original buffer: they keep it alive.
+            via = self.via_alias(t.name)
+            bwd += via
+            keepers = [c for c in sg.buffer_consumers(t.name) if c not in t.consumers and c not in via]
             if bwd:
                 bwd.sort(key=self.pos.__getitem__)
                 yield t, orig, bwd, keepers
 
+    def via_alias(self, tensor: str) -> dict[str, str]:
+        """:meth:`StepGraph.alias_readers` of ``tensor``, empty where none can be served by a copy."""
+        return self.sg.alias_readers(tensor) or {}
+
     def _split(self, t, orig: list[str], bwd: list[str], keepers: list[str], timed: bool
-               ) -> tuple[list[str], list[str], int] | None:
-        """Move backward consumers that run too early for a round trip to the original; None if none remain.
+               ) -> tuple[list[str], list[str], list[str], int] | None:
+        """Move backward consumers that run too early for a round trip to the original (those reading it through
+        an alias op to ``keepers``); (original's consumers, keepers, swapped consumers, earliest trigger layer), or
+        None if none remain.
 
         Structural rule (always): a swapped consumer's layer must exceed the trigger's earliest layer. Timed rule
         (dymem): the swap-out and the swap-in must both fit before the consumer in the stall-free schedule.
         """
-        orig = list(orig)
+        orig, keepers, via = list(orig), list(keepers), self.via_alias(t.name)
         p = self.pos[t.producer]
         min_trig = max([self.layer[p] + 1] + [self.layer[self.pos[c]] for c in orig + keepers])
         release = max([self.end[p] + self.d2h(t.bytes)] + [self.end[self.pos[c]] for c in orig + keepers])
@@ -213,13 +224,13 @@ class _Planner:
             c = self.pos[bwd[k]]
             if self.layer[c] > min_trig and (not timed or self.start[c] - release >= h):
                 break
-            orig.append(bwd[k])
+            (keepers if bwd[k] in via else orig).append(bwd[k])
             min_trig = max(min_trig, self.layer[c])
             release = max(release, self.end[c])
             k += 1
         if k == len(bwd):
             return None
-        return orig, bwd[k:], min_trig
+        return orig, keepers, bwd[k:], min_trig
 
     def _group_by_gap(self, consumers: list[str], nbytes: int) -> list[list[str]]:
         """Consumers within ``group_gap_layers`` layers, or too close in time to refetch, share a swap-in."""
@@ -262,7 +273,7 @@ class _Planner:
             split = self._split(t, orig, bwd, keepers, timed=(policy == "dymem" and not relaxed))
             if split is None:
                 continue
-            orig2, swapped, min_trig = split
+            orig2, keepers, swapped, min_trig = split
             if t.variable:
                 if policy != "dymem" or orig2:
                     continue  # an offloaded variable needs one swap-in before all of its uses
@@ -419,8 +430,10 @@ class _Planner:
                 op, lay = triggers[(ci, gi)]
                 sis.append(SwapIn(op, lay, list(group), self.layer[self.pos[group[0]]]))
             bwd = [c for g in cand.groups for c in g]
+            via = self.via_alias(cand.tensor) if cand.kind == "tensor" else {}
             out.append(SwapDecision(cand.tensor, cand.producer, cand.bytes, cand.prod_layer, list(cand.orig), bwd, sis,
-                                    cand.kind, cand.route, cand.recompute))
+                                    cand.kind, cand.route, cand.recompute,
+                                    alias_reads=[[c, via[c]] for c in bwd if c in via]))
         return out
 
     def _latest_hiding_layer(self, consumer_pos: int, nbytes: int, slot_end: float = math.inf) -> int:
@@ -830,6 +843,12 @@ def validate_plan(step_graph: StepGraph, plan: Plan) -> list[str]:
             missing = set(t.consumers) - set(s.route.reads if s.route else []) - served
             if missing:
                 errs.append(f"{s.tensor}: users {sorted(missing)} not served by a stay on the device")
-        elif served != set(t.consumers):
-            errs.append(f"{s.tensor}: consumers {sorted(set(t.consumers) ^ served)} not served exactly once")
+        else:  # the original or a swap-in serves each consumer; readers through an alias get a copy of it
+            readers = step_graph.alias_readers(s.tensor) or {}
+            via = {c: a for c, a in s.alias_reads}
+            wrong = set(t.consumers) - served
+            wrong |= {c for c in served - set(t.consumers) if c not in readers}
+            wrong |= {c for si in s.swap_ins for c in si.consumers if c not in t.consumers and via.get(c) != readers.get(c)}
+            if wrong:
+                errs.append(f"{s.tensor}: consumers {sorted(wrong)} not served exactly once")
     return errs

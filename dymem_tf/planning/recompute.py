@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from dymem_tf.planning.analysis import StepGraph
+from dymem_tf.planning.analysis import COPYABLE_ALIAS_OP_TYPES, StepGraph
 from dymem_tf.planning.plan import RecomputeRoute
 
 #: Deterministic element-wise ops (and BiasAdd): recomputed, they give the same bytes.
@@ -99,8 +99,6 @@ def route_of(sg: StepGraph, r: Recomputable) -> RecomputeRoute:
                           leaves=list(r.leaves))
 
 
-#: Alias ops a recomputation may copy for the backward consumers that read the tensor through them.
-COPYABLE_ALIAS_OP_TYPES = frozenset({"Identity", "Reshape", "Squeeze", "ExpandDims", "EnsureShape"})
 
 
 def _backward_routes(sg: StepGraph, name: str) -> tuple[list, list] | None:

@@ -297,9 +297,10 @@ class Simulator:
                 if si.trigger_op and tp <= self.pos[t.producer]:
                     raise ValueError(f"swap-in of {s.tensor!r} is triggered by {si.trigger_op!r}, "
                                      f"which does not run after the producer {t.producer!r}")
+                via = {c: a for c, a in s.alias_reads}
                 for c in si.consumers:
-                    if c not in t.consumers:
-                        raise ValueError(f"{c!r} is not a consumer of {s.tensor!r}")
+                    if c not in t.consumers and (c not in via or via[c] not in t.consumers):
+                        raise ValueError(f"{c!r} is not a consumer of {s.tensor!r} nor of an alias op of it")
                     if self.pos[c] <= tp:
                         raise ValueError(f"swap-in of {s.tensor!r}: trigger {si.trigger_op!r} does not run "
                                          f"before consumer {c!r}")

@@ -57,9 +57,9 @@ bool ParseOut(const std::vector<std::string>& f, StepPlan* plan) {
   return true;
 }
 
-// Parses one `in` record; false on a malformed one.
+// Parses one `in` record (no direct consumers: it feeds only copies of alias ops); false on a malformed one.
 bool ParseIn(const std::vector<std::string>& f, StepPlan* plan) {
-  if (f.size() != 5 || f[1].empty() || f[2].empty() || f[4].empty()) return false;
+  if (f.size() != 5 || f[1].empty() || f[2].empty()) return false;
   std::vector<std::string> consumers = absl::StrSplit(f[4], ',', absl::SkipEmpty());
   plan->swap_ins.push_back({f[1], f[2], f[3], std::move(consumers)});
   return true;
@@ -437,6 +437,7 @@ bool AddSwapIns(const StepPlan& plan, const NodeIndex& index, Graph* graph, Node
                            producer->output_type(src.port), error);
     if (in == nullptr) return false;
     log->added_nodes.push_back(in);
+    (*added)[r.name] = in;  // `clone` records may read it (copies of alias ops)
     if (!r.trigger.empty()) log->added_control_edges.push_back(graph->AddControlEdge(index.at(r.trigger), in));
     for (const std::string& c : r.consumers) {
       if (!RerouteConsumer(graph, index.at(c), producer, src.port, in, log)) {

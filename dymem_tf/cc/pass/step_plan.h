@@ -2,12 +2,12 @@
 //
 // Text form, one record per line, fields separated by tabs (node names never contain tabs or newlines):
 //   out   <producer node> <output port> <swap-out node name>
-//   in    <swap-out node name> <swap-in node name> <trigger node or empty> <consumer>[,<consumer>...]
+//   in    <swap-out node name> <swap-in node name> <trigger node or empty> [<consumer>[,<consumer>...]]
 //   ctrl  <from node> <to node>
 //   var   <resource node> <output port> <evict name> <swap-in name> <swap-out name> <trigger node or empty>
 //         <consumer>[,<consumer>...]
 // `out` copies a tensor to host memory; `in` brings it back for the listed consumers (their data inputs from the
-// tensor are rerouted to the swap-in), after the trigger node ran; `ctrl` adds a control edge (no numeric change);
+// tensor are rerouted to the swap-in; none when it feeds only `clone`s of alias ops), after the trigger node ran; `ctrl` adds a control edge (no numeric change);
 // `var` offloads a resource variable between its uses: an evict (DymemVariableSwapOut, a no-op once the variable is
 // in host memory) at the step's start, a swap-in (DymemVariableSwapIn) after the evict and the trigger and before
 // every listed consumer, and a swap-out (DymemVariableSwapOut) after every consumer. The consumers must be all the
