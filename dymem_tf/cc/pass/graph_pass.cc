@@ -47,10 +47,14 @@ std::atomic<int64_t> g_handled{0};
 // The batch size the step's unknown input batch dimension stands for (0: none), set by Python while armed.
 std::atomic<int64_t> g_batch_hint{0};
 
+// Inferred output shapes by node name (the `_dymem_output_shapes` values of the serialized graph).
+using ShapeAnnotations = std::unordered_map<std::string, tensorflow::AttrValue>;
+
 // State of one handler call, passed to Python as an opaque pointer.
 struct PassCall {
   tensorflow::Graph* graph = nullptr;
   std::string serialized;
+  ShapeAnnotations shapes;  // of the graph as handed to Python: the rewritten graph reuses them
   std::string error;
   std::string fail_message;
 };
@@ -99,8 +103,9 @@ void RefineBatch(tensorflow::ShapeRefiner* refiner, const tensorflow::Node* n, i
 
 // Adds `_dymem_output_types` and (where shape inference succeeds) `_dymem_output_shapes` to every node of `def`,
 // inferred with the runtime's own op registry (Python's may lack the kernels' dtypes, e.g. bfloat16 fusions). With
-// `batch` > 0 the step's input batch dimension is taken to be `batch` (see RefineBatch).
-void AnnotateOutputs(const tensorflow::Graph& graph, tensorflow::GraphDef* def, int64_t batch) {
+// `batch` > 0 the step's input batch dimension is taken to be `batch` (see RefineBatch). The shapes go to `known`.
+void AnnotateOutputs(const tensorflow::Graph& graph, tensorflow::GraphDef* def, int64_t batch,
+                     ShapeAnnotations* known) {
   std::unordered_map<std::string, tensorflow::NodeDef*> by_name;
   for (tensorflow::NodeDef& nd : *def->mutable_node()) by_name[nd.name()] = &nd;
   tensorflow::ShapeRefiner refiner(graph.versions(), graph.op_registry());
@@ -118,14 +123,56 @@ void AnnotateOutputs(const tensorflow::Graph& graph, tensorflow::GraphDef* def, 
     tensorflow::AttrValue shapes;
     for (int i = 0; i < c->num_outputs(); ++i) ShapeToProto(c, c->output(i), shapes.mutable_list()->add_shape());
     (*it->second->mutable_attr())["_dymem_output_shapes"] = shapes;
+    (*known)[n->name()] = shapes;
   }
 }
 
 // The graph as a serialized GraphDef with inferred output types and shapes (see AnnotateOutputs).
-std::string Serialize(const tensorflow::Graph& graph) {
+std::string Serialize(const tensorflow::Graph& graph, ShapeAnnotations* known) {
   tensorflow::GraphDef def;
   graph.ToGraphDef(&def, /*include_flib_def=*/false);
-  AnnotateOutputs(graph, &def, g_batch_hint.load());
+  AnnotateOutputs(graph, &def, g_batch_hint.load(), known);
+  return def.SerializeAsString();
+}
+
+// The output shapes of a node the plan added, from `known`: a swap op's are those of its data input, a copy's
+// (named "<op>/dymem_...") those of the op it copies; false when they are not known.
+bool AddedShapes(const tensorflow::Node* n, const ShapeAnnotations& known, tensorflow::AttrValue* shapes) {
+  if (n->type_string() == "DymemSwapOut" || n->type_string() == "DymemSwapIn") {
+    const tensorflow::Edge* in = nullptr;
+    if (!n->input_edge(0, &in).ok()) return false;
+    auto it = known.find(in->src()->name());
+    if (it == known.end() || in->src_output() >= it->second.list().shape_size()) return false;
+    *shapes->mutable_list()->add_shape() = it->second.list().shape(in->src_output());
+    return true;
+  }
+  const size_t cut = n->name().rfind("/dymem_");
+  auto it = cut == std::string::npos ? known.end() : known.find(n->name().substr(0, cut));
+  if (it == known.end() || it->second.list().shape_size() != n->num_outputs()) return false;
+  *shapes = it->second;
+  return true;
+}
+
+// The rewritten graph serialized like Serialize without a second shape inference (the pass's most expensive
+// step on a large graph): the original nodes keep the shapes in `known`, added nodes get AddedShapes.
+std::string SerializeRewritten(const tensorflow::Graph& graph, ShapeAnnotations* known) {
+  tensorflow::GraphDef def;
+  graph.ToGraphDef(&def, /*include_flib_def=*/false);
+  std::unordered_map<std::string, tensorflow::NodeDef*> by_name;
+  for (tensorflow::NodeDef& nd : *def.mutable_node()) by_name[nd.name()] = &nd;
+  std::vector<tensorflow::Node*> order;
+  tensorflow::GetReversePostOrder(graph, &order);
+  for (tensorflow::Node* n : order) {
+    auto it = by_name.find(n->name());
+    if (!n->IsOp() || it == by_name.end()) continue;
+    tensorflow::AttrValue types;
+    for (int i = 0; i < n->num_outputs(); ++i) types.mutable_list()->add_type(n->output_type(i));
+    (*it->second->mutable_attr())["_dymem_output_types"] = types;
+    auto shapes = known->find(n->name());
+    tensorflow::AttrValue added;
+    if (shapes == known->end() && AddedShapes(n, *known, &added)) shapes = known->emplace(n->name(), added).first;
+    if (shapes != known->end()) (*it->second->mutable_attr())["_dymem_output_shapes"] = shapes->second;
+  }
   return def.SerializeAsString();
 }
 
@@ -148,7 +195,7 @@ class DymemStepPass : public tensorflow::GraphOptimizationPass {
     if (!HasGradientOps(*graph)) return absl::OkStatus();
     PassCall call;
     call.graph = graph;
-    call.serialized = Serialize(*graph);
+    call.serialized = Serialize(*graph, &call.shapes);
     g_handled.fetch_add(1);
     const std::string name = FunctionName(options);
     if (handler(&call, name.c_str(), call.serialized.data(), call.serialized.size()) == kFail) {
@@ -213,7 +260,7 @@ __attribute__((visibility("default"))) int dymem_pass_apply(void* call, const ch
     if (text == nullptr) c->error = "null plan";
     return -1;
   }
-  c->serialized = dymem::Serialize(*c->graph);
+  c->serialized = dymem::SerializeRewritten(*c->graph, &c->shapes);
   return 0;
 }
 
