@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Literal, Mapping, Sequence
@@ -154,6 +155,10 @@ class _Planner:
         self.trigger_of_layer = [self._pick_trigger(ops) for ops in sg.layers]
         self._quiet_triggers: list[str | None] | None = None  # per layer, a trigger that holds no variable
         self._bwd_start: list[tuple[int, str]] | None = None
+        #: id(candidate) -> (candidate, its decision planned alone): the greedy search asks for every remaining
+        #: candidate's triggers in every round, and they do not depend on the rest of the plan
+        self._alone: dict[int, tuple[_Candidate, SwapDecision]] = {}
+        self._alone_key: tuple[str, str] | None = None
 
     # ------------------------------------------------------------------------------------------------ helpers
     def _pick_trigger(self, ops: list[str]) -> str:
@@ -355,7 +360,7 @@ class _Planner:
             self._quiet_triggers = [self._pick_trigger(q) if (q := [n for n in ops if not self._holds_variable(n)])
                                     else None for ops in self.sg.layers]
         lo = self._min_layer(cand, group)
-        for g in list(range(layer, lo - 1, -1)) + list(range(layer + 1, c_layer)):
+        for g in itertools.chain(range(layer, lo - 1, -1), range(layer + 1, c_layer)):
             if self._quiet_triggers[g] is not None:
                 return self._quiet_triggers[g], g
         return self._layer_trigger(layer)
@@ -517,11 +522,21 @@ class _Planner:
         out = self.d2h(cand.bytes) if cand.copies and not cand.from_host else 0.0
         release = max([end[cand.prod_pos] + out] + [end[self.pos[c]] for c in cand.orig + cand.keepers])
         wins = []
-        (decision,) = self.decisions(policy, [cand], mode)
+        decision = self._decision_alone(policy, mode, cand)
         for group, si in zip(cand.groups, decision.swap_ins):
             wins.append((release, end[self.pos[si.trigger_op]]))
             release = end[self.pos[group[-1]]]
         return wins
+
+    def _decision_alone(self, policy: str, mode: TriggerMode, cand: _Candidate) -> SwapDecision:
+        """``cand``'s decision as the only swap of a plan (cached for the planner's policy and mode)."""
+        hit = self._alone.get(id(cand))
+        if hit is None or hit[0] is not cand or self._alone_key != (policy, mode):
+            if self._alone_key != (policy, mode):
+                self._alone, self._alone_key = {}, (policy, mode)
+            (decision,) = self.decisions(policy, [cand], mode)
+            hit = self._alone[id(cand)] = (cand, decision)
+        return hit[1]
 
     # --------------------------------------------------------------------------------------------- selection
     @timed("simulate")
