@@ -33,6 +33,8 @@ import warnings
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 BEGIN, END = "<!-- budget-reliability:begin -->", "<!-- budget-reliability:end -->"
+#: the section and the saved run of ``--of-peak`` (budgets as shares of the plain peak, the issues' targets)
+PEAK_BEGIN, PEAK_END = "<!-- budget-of-peak:begin -->", "<!-- budget-of-peak:end -->"
 #: batch size per model (small images: seconds per step on 2 cores)
 BATCH = {"vgg16": 32, "resnet50_sgd": 32, "resnet50_adam": 32, "densenet121": 32, "inception_v3": 16,
          "mobilenet_v2": 32, "efficientnet_b0": 32, "transformer_encoder": 32, "gpt_decoder": 16, "unet": 8,
@@ -212,7 +214,7 @@ def run_model(name: str, args) -> dict:
             out["repeatable"] = False
     runs = []
     for f in args.fractions:
-        budget = int(out["persistent"] + f * (out["p0"] - out["persistent"]))
+        budget = int(f * out["p0"] if args.of_peak else out["persistent"] + f * (out["p0"] - out["persistent"]))
         budget = -(-budget // MiB) * MiB
         run = {"fraction": f, "budget": budget}
         for mode in ("auto", "none"):
@@ -234,13 +236,16 @@ def _mib(n) -> str:
 
 def report(results: list[dict], args, seconds: float) -> str:
     """The markdown section."""
-    lines = [BEGIN, "## Budget reliability", "",
+    of_peak = getattr(args, "of_peak", False)
+    lines = [PEAK_BEGIN if of_peak else BEGIN,
+             "## Budgets as shares of the plain peak" if of_peak else "## Budget reliability", "",
              "Written by `bench/budget_reliability.py` (the planning and rewriting after Grappler, budgets "
              "calibrated by a first-step probe); the sections above come from `bench/run_all.py`, at the commit "
              "named at the top.", "",
              f"`python bench/budget_reliability.py{' ' + ' '.join(args.argv) if args.argv else ''}` on this 2-core "
              f"CPU machine{f' ({seconds / 60:.1f} min)' if seconds else ''}. Each model in a fresh process; the CPU device capped by GTBM is "
-             f"the emulated device (oneDNN off). Budgets B = W + f x (P0 - W), W = weights + optimizer state, "
+             f"the emulated device (oneDNN off). Budgets "
+             f"{'B = f x P0' if of_peak else 'B = W + f x (P0 - W)'}, W = weights + optimizer state, "
              f"P0 = the measured no-swap peak; each budgeted run trains {args.steps} steps on {args.samples} "
              "samples. *auto* is `memory_budget=\"auto\"`; *none* is `memory_budget=None` under the same cap, run where "
              "*auto* refused. *Bit-identical* compares losses and every weight after 3 steps with op determinism on, "
@@ -315,7 +320,7 @@ def report(results: list[dict], args, seconds: float) -> str:
         lines.append(f"- The simulator's bytes in use of the budgeted plan (with the probe's measured temporaries, "
                      f"before the fragmentation term) vs measured in its first step: median "
                      f"{statistics.median(use_err):.1%}, max {max(use_err):.1%} over {len(use_err)} runs.")
-    lines += [END, ""]
+    lines += [PEAK_END if of_peak else END, ""]
     return "\n".join(lines)
 
 
@@ -340,11 +345,11 @@ def _outcome(run: dict) -> str:
     return f"**out of memory** in step {run['steps_run'] + 1}"
 
 
-def write_section(path: str, section: str) -> None:
+def write_section(path: str, section: str, begin: str = BEGIN, end: str = END) -> None:
     """Replace the section between the markers in ``path`` (or append it)."""
     text = open(path).read() if os.path.exists(path) else ""
-    if BEGIN in text and END in text:
-        text = text[:text.index(BEGIN)] + section.rstrip("\n") + text[text.index(END) + len(END):]
+    if begin in text and end in text:
+        text = text[:text.index(begin)] + section.rstrip("\n") + text[text.index(end) + len(end):]
     else:
         text = text.rstrip("\n") + "\n\n" + section
     with open(path, "w") as fh:
@@ -357,6 +362,9 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--samples", type=int, default=2000)
     parser.add_argument("--fractions", default="0.35,0.6,0.85")
+    parser.add_argument("--of-peak", action="store_true",
+                        help="budgets B = f x P0 (shares of the plain peak), written to their own section and "
+                             "docs/budget_reliability_of_peak.json")
     parser.add_argument("--identity-steps", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="4 steps on 256 samples, two models")
     parser.add_argument("--write", action="store_true", help="with --quick: write docs/benchmarks.md anyway")
@@ -382,9 +390,10 @@ def main(argv=None) -> int:
         if isinstance(saved, list):  # the first format: the results alone, default settings
             saved = {"argv": [], "steps": args.steps, "samples": args.samples, "seconds": None, "results": saved}
         args.argv, args.steps, args.samples = saved["argv"], saved["steps"], saved["samples"]
+        args.of_peak = saved.get("of_peak", False)
         section = report(saved["results"], args, saved["seconds"])
         print(section)
-        write_section(os.path.join(REPO, "docs", "benchmarks.md"), section)
+        write_section(os.path.join(REPO, "docs", "benchmarks.md"), section, *_markers(args))
         return 0
     unknown = [m for m in args.models.split(",") if m not in BATCH]
     if unknown:
@@ -401,16 +410,23 @@ def main(argv=None) -> int:
     section = report(results, args, time.perf_counter() - t0)
     print(section)
     if saving:
-        write_section(os.path.join(REPO, "docs", "benchmarks.md"), section)
+        write_section(os.path.join(REPO, "docs", "benchmarks.md"), section, *_markers(args))
         _save(results, args, time.perf_counter() - t0, complete=True)
     return 0
 
 
+def _markers(args) -> tuple[str, str]:
+    """The markers of the section ``args`` writes."""
+    return (PEAK_BEGIN, PEAK_END) if getattr(args, "of_peak", False) else (BEGIN, END)
+
+
 def _save(results, args, seconds, complete):
-    """Writes the run so far to docs/budget_reliability.json (``complete`` false until the last model ran)."""
-    with open(os.path.join(REPO, "docs", "budget_reliability.json"), "w") as fh:
+    """Writes the run so far to docs/budget_reliability.json, or docs/budget_reliability_of_peak.json with
+    ``--of-peak`` (``complete`` false until the last model ran)."""
+    name = "budget_reliability_of_peak.json" if args.of_peak else "budget_reliability.json"
+    with open(os.path.join(REPO, "docs", name), "w") as fh:
         json.dump({"argv": args.argv, "steps": args.steps, "samples": args.samples, "seconds": seconds,
-                   "complete": complete, "results": results}, fh, indent=1)
+                   "of_peak": args.of_peak, "complete": complete, "results": results}, fh, indent=1)
 
 
 if __name__ == "__main__":

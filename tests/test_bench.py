@@ -343,6 +343,11 @@ def test_budget_reliability_cli_checks_its_arguments_and_renders_a_saved_run(tmp
                        in_use_predicted=52 << 20, calibrated_in_use=50 << 20, refined=True)
     text = budget_reliability.report([result], args, 60.0)
     assert "steady peak: median 3.3%, max 3.3% over 1 runs; against its first step: median 3.6%" in text
+    # --of-peak: budgets as shares of the plain peak, in a section of their own
+    peak = budget_reliability.report([result], types.SimpleNamespace(argv=["--of-peak"], steps=20, samples=2000,
+                                                                     of_peak=True), 60.0)
+    assert peak.startswith(budget_reliability.PEAK_BEGIN) and peak.rstrip().endswith(budget_reliability.PEAK_END)
+    assert "Budgets B = f x P0" in peak and "## Budgets as shares of the plain peak" in peak
     assert "measured in its first step: median 4.0%" in text and "calibrated twice" in text
     # every step of the plan at 60: no spread
     assert "against the median step of each run (the plan's typical step): median 3.3%" in text
