@@ -69,7 +69,7 @@ def modelled(args) -> dict:
     captured = {}
 
     def capture(call):
-        ops = step_pass.replica_ops(graph_def_view.GraphView(call.graph_def_bytes))[0][1]
+        ops = step_pass.replica_ops(call.graph())[0][1]
         captured["sg"], _ = step_pass.capture(ops, args.batch)
         call.fail("captured for the model")
 

@@ -48,7 +48,7 @@ def test_graphs_without_gradients_are_not_offered_and_unarmed_graphs_run_untouch
 
 def test_the_offered_graph_carries_types_and_shapes_from_the_runtime():
     seen = []
-    _offered(lambda call: seen.append((call.function_name, graph_def_view.GraphView(call.graph_def_bytes))))
+    _offered(lambda call: seen.append((call.function_name, call.graph())))
     assert len(seen) == 1
     name, view = seen[0]
     assert name.startswith("__inference_step")
@@ -75,7 +75,7 @@ def _dynamic_reshape_shapes(batch_size):
         return loss, tape.gradient(loss, w)
 
     seen = []
-    with graph_pass.armed(lambda call: seen.append(graph_def_view.GraphView(call.graph_def_bytes)),
+    with graph_pass.armed(lambda call: seen.append(call.graph()),
                           batch_size=batch_size):
         out = step(iterator)
     relu = [op for op in seen[0].get_operations() if op.type == "Relu"][0]
@@ -105,8 +105,8 @@ def test_a_plan_inserts_swap_ops_and_the_step_computes_the_same_values():
     rewritten = []
 
     def apply(call):
-        view = graph_def_view.GraphView(call.graph_def_bytes)
-        rewritten.append(graph_def_view.GraphView(call.apply(_relu_swap_plan(view))))
+        view = call.graph()
+        rewritten.append(call.apply(_relu_swap_plan(view)).view())
 
     out = _offered(apply)
     for a, b in zip(out, base):
@@ -135,7 +135,7 @@ def test_a_plan_that_does_not_fit_is_refused_and_the_graph_is_unchanged(plan, fr
             call.apply(plan)
         except graph_pass.PlanApplyError as err:
             errors.append(str(err))
-        sizes.append(len(graph_def_view.GraphView(call.graph_def_bytes).get_operations()))
+        sizes.append(len(call.graph().get_operations()))
 
     out = _offered(apply)
     assert len(errors) == 1 and fragment in errors[0]
@@ -147,7 +147,7 @@ def test_a_plan_that_would_close_a_cycle_is_undone_completely():
     rewritten, errors, cycle_nodes = [], [], set()
 
     def apply(call):
-        view = graph_def_view.GraphView(call.graph_def_bytes)
+        view = call.graph()
         relu = [op for op in view.get_operations() if op.type == "Relu"][0]
         # trigger the swap-in by an op that depends on the swap-in's own consumer: a cycle
         consumer = [op for op in relu.outputs[0].consumers() if "gradient_tape/" in op.name][0]
@@ -165,7 +165,7 @@ def test_a_plan_that_would_close_a_cycle_is_undone_completely():
     base = _offered(lambda call: None)
     out = _offered(apply)
     assert errors and "cyclic" in errors[0] and f"{cycle_nodes.pop()} -> " in errors[0]  # names it
-    types = [op.type for op in graph_def_view.GraphView(rewritten[0]).get_operations()]
+    types = [op.type for op in rewritten[0].view().get_operations()]
     assert types.count("DymemSwapOut") == 1 and types.count("DymemSwapIn") == 1
     for a, b in zip(out, base):
         np.testing.assert_array_equal(a, b)
@@ -193,15 +193,15 @@ def test_seq_records_chain_independent_ops_in_the_listed_order_and_bend_to_the_g
     seen = {}
 
     def apply(call):
-        view = graph_def_view.GraphView(call.graph_def_bytes)
+        view = call.graph()
         g = _dag(view)
         ops = [n for n in nx.topological_sort(g) if g.in_degree(n) > 0]
         a, b = next((a, b) for i, a in enumerate(ops) for b in ops[i + 1:]
                     if not nx.has_path(g, a, b) and not nx.has_path(g, b, a))
         text = "".join(f"seq\t0\t{n}\n" for n in ops[::-1])
-        rewritten = graph_def_view.GraphView(call.apply("".join(f"seq\t0\t{n}\n" for n in [b, a])))
+        rewritten = call.apply("".join(f"seq\t0\t{n}\n" for n in [b, a])).view()
         seen["pair"] = (a, b, _control_inputs(rewritten, a))
-        seen["backwards"] = _dag(graph_def_view.GraphView(call.apply(text)))
+        seen["backwards"] = _dag(call.apply(text).view())
 
     out = _offered(apply)
     a, b, controls = seen["pair"]
@@ -216,11 +216,11 @@ def test_a_seqadded_record_chains_the_plans_own_ops_as_soon_as_they_are_ready():
 
     def apply_with(added):
         def apply(call):
-            view = graph_def_view.GraphView(call.graph_def_bytes)
+            view = call.graph()
             g = _dag(view)
             chain = "".join(f"seq\t0\t{n}\n" for n in nx.topological_sort(g) if g.in_degree(n) > 0)
             text = _relu_swap_plan(view, trigger="MatMul_1") + chain + ("seqadded\t0\n" if added else "")
-            rewritten = _dag(graph_def_view.GraphView(call.apply(text)))
+            rewritten = _dag(call.apply(text).view())
             swaps = [n for n in rewritten if "/dymem_swap_" in n]
             seen[added] = {(a, b) for a in swaps for b in rewritten.successors(a)}
         return apply
@@ -273,12 +273,12 @@ def test_tensors_a_gpu_keeps_in_host_memory_are_never_swapped():
                               keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(5)])
     model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     seen = []
-    with graph_pass.armed(lambda call: seen.append(call.graph_def_bytes)):
+    with graph_pass.armed(lambda call: seen.append((call.graph_def_bytes, call.outputs_bytes))):
         model.fit(np.zeros((8, 8, 8, 3), np.float32), np.zeros((8,), np.int32), batch_size=8, verbose=0)
-    on_gpu = seen[0].replace(b"device:CPU:0", b"device:GPU:0")
+    on_gpu = (seen[0][0].replace(b"device:CPU:0", b"device:GPU:0"), seen[0][1])
 
     def capture(data):
-        view = graph_def_view.GraphView(data)
+        view = graph_def_view.GraphView(*data)
         sg = graph_capture.capture_step_graph(view.get_operations(), batch_size=8)
         return sg, planner.make_plan(sg, min_swap_bytes=0)
 
@@ -337,12 +337,12 @@ def test_a_var_record_keeps_the_state_in_host_memory_between_its_uses():
     rewritten = []
 
     def apply(call):
-        view = graph_def_view.GraphView(call.graph_def_bytes)
+        view = call.graph()
         arg, users = _state_arg(view)
         n = arg.name
         plan = (f"var\t{n}\t0\t{n}/dymem_var_evict_0\t{n}/dymem_var_swap_in_0\t{n}/dymem_var_swap_out_0\t\t"
                 + ",".join(users) + "\n")
-        rewritten.append(graph_def_view.GraphView(call.apply(plan)))
+        rewritten.append(call.apply(plan).view())
 
     losses, w, m, offloaded = _run_momentum(apply)
     assert losses == base[0]
@@ -361,12 +361,12 @@ def test_records_may_name_the_nodes_a_var_record_adds():
     rewritten = []
 
     def apply(call):
-        view = graph_def_view.GraphView(call.graph_def_bytes)
+        view = call.graph()
         arg, users = _state_arg(view)
         n = arg.name
         plan = (f"var\t{n}\t0\t{n}/e\t{n}/i\t{n}/o\t\t{','.join(users)}\n"
                 f"ctrl\t{n}/e\t{users[0]}\n")
-        rewritten.append((graph_def_view.GraphView(call.apply(plan)), f"{n}/e", users[0]))
+        rewritten.append((call.apply(plan).view(), f"{n}/e", users[0]))
 
     losses, w, m, offloaded = _run_momentum(apply, steps=2)
     assert losses == base[0] and offloaded == [True, True]
@@ -385,7 +385,7 @@ def test_a_var_record_that_does_not_fit_is_refused(record, fragment):
     errors = []
 
     def apply(call):
-        view = graph_def_view.GraphView(call.graph_def_bytes)
+        view = call.graph()
         arg, users = _state_arg(view)
         x = [op.name for op in view.get_operations() if op.type == "MatMul"][0]
         try:
@@ -417,7 +417,7 @@ def test_a_weight_or_recompute_record_that_does_not_fit_is_refused(record, fragm
     errors = []
 
     def apply(call):
-        view = graph_def_view.GraphView(call.graph_def_bytes)
+        view = call.graph()
         arg, _ = _state_arg(view)
         x = [op.name for op in view.get_operations() if op.type == "MatMul"][0]
         try:
@@ -458,17 +458,17 @@ def test_host_memory_outputs_of_other_dtypes_are_never_swapped_on_a_gpu():
         return loss, tape.gradient(loss, [w, v])
 
     seen = []
-    with graph_pass.armed(lambda call: seen.append(call.graph_def_bytes)):
+    with graph_pass.armed(lambda call: seen.append((call.graph_def_bytes, call.outputs_bytes))):
         step(tf.ones((4, 8)))
 
     def planned(data):
-        view = graph_def_view.GraphView(data)
+        view = graph_def_view.GraphView(*data)
         sg = graph_capture.capture_step_graph(view.get_operations(), batch_size=4)
         shapes = [t for t in sg.tensors.values() if sg.ops[t.producer].type == "Shape" and t.dtype == "int64"]
         return sg, shapes, {s.tensor for s in planner.make_plan(sg, min_swap_bytes=0).swaps}
 
     cpu, cpu_shapes, cpu_swapped = planned(seen[0])
-    gpu, gpu_shapes, gpu_swapped = planned(seen[0].replace(b"device:CPU:0", b"device:GPU:0"))
+    gpu, gpu_shapes, gpu_swapped = planned((seen[0][0].replace(b"device:CPU:0", b"device:GPU:0"), seen[0][1]))
     assert [t.name for t in cpu_shapes] == [t.name for t in gpu_shapes] and len(cpu_shapes) == 1
     shape = cpu_shapes[0].name
     assert cpu.tensors[shape].bytes == 16 and not cpu.tensors[shape].persistent and shape in cpu_swapped

@@ -148,7 +148,7 @@ class _RecomputeEverything:
         from dymem_tf.passes import graph_def_view, step_pass
         from dymem_tf.planning.cost_model import as_cost_model
 
-        graph = graph_def_view.GraphView(call.graph_def_bytes)
+        graph = call.graph()
         ((_, ops),) = step_pass.replica_ops(graph)
         sg, problem = step_pass.capture(ops, 64)
         assert problem is None, problem

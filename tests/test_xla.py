@@ -120,7 +120,7 @@ def run(callbacks=(), capture=None, clustering=True):
 seen = {"on": [], "off": []}
 def capture_in(key):
     def capture(call):  # the pass is offered only graphs with gradient ops outside XLA clusters
-        ops = graph_def_view.GraphView(call.graph_def_bytes).get_operations()
+        ops = call.graph().get_operations()
         seen[key].append(sorted({op.type for op in ops if op.type.startswith("_Xla") or op.type.endswith("Grad")}))
     return capture
 

@@ -68,7 +68,7 @@ def trace_train_step(model: keras.Model, batch_size: int) -> TracedStep:
     captured = {}
 
     def capture(call):
-        graph = graph_def_view.GraphView(call.graph_def_bytes)
+        graph = call.graph()
         _, ops = step_pass.replica_ops(graph)[0]
         captured["graph"], captured["problem"] = step_pass.capture(ops, batch_size)  # as the callback does
         captured["num_ops"] = len(ops)

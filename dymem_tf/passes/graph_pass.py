@@ -31,13 +31,21 @@ _listeners: list = []  # stack of active listeners; the innermost armed block re
 _state: dict = {}
 
 
+# The buffers of a call (cc/pass/graph_pass.cc, dymem_pass_buffer).
+_GRAPH, _OUTPUTS, _CHANGED, _CHANGED_OUTPUTS = 0, 1, 2, 3
+
+
 class PassCall:
-    """One offer of an instantiated graph to a listener (valid only while the listener runs)."""
+    """One offer of an instantiated graph to a listener (valid only while the listener runs).
+
+    ``graph_def_bytes`` is the graph as Grappler left it, serialized; ``outputs_bytes`` its nodes' output types
+    and inferred shapes (decoded by :class:`~dymem_tf.passes.graph_def_view.GraphView`)."""
 
     def __init__(self, lib, handle, function_name: str, graph_def_bytes: bytes):
         self._lib, self._handle = lib, handle
         self.function_name = function_name
         self.graph_def_bytes = graph_def_bytes
+        self.outputs_bytes = self._buffer(_OUTPUTS)
         self.failed_with: str | None = None
 
     def graph_def(self):
@@ -46,19 +54,32 @@ class PassCall:
 
         return graph_pb2.GraphDef.FromString(self.graph_def_bytes)
 
-    def apply(self, plan_text: str) -> bytes:
-        """Insert the plan (see :func:`encode_plan`); returns the rewritten graph serialized. Raises
-        :class:`PlanApplyError` (graph unchanged) when the plan does not fit the graph."""
+    def graph(self):
+        """The offered graph as a :class:`~dymem_tf.passes.graph_def_view.GraphView`."""
+        from dymem_tf.passes import graph_def_view
+
+        return graph_def_view.GraphView(self.graph_def_bytes, self.outputs_bytes)
+
+    def apply(self, plan_text: str):
+        """Insert the plan (see :func:`encode_plan`); returns the rewritten graph as a
+        :class:`~dymem_tf.passes.graph_def_view.RewrittenGraph` (what the plan changed, merged into the offered
+        graph when first read). Raises :class:`PlanApplyError` (graph unchanged) when the plan does not fit."""
+        from dymem_tf.passes import graph_def_view
+
         if self._lib.dymem_pass_apply(self._handle, plan_text.encode()) != 0:
             raise PlanApplyError(self._lib.dymem_pass_error(self._handle).decode(errors="replace"))
-        data = ctypes.c_char_p()
-        size = self._lib.dymem_pass_graph_def(self._handle, ctypes.byref(data))
-        return ctypes.string_at(data, size)
+        return graph_def_view.RewrittenGraph(self.graph_def_bytes, self.outputs_bytes, self._buffer(_CHANGED),
+                                             self._buffer(_CHANGED_OUTPUTS))
 
     def fail(self, message: str) -> None:
         """Fail this instantiation with ``message`` (the step does not run; variables stay untouched)."""
         self.failed_with = message
         self._lib.dymem_pass_fail(self._handle, message.encode())
+
+    def _buffer(self, which: int) -> bytes:
+        data = ctypes.c_char_p()
+        size = self._lib.dymem_pass_buffer(self._handle, which, ctypes.byref(data))
+        return ctypes.string_at(data, size) if size > 0 else b""
 
 
 class PlanApplyError(RuntimeError):
@@ -79,8 +100,8 @@ def _library():
         lib.dymem_pass_apply.restype = ctypes.c_int
         lib.dymem_pass_error.argtypes = [ctypes.c_void_p]
         lib.dymem_pass_error.restype = ctypes.c_char_p
-        lib.dymem_pass_graph_def.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_char_p)]
-        lib.dymem_pass_graph_def.restype = ctypes.c_int64
+        lib.dymem_pass_buffer.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        lib.dymem_pass_buffer.restype = ctypes.c_int64
         lib.dymem_pass_fail.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
         lib.dymem_pass_set_before_xla.argtypes = [ctypes.c_int]
         lib.dymem_pass_set_before_xla.restype = ctypes.c_int

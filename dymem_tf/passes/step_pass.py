@@ -20,8 +20,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
-import functools
 import gc
+import hashlib
 import logging
 import re
 import time
@@ -91,7 +91,8 @@ class TraceRecord:
     plan: object
     report: RewriteReport
     replica: int | None = None
-    rewritten_graph_def: bytes = b""  # the graph TF runs, swap ops included, serialized
+    #: the graph TF runs, swap ops included (None: not rewritten)
+    rewritten: graph_def_view.RewrittenGraph | None = None
     #: wall seconds the pass took on this instantiation: reading the graph, capturing, planning (calibrated plans:
     #: every placement re-plan) and the C++ rewrite, for all replicas together
     pass_seconds: float = 0.0
@@ -102,7 +103,7 @@ class TraceRecord:
     def graph(self) -> graph_def_view.GraphView:
         """The graph TF runs (after Grappler, with the swap ops), as a read-only ``tf.Graph``-like view (one view
         for all replicas' records of an instantiation)."""
-        return _graph_view(self.rewritten_graph_def)
+        return self.rewritten.view()
 
 
 class SkipKind(str, enum.Enum):
@@ -211,7 +212,7 @@ class StepPass:
         clock = stages.StageClock()
         with clock.active(), _collector_paused():
             with stages.stage("read"):
-                groups = self._captures.read(call.graph_def_bytes, keep=self._plans_again())
+                groups = self._captures.read(call.graph_def_bytes, call.outputs_bytes, keep=self._plans_again())
             planned = []
             for replica, ops in groups:
                 try:
@@ -389,16 +390,19 @@ class CaptureCache:
         self._graphs: dict = {}
         self.hits = 0  # instantiations whose graph was read before
 
-    def read(self, data: bytes, keep: bool) -> list[tuple[int | None, list]]:
-        """The graph's ops per training device (:func:`replica_ops`), read again only for another graph;
+    def read(self, data: bytes, outputs: bytes, keep: bool) -> list[tuple[int | None, list]]:
+        """The graph's ops per training device (:func:`replica_ops`; ``data`` and ``outputs`` as
+        :class:`~dymem_tf.passes.graph_def_view.GraphView` takes them), read again only for another graph;
         ``keep``: keep the graph (and what is captured from it) for the next call."""
         graph_def = graph_def_view.parse(data)
         # the fingerprint (a deterministic serialization of the whole graph) only where a hit is possible
-        key = graph_def_view.fingerprint(graph_def) if keep or self._key is not None else None
+        key = None
+        if keep or self._key is not None:
+            key = graph_def_view.fingerprint(graph_def) + hashlib.sha256(outputs).digest()
         if key is not None and key == self._key:
             self.hits += 1
             return self._groups
-        groups = replica_ops(graph_def_view.GraphView(graph_def))
+        groups = replica_ops(graph_def_view.GraphView(graph_def, outputs))
         self._key, self._groups, self._graphs = (key, groups, {}) if keep else (None, [], {})
         return groups
 
@@ -426,10 +430,6 @@ def _collector_paused():
         if was_enabled:
             gc.enable()
 
-
-@functools.lru_cache(maxsize=4)
-def _graph_view(data: bytes) -> graph_def_view.GraphView:
-    return graph_def_view.GraphView(data)
 
 
 def rewrite_report(plan, deferrals) -> RewriteReport:

@@ -6,6 +6,7 @@
 // Why after Grappler: the plan is then made for the graph that runs (fused ops, removed identities, rewritten
 // AddNs), and the inserted swap ops cannot change what Grappler does, so training stays bit-identical.
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <string>
@@ -47,14 +48,24 @@ std::atomic<int64_t> g_handled{0};
 // The batch size the step's unknown input batch dimension stands for (0: none), set by Python while armed.
 std::atomic<int64_t> g_batch_hint{0};
 
-// Inferred output shapes by node name (the `_dymem_output_shapes` values of the serialized graph).
-using ShapeAnnotations = std::unordered_map<std::string, tensorflow::AttrValue>;
+// Output types and inferred shapes of one node, flattened: its number of outputs, then per output its dtype, its
+// rank (-1 when unknown or not inferred) and that many sizes (-1 for an unknown dimension). The pass hands these
+// records to Python beside the GraphDef, one per node in the GraphDef's order (graph_def_view.py decodes them).
+using OutputRecord = std::vector<int64_t>;
+// Output records by node name, of the graph as handed to Python: the rewritten graph's nodes reuse them.
+using ShapeAnnotations = std::unordered_map<std::string, OutputRecord>;
+
+// The buffers a PassCall hands to Python (dymem_pass_buffer).
+enum Buffer { kGraph = 0, kOutputs = 1, kChanged = 2, kChangedOutputs = 3, kNumBuffers = 4 };
 
 // State of one handler call, passed to Python as an opaque pointer.
 struct PassCall {
   tensorflow::Graph* graph = nullptr;
-  std::string serialized;
-  ShapeAnnotations shapes;  // of the graph as handed to Python: the rewritten graph reuses them
+  // kGraph: the offered GraphDef; kOutputs: its output records; after dymem_pass_apply, kChanged: a GraphDef of
+  // the nodes the plan added and, by name and inputs only, those whose inputs it changed; kChangedOutputs: the
+  // output records of the added nodes, in that GraphDef's order.
+  std::string buffers[kNumBuffers];
+  ShapeAnnotations shapes;
   std::string error;
   std::string fail_message;
 };
@@ -67,14 +78,24 @@ bool HasGradientOps(const tensorflow::Graph& graph) {
   return false;
 }
 
-// One inferred output shape as a TensorShapeProto (-1 for an unknown dimension).
-void ShapeToProto(tensorflow::shape_inference::InferenceContext* c, tensorflow::shape_inference::ShapeHandle h,
-                  tensorflow::TensorShapeProto* proto) {
-  if (!c->RankKnown(h)) {
-    proto->set_unknown_rank(true);
-    return;
+// The output record of `n` (see OutputRecord), its shapes from `c` (null: none inferred).
+OutputRecord RecordOf(const tensorflow::Node* n, tensorflow::shape_inference::InferenceContext* c) {
+  OutputRecord record{n->num_outputs()};
+  for (int i = 0; i < n->num_outputs(); ++i) {
+    record.push_back(n->output_type(i));
+    if (c == nullptr || i >= c->num_outputs() || !c->RankKnown(c->output(i))) {
+      record.push_back(-1);
+      continue;
+    }
+    record.push_back(c->Rank(c->output(i)));
+    for (int d = 0; d < c->Rank(c->output(i)); ++d) record.push_back(c->Value(c->Dim(c->output(i), d)));
   }
-  for (int d = 0; d < c->Rank(h); ++d) proto->add_dim()->set_size(c->Value(c->Dim(h, d)));
+  return record;
+}
+
+// Appends `record` to `buffer` as native 64-bit integers.
+void AppendRecord(const OutputRecord& record, std::string* buffer) {
+  buffer->append(reinterpret_cast<const char*>(record.data()), record.size() * sizeof(int64_t));
 }
 
 // Op types of the step's input ops, whose outputs lead with the batch dimension (Python's
@@ -101,79 +122,109 @@ void RefineBatch(tensorflow::ShapeRefiner* refiner, const tensorflow::Node* n, i
   }
 }
 
-// Adds `_dymem_output_types` and (where shape inference succeeds) `_dymem_output_shapes` to every node of `def`,
-// inferred with the runtime's own op registry (Python's may lack the kernels' dtypes, e.g. bfloat16 fusions). With
-// `batch` > 0 the step's input batch dimension is taken to be `batch` (see RefineBatch). The shapes go to `known`.
-void AnnotateOutputs(const tensorflow::Graph& graph, tensorflow::GraphDef* def, int64_t batch,
-                     ShapeAnnotations* known) {
-  std::unordered_map<std::string, tensorflow::NodeDef*> by_name;
-  for (tensorflow::NodeDef& nd : *def->mutable_node()) by_name[nd.name()] = &nd;
+// The output record of every op node of `graph`, by name, with shapes inferred by the runtime's own op registry
+// (Python's may lack the kernels' dtypes, e.g. bfloat16 fusions). With `batch` > 0 the step's input batch dimension
+// is taken to be `batch` (see RefineBatch).
+ShapeAnnotations InferOutputs(const tensorflow::Graph& graph, int64_t batch) {
+  ShapeAnnotations records;
   tensorflow::ShapeRefiner refiner(graph.versions(), graph.op_registry());
   std::vector<tensorflow::Node*> order;
   tensorflow::GetReversePostOrder(graph, &order);
   for (tensorflow::Node* n : order) {
-    auto it = by_name.find(n->name());
-    if (!n->IsOp() || it == by_name.end()) continue;
-    tensorflow::AttrValue types;
-    for (int i = 0; i < n->num_outputs(); ++i) types.mutable_list()->add_type(n->output_type(i));
-    (*it->second->mutable_attr())["_dymem_output_types"] = types;
-    if (!refiner.AddNode(n).ok()) continue;
+    if (!n->IsOp()) continue;
+    if (!refiner.AddNode(n).ok()) {
+      records[n->name()] = RecordOf(n, nullptr);
+      continue;
+    }
     if (batch > 0 && IsStepInput(n)) RefineBatch(&refiner, n, batch);
-    tensorflow::shape_inference::InferenceContext* c = refiner.GetContext(n);
-    tensorflow::AttrValue shapes;
-    for (int i = 0; i < c->num_outputs(); ++i) ShapeToProto(c, c->output(i), shapes.mutable_list()->add_shape());
-    (*it->second->mutable_attr())["_dymem_output_shapes"] = shapes;
-    (*known)[n->name()] = shapes;
+    records[n->name()] = RecordOf(n, refiner.GetContext(n));
   }
+  return records;
 }
 
-// The graph as a serialized GraphDef with inferred output types and shapes (see AnnotateOutputs).
-std::string Serialize(const tensorflow::Graph& graph, ShapeAnnotations* known) {
+// Serializes `graph` into the call's kGraph buffer and its output records (InferOutputs) into kOutputs.
+void Serialize(const tensorflow::Graph& graph, PassCall* call) {
   tensorflow::GraphDef def;
   graph.ToGraphDef(&def, /*include_flib_def=*/false);
-  AnnotateOutputs(graph, &def, g_batch_hint.load(), known);
-  return def.SerializeAsString();
+  call->shapes = InferOutputs(graph, g_batch_hint.load());
+  std::string& outputs = call->buffers[kOutputs];
+  for (const tensorflow::NodeDef& nd : def.node()) {
+    auto it = call->shapes.find(nd.name());
+    AppendRecord(it != call->shapes.end() ? it->second : OutputRecord{0}, &outputs);
+  }
+  call->buffers[kGraph] = def.SerializeAsString();
 }
 
-// The output shapes of a node the plan added, from `known`: a swap op's are those of its data input, a copy's
-// (named "<op>/dymem_...") those of the op it copies; false when they are not known.
-bool AddedShapes(const tensorflow::Node* n, const ShapeAnnotations& known, tensorflow::AttrValue* shapes) {
-  if (n->type_string() == "DymemSwapOut" || n->type_string() == "DymemSwapIn") {
-    const tensorflow::Edge* in = nullptr;
-    if (!n->input_edge(0, &in).ok()) return false;
+// Output `port` of `record` as a one-output record (false when the record has no such output).
+bool OutputOf(const OutputRecord& record, int port, OutputRecord* out) {
+  size_t at = 1;
+  for (int i = 0; i < record[0] && at + 1 < record.size(); ++i) {
+    const size_t size = 2 + static_cast<size_t>(std::max<int64_t>(record[at + 1], 0));
+    if (i == port) {
+      out->assign({1});
+      out->insert(out->end(), record.begin() + at, record.begin() + at + size);
+      return true;
+    }
+    at += size;
+  }
+  return false;
+}
+
+// The output record of a node the plan added: a swap op's output is shaped like its data input, a copy's (named
+// "<op>/dymem_...") like the op it copies; other nodes get their types with unknown shapes.
+OutputRecord AddedRecord(const tensorflow::Node* n, const ShapeAnnotations& known) {
+  OutputRecord record;
+  const tensorflow::Edge* in = nullptr;
+  if ((n->type_string() == "DymemSwapOut" || n->type_string() == "DymemSwapIn") && n->input_edge(0, &in).ok()) {
     auto it = known.find(in->src()->name());
-    if (it == known.end() || in->src_output() >= it->second.list().shape_size()) return false;
-    *shapes->mutable_list()->add_shape() = it->second.list().shape(in->src_output());
-    return true;
+    if (it != known.end() && OutputOf(it->second, in->src_output(), &record)) return record;
   }
   const size_t cut = n->name().rfind("/dymem_");
   auto it = cut == std::string::npos ? known.end() : known.find(n->name().substr(0, cut));
-  if (it == known.end() || it->second.list().shape_size() != n->num_outputs()) return false;
-  *shapes = it->second;
-  return true;
+  if (it != known.end() && it->second[0] == n->num_outputs()) return it->second;
+  return RecordOf(n, nullptr);
 }
 
-// The rewritten graph serialized like Serialize without a second shape inference (the pass's most expensive
-// step on a large graph): the original nodes keep the shapes in `known`, added nodes get AddedShapes.
-std::string SerializeRewritten(const tensorflow::Graph& graph, ShapeAnnotations* known) {
-  tensorflow::GraphDef def;
-  graph.ToGraphDef(&def, /*include_flib_def=*/false);
-  std::unordered_map<std::string, tensorflow::NodeDef*> by_name;
-  for (tensorflow::NodeDef& nd : *def.mutable_node()) by_name[nd.name()] = &nd;
-  std::vector<tensorflow::Node*> order;
-  tensorflow::GetReversePostOrder(graph, &order);
-  for (tensorflow::Node* n : order) {
-    auto it = by_name.find(n->name());
-    if (!n->IsOp() || it == by_name.end()) continue;
-    tensorflow::AttrValue types;
-    for (int i = 0; i < n->num_outputs(); ++i) types.mutable_list()->add_type(n->output_type(i));
-    (*it->second->mutable_attr())["_dymem_output_types"] = types;
-    auto shapes = known->find(n->name());
-    tensorflow::AttrValue added;
-    if (shapes == known->end() && AddedShapes(n, *known, &added)) shapes = known->emplace(n->name(), added).first;
-    if (shapes != known->end()) (*it->second->mutable_attr())["_dymem_output_shapes"] = shapes->second;
+// Sets `def`'s inputs to `n`'s as Graph::ToGraphDef writes them: data inputs in order, then control inputs by name.
+void SetInputs(const tensorflow::Node* n, tensorflow::NodeDef* def) {
+  std::vector<const tensorflow::Edge*> data(n->num_inputs(), nullptr);
+  std::vector<std::string> control;
+  for (const tensorflow::Edge* e : n->in_edges()) {
+    if (!e->IsControlEdge()) {
+      data[e->dst_input()] = e;
+    } else if (!e->src()->IsSource()) {
+      control.push_back(absl::StrCat("^", e->src()->name()));
+    }
   }
-  return def.SerializeAsString();
+  def->clear_input();
+  for (const tensorflow::Edge* e : data) {
+    if (e == nullptr) continue;
+    def->add_input(e->src_output() == 0 ? e->src()->name() : absl::StrCat(e->src()->name(), ":", e->src_output()));
+  }
+  std::sort(control.begin(), control.end());
+  for (std::string& c : control) def->add_input(std::move(c));
+}
+
+// What a plan changed, into the call's kChanged and kChangedOutputs buffers (see PassCall): a fraction of the
+// whole graph's serialization, which the pass would otherwise pay on every instantiation.
+void SerializeChanged(const std::vector<tensorflow::Node*>& changed, PassCall* call) {
+  tensorflow::GraphDef def;
+  std::string& outputs = call->buffers[kChangedOutputs];
+  outputs.clear();
+  for (const tensorflow::Node* n : changed) {
+    tensorflow::NodeDef* nd = def.add_node();
+    if (call->shapes.count(n->name())) {
+      nd->set_name(n->name());
+    } else {
+      *nd = n->def();
+      if (!n->assigned_device_name().empty()) nd->set_device(n->assigned_device_name());
+      OutputRecord record = AddedRecord(n, call->shapes);
+      AppendRecord(record, &outputs);
+      call->shapes.emplace(n->name(), std::move(record));
+    }
+    SetInputs(n, nd);
+  }
+  call->buffers[kChanged] = def.SerializeAsString();
 }
 
 // The name of the function being instantiated (empty when TF did not say).
@@ -195,10 +246,11 @@ class DymemStepPass : public tensorflow::GraphOptimizationPass {
     if (!HasGradientOps(*graph)) return absl::OkStatus();
     PassCall call;
     call.graph = graph;
-    call.serialized = Serialize(*graph, &call.shapes);
+    Serialize(*graph, &call);
     g_handled.fetch_add(1);
     const std::string name = FunctionName(options);
-    if (handler(&call, name.c_str(), call.serialized.data(), call.serialized.size()) == kFail) {
+    const std::string& def = call.buffers[kGraph];
+    if (handler(&call, name.c_str(), def.data(), def.size()) == kFail) {
       return absl::CancelledError(absl::StrCat("dymem_tf: ", call.fail_message));
     }
     return absl::OkStatus();
@@ -251,16 +303,17 @@ __attribute__((visibility("default"))) const char* dymem_pass_step_input_types(v
 __attribute__((visibility("default"))) int64_t dymem_pass_handled(void) { return dymem::g_handled.load(); }
 
 // Applies a plan (step_plan.h text form) to the graph of `call`: 0 on success, -1 with dymem_pass_error set and
-// the graph unchanged otherwise. On success the call's serialized graph is the rewritten one.
+// the graph unchanged otherwise. On success the call's kChanged buffers hold what the plan changed.
 __attribute__((visibility("default"))) int dymem_pass_apply(void* call, const char* text) {
   auto* c = static_cast<dymem::PassCall*>(call);
   dymem::StepPlan plan;
+  std::vector<tensorflow::Node*> changed;
   if (text == nullptr || !dymem::ParseStepPlan(text, &plan, &c->error) ||
-      !dymem::ApplyStepPlan(plan, c->graph, &c->error)) {
+      !dymem::ApplyStepPlan(plan, c->graph, &c->error, &changed)) {
     if (text == nullptr) c->error = "null plan";
     return -1;
   }
-  c->serialized = dymem::SerializeRewritten(*c->graph, &c->shapes);
+  dymem::SerializeChanged(changed, c);
   return 0;
 }
 
@@ -269,11 +322,13 @@ __attribute__((visibility("default"))) const char* dymem_pass_error(void* call) 
   return static_cast<dymem::PassCall*>(call)->error.c_str();
 }
 
-// The call's graph as a serialized GraphDef (after dymem_pass_apply: the rewritten graph); returns its size.
-__attribute__((visibility("default"))) int64_t dymem_pass_graph_def(void* call, const char** data) {
-  auto* c = static_cast<dymem::PassCall*>(call);
-  *data = c->serialized.data();
-  return static_cast<int64_t>(c->serialized.size());
+// One of the call's buffers (PassCall: 0 the offered GraphDef, 1 its output records, 2 and 3 what the last
+// dymem_pass_apply changed); returns its size, or -1 for an unknown buffer.
+__attribute__((visibility("default"))) int64_t dymem_pass_buffer(void* call, int which, const char** data) {
+  if (which < 0 || which >= dymem::kNumBuffers) return -1;
+  const std::string& buffer = static_cast<dymem::PassCall*>(call)->buffers[which];
+  *data = buffer.data();
+  return static_cast<int64_t>(buffer.size());
 }
 
 // Makes the handler's kFail fail the instantiation with this message.

@@ -644,6 +644,18 @@ void AddControlEdges(const StepPlan& plan, const NodeIndex& index, const NodeInd
   }
 }
 
+// The nodes `log` added, then the nodes whose inputs it changed (rerouted or given a control edge), each once.
+std::vector<Node*> ChangedNodes(const UndoLog& log) {
+  std::vector<Node*> changed = log.added_nodes;
+  std::unordered_set<const Node*> seen(changed.begin(), changed.end());
+  auto add = [&](Node* n) {
+    if (seen.insert(n).second) changed.push_back(n);
+  };
+  for (const Reroute& r : log.reroutes) add(r.consumer);
+  for (const Edge* e : log.added_control_edges) add(e->dst());
+  return changed;
+}
+
 // ApplyStepPlan's work; `log` holds what it changed.
 bool ApplyValidated(const StepPlan& plan, Graph* graph, UndoLog* log, std::string* error) {
   NodeIndex index;
@@ -689,12 +701,14 @@ bool ParseStepPlan(const std::string& text, StepPlan* plan, std::string* error) 
   return true;
 }
 
-bool ApplyStepPlan(const StepPlan& plan, Graph* graph, std::string* error) {
+bool ApplyStepPlan(const StepPlan& plan, Graph* graph, std::string* error, std::vector<Node*>* changed) {
   // Validation is meant to make every look-up below succeed; should one still throw, the plan is refused and the
   // graph put back instead of the exception ending the process inside TensorFlow.
   UndoLog log;
   try {
-    return ApplyValidated(plan, graph, &log, error);
+    if (!ApplyValidated(plan, graph, &log, error)) return false;
+    if (changed != nullptr) *changed = ChangedNodes(log);
+    return true;
   } catch (const std::exception& e) {
     Undo(graph, log);
     *error = absl::StrCat("the plan could not be applied: ", e.what());

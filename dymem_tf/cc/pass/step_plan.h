@@ -116,8 +116,10 @@ struct StepPlan {
 bool ParseStepPlan(const std::string& text, StepPlan* plan, std::string* error);
 
 // Inserts the plan's swap ops into `graph`, reroutes consumers and adds control edges. All or nothing: on a plan
-// that does not match the graph it returns false with `error` set and leaves the graph as it was.
-bool ApplyStepPlan(const StepPlan& plan, tensorflow::Graph* graph, std::string* error);
+// that does not match the graph it returns false with `error` set and leaves the graph as it was. On success
+// `changed` (when given) lists the nodes the plan added, in the order added, then those whose inputs it changed.
+bool ApplyStepPlan(const StepPlan& plan, tensorflow::Graph* graph, std::string* error,
+                   std::vector<tensorflow::Node*>* changed = nullptr);
 
 }  // namespace dymem
 
