@@ -181,6 +181,16 @@ def _dims(t: tf.Tensor, batch_size: int | None) -> list[int]:
     return dims
 
 
+#: Op types that access no data of their own: buffer forwarding, metadata only, or variable reads.
+_NO_DATA_ACCESS_OP_TYPES = ALIAS_OP_TYPES | FORWARDING_OP_TYPES | METADATA_OP_TYPES | _VARIABLE_READ_TYPES
+
+#: The op types :func:`_flops` counts.
+_FLOP_OP_TYPES = frozenset({
+    "Conv2D", "_FusedConv2D", "DepthwiseConv2dNative", "Conv2DBackpropInput", "Conv2DBackpropFilter",
+    "DepthwiseConv2dNativeBackpropInput", "DepthwiseConv2dNativeBackpropFilter", "MatMul", "_FusedMatMul",
+    "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"})
+
+
 def _flops(op: tf.Operation, batch_size: int | None = None) -> float:
     """FLOPs of conv/matmul-like ops from static shapes (0 when unknown or not such an op)."""
     t = op.type
@@ -243,14 +253,16 @@ def capture_step_graph(ops: Sequence[tf.Operation], batch_size: int | None = Non
     for op in ops:
         outs = []
         holds_variables = op.type in _VARIABLE_READ_TYPES or op.type in _SOURCE_OP_TYPES
+        may_alias = op.type in _ALIASING_OP_TYPES
+        on_cpu = device_kind(op.device) == "CPU"
         for k, t in enumerate(op.outputs):
             dims, known = _shape_of(t, batch_size)
             dtype, size = _dtype_info(t.dtype)
             persistent = holds_variables or dtype in _HANDLE_DTYPES
-            alias_of = _aliased_tensor(op, k, dtype, tensors)
+            alias_of = _aliased_tensor(op, k, dtype, tensors) if may_alias else None
             if alias_of is not None:
                 persistent = persistent or tensors[alias_of].persistent
-            host = in_host_memory(op.device, dtype, op, k)
+            host = not on_cpu and in_host_memory(op.device, dtype, op, k)
             persistent = persistent or host  # never swapped: it does not occupy the device
             if not known and not persistent and alias_of is None:
                 unknown += 1
@@ -266,12 +278,13 @@ def capture_step_graph(ops: Sequence[tf.Operation], batch_size: int | None = Non
             name=op.name, type=op.type, inputs=inputs, outputs=outs,
             control_inputs=[c.name for c in op.control_inputs if c.name in names],
             is_backward=is_gradient_name(op.name), keras_layer=keras_layer_of(_local(op.name, prefix), model_scope, lnames),
-            flops=_flops(op, batch_size), bytes_accessed=0, device=op.device or ""))
+            flops=_flops(op, batch_size) if op.type in _FLOP_OP_TYPES else 0.0, bytes_accessed=0,
+            device=op.device or ""))
     inferred = _infer_sizes_from_reshapes(infos, tensors)
     unknown -= inferred
     # bytes accessed: data inputs and outputs (metadata ops read no data)
     for info in infos:
-        if info.type in ALIAS_OP_TYPES | FORWARDING_OP_TYPES | METADATA_OP_TYPES or info.type in _VARIABLE_READ_TYPES:
+        if info.type in _NO_DATA_ACCESS_OP_TYPES:
             info.bytes_accessed = 0  # buffer forwarding, metadata only, or a variable read (aliases the variable)
             continue
         read = sum(tensors[i].bytes for i in info.inputs)
@@ -292,6 +305,10 @@ def capture_step_graph(ops: Sequence[tf.Operation], batch_size: int | None = Non
     if any(op.type == "Switch" for op in infos):  # without conditionals no op is in a branch
         _mark_conditional(sg)
     return sg
+
+
+#: The op types whose outputs :func:`_aliased_tensor` may find sharing an input's buffer.
+_ALIASING_OP_TYPES = ALIAS_OP_TYPES | FORWARDING_OP_TYPES | {"Merge"}
 
 
 def _aliased_tensor(op, k: int, dtype: str, tensors: dict[str, TensorInfo]) -> str | None:

@@ -57,16 +57,23 @@ def _inputs_stay(sg: StepGraph, name: str, effective: dict[str, int], held: dict
     return extended <= _owned_bytes(sg, name)
 
 
-def _propose(sg: StepGraph, order: list[str], min_bytes: int, excluded: set[str], paths: Reachability
+def _eligible(sg: StepGraph, order: list[str], min_bytes: int) -> list[str]:
+    """The gradient ops outside conditional branches that own at least ``min_bytes``, consumers first."""
+    return [name for name in reversed(order) if sg.ops[name].phase == "backward" and not sg.ops[name].conditional
+            and _owned_bytes(sg, name) >= min_bytes]
+
+
+def _propose(sg: StepGraph, eligible: list[str], layers: dict[str, int], excluded: set[str], paths: Reachability
              ) -> tuple[dict, dict]:
-    """Anchors for the gradient ops ready long before their first consumer (consumers first, so a chain of such
-    ops follows its last link), and the dependency layers the ops would then have."""
+    """Anchors for the ``eligible`` ops (:func:`_eligible`) ready long before their first consumer (consumers
+    first, so a chain of such ops follows its last link), and the dependency layers the ops would then have
+    (``layers``: each op's own)."""
     g = sg.graph
-    effective = {name: sg.ops[name].layer for name in order}
+    effective = dict(layers)
     anchor_of: dict[str, str] = {}
-    for name in reversed(order):
+    for name in eligible:
         op = sg.ops[name]
-        if name in excluded or op.phase != "backward" or op.conditional or _owned_bytes(sg, name) < min_bytes:
+        if name in excluded:
             continue
         consumers = _consumers(sg, name)
         if not consumers:
@@ -92,9 +99,11 @@ def find_holds(sg: StepGraph, min_bytes: int = MIN_HOLD_BYTES) -> list[tuple[str
     proposal made again without it, until every hold is free."""
     order = sg.topological_order()
     paths = sg.reachability()
+    eligible = _eligible(sg, order, min_bytes)
+    layers = {name: sg.ops[name].layer for name in order}
     excluded: set[str] = set()
     while True:
-        anchor_of, effective = _propose(sg, order, min_bytes, excluded, paths)
+        anchor_of, effective = _propose(sg, eligible, layers, excluded, paths)
         costly = {n for n in anchor_of if not _inputs_stay(sg, n, effective, anchor_of)}
         if not costly:
             break

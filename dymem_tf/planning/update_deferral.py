@@ -9,7 +9,7 @@ arithmetic is unchanged, so results stay bit-identical; only the temporaries' li
 """
 from __future__ import annotations
 
-from dymem_tf.planning.analysis import StepGraph, analyse, no_autograph
+from dymem_tf.planning.analysis import StepGraph, analyse, no_autograph, predecessors_of, successors_of
 
 #: Ops producing fewer bytes than this are not worth an edge.
 MIN_DEFER_BYTES = 4096
@@ -21,12 +21,11 @@ def find_deferrals(sg: StepGraph, min_bytes: int = MIN_DEFER_BYTES, always: froz
     """``(anchor, op)`` pairs: ``op`` (update arithmetic that depends on no gradient) should run after ``anchor``
     (the op producing the gradient-derived operand it is combined with). Ops in ``always`` (reads of offloaded
     optimizer state, :mod:`dymem_tf.planning.offload`) are deferred whatever they own."""
-    g = sg.graph
+    succ, pred = successors_of(sg.graph), predecessors_of(sg.graph)
     order = sg.topological_order()
     derived: dict[str, bool] = {}
     for name in order:
-        op = sg.ops[name]
-        derived[name] = op.phase == "backward" or any(derived[p] for p in g.predecessors(name))
+        derived[name] = sg.ops[name].phase == "backward" or any(map(derived.__getitem__, pred[name]))
     program = {name: i for i, name in enumerate(sg.ops)}
     anchor: dict[str, str] = {}
     for name in reversed(order):  # consumers first: a chain of state-only ops follows its last link's anchor
@@ -34,9 +33,9 @@ def find_deferrals(sg: StepGraph, min_bytes: int = MIN_DEFER_BYTES, always: froz
         if op.phase != "update" or derived[name]:
             continue
         candidates = []
-        for c in g.successors(name):
+        for c in succ[name]:
             if derived[c]:
-                candidates += [p for p in g.predecessors(c) if p != name and derived[p]]
+                candidates += [p for p in pred[c] if p != name and derived[p]]
             elif c in anchor:
                 candidates.append(anchor[c])
         if candidates:
