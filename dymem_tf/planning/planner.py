@@ -584,6 +584,9 @@ class _Planner:
         order = sorted(pool, key=lambda c: (-c.prod_pos, c.tensor))
         i, chunk = 0, max(1, len(order) // 8)
         while i < len(order):
+            if chunk == 1 and self._needed(order[i], res, budget):
+                i += 1  # its removal would be rejected: spare the simulation
+                continue
             drop = {c.tensor for c in order[i:i + chunk]}
             trial = [c for c in kept if c.tensor not in drop]
             r = self.run(self.decisions(policy, trial, mode), persistent) if trial else None
@@ -596,6 +599,29 @@ class _Planner:
             else:
                 i += 1
         return kept, res
+
+    def _needed(self, cand: _Candidate, res: SimResult, budget: int) -> bool:
+        """Whether the plan simulated in ``res`` needs ``cand``'s swap to fit ``budget``: while the plan has the
+        tensor off the device, its bytes on top of the plan's would exceed the budget. Ignores how dropping the
+        copies moves the others (an estimate; a wrong one only keeps a swap the prune could have dropped). Weights
+        and optimizer state are off the device from the step's start until their first swap-in."""
+        if cand.kind == "recompute" or res.memory_curve is None or res.op_end_s is None:
+            return False
+        events = {e.swap_in: e for e in res.swap_events if e.tensor == cand.tensor}
+        if not events or 0 not in events:
+            return False
+        times, in_use = res.memory_curve
+        end = res.op_end_s
+        release = 0.0 if cand.from_host else max(
+            [events[0].out_end] + [end[self.pos[c]] for c in cand.orig + cand.keepers])
+        for k, group in enumerate(cand.groups):
+            back = events[k].in_start if k in events else release
+            first = max(int(np.searchsorted(times, release, "right")) - 1, 0)
+            last = int(np.searchsorted(times, back, "left"))
+            if last > first and int(in_use[first:last].max()) + cand.bytes > budget:
+                return True
+            release = end[self.pos[group[-1]]]
+        return False
 
     def exchange(self, policy: str, mode: TriggerMode, kept: list[_Candidate], pool: list[_Candidate], budget: int,
                  persistent: int, res: SimResult, rounds: int = 2, tries: int = 48

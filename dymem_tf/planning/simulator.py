@@ -137,6 +137,8 @@ class SimResult:
     #: groups numbered as in GTBM: 0 = persistent, a variable the plan keeps; 1 = transient; 2 = mobile; and
     #: :data:`ADOPTED`, persistent too: a kept variable's next buffer, which it adopts at the row's end)
     allocations: np.ndarray | None = field(default=None, repr=False)
+    #: the device bytes in use (persistent included) after each memory event, and the events' times (sorted)
+    memory_curve: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False)
 
     def as_predicted(self) -> dict:
         """The fields a :class:`Plan` stores in ``predicted``."""
@@ -536,7 +538,7 @@ class Simulator:
         step = float(end[-1]) if len(end) else 0.0
         step = max([step] + [out_end[i] for i in range(len(swaps)) if variable[i]])  # copies back after updates
         return SimResult(peak, by_group, group_peaks, step, compute, float(sum(stall_of)), peak_time, peak_op,
-                         rows, sw_events, self.order, start, end, live, allocations)
+                         rows, sw_events, self.order, start, end, live, allocations, (ev_t, total + persistent_bytes))
 
 
 @no_autograph
