@@ -161,15 +161,20 @@ def report(results: dict, args, seconds: float, commit: str, before: dict | None
     if failed:
         lines += ["", "Failed: " + "; ".join(failed)]
     if before:
-        lines += ["", f"Before and after, no budget (pass seconds; before: {before.get('commit', '?')}, the same "
-                      "script with `--pythonpath` on that checkout):", "",
-                  "| model | ops | before s | after s | speed-up |", "| --- | ---: | ---: | ---: | ---: |"]
+        lines += ["", f"Before and after (pass seconds; before: {before.get('commit', '?')}, the same script on that "
+                      "checkout); *budget* is the first step's planning under the budget:", "",
+                  "| model | ops | before s | after s | speed-up | budget before s | budget after s | "
+                  "budget / none before | budget / none after |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         old = {r["model"]: r for r in (summarize(e) for e in before.get("results", {}).values()) if r}
         for r in sorted(rows, key=lambda r: r["ops"]):
             if r["model"] in old:
-                b = old[r["model"]]["seconds"]
-                lines.append(f"| {r['model']} | {r['ops']:,} | {b:.2f} | {r['seconds']:.2f} | "
-                             f"{b / max(r['seconds'], 1e-9):.1f}x |")
+                b = old[r["model"]]
+                budget = [f"{x['budget_seconds']:.2f}" if "budget_seconds" in x else "-" for x in (b, r)]
+                ratio = [f"{x['budget_ratio']:.2f}x" if "budget_ratio" in x else "-" for x in (b, r)]
+                lines.append(f"| {r['model']} | {r['ops']:,} | {b['seconds']:.2f} | {r['seconds']:.2f} | "
+                             f"{b['seconds'] / max(r['seconds'], 1e-9):.1f}x | {' | '.join(budget)} | "
+                             f"{' | '.join(ratio)} |")
     lines += ["", "Raw results: [docs/pass_scaling.json](pass_scaling.json).", END]
     return "\n".join(lines)
 

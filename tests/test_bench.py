@@ -583,7 +583,8 @@ def test_pass_scaling_checks_its_arguments_and_reports_stages_ratios_and_before(
                                     budget=[("probe", 2.1), ("calibrated", 1.9), ("plan", 9.0)]),
                "resnet152": {"model": "resnet152", "error": ["MemoryError"]}}
     args = types.SimpleNamespace(argv=["--write"], budget_fraction=0.85)
-    before = {"commit": "41d1bae", "results": {"nasnetlarge": entry("nasnetlarge", 40000, 20.0, {})}}
+    before = {"commit": "41d1bae", "results": {"nasnetlarge": entry("nasnetlarge", 40000, 20.0, {},
+                                                                    budget=[("probe", 30.0), ("calibrated", 20.0)])}}
     text = pass_scaling.report(results, args, 600.0, "abc1234", before)
     assert text.startswith(pass_scaling.BEGIN) and text.endswith(pass_scaling.END)
     # stage columns, the rest as "other", seconds per 1k ops; budget: the first step's passes only (not a retrace)
@@ -591,4 +592,5 @@ def test_pass_scaling_checks_its_arguments_and_reports_stages_ratios_and_before(
     assert "| nasnetlarge | 40,000 | 4,000 | 7 | 0.50 | 1.00 |" in text and "| 2, 4.00 | 2.00x |" in text
     assert "0.050 to 0.100 (2.00x between the models)" in text
     assert "Failed: resnet152: ['MemoryError']" in text
-    assert "| nasnetlarge | 40,000 | 20.00 | 2.00 | 10.0x |" in text and "at commit abc1234" in text
+    assert "| nasnetlarge | 40,000 | 20.00 | 2.00 | 10.0x | 50.00 | 4.00 | 2.50x | 2.00x |" in text
+    assert "at commit abc1234" in text
