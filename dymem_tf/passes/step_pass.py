@@ -257,7 +257,9 @@ class StepPass:
                 offload_weights=self._may_offload(ops, cfg.offload_weights), least_memory=self.probe,
                 memory=None if self.probe else self.memory)
             if not prepared:
-                prepared.append(pipeline.prepare_step(step_graph, settings, copy=copy or shared))
+                key = (replica, batch, observed, pipeline.preparation_key(settings))
+                prepared.append(self._captures.prepared(
+                    key, lambda: pipeline.prepare_step(step_graph, settings, copy=copy or shared)))
             return pipeline.finish_plan(prepared[0], settings)
 
         if self.probe or self.calibration is None or not self.calibration.persistent_group:
@@ -379,8 +381,8 @@ class CaptureCache:
     """The graph of the last instantiation the pass read, and the step graphs captured from it.
 
     Under a budget one ``fit`` instantiates the same train step two or three times (the probe's plan, the
-    calibrated plan, a refined one), and TensorFlow hands the pass the same graph each time: it is read and
-    captured once. Callers that keep an entry must plan on copies of its step graph (the planning stages add
+    calibrated plan, a refined one), and TensorFlow hands the pass the same graph each time: it is read, captured
+    and prepared for planning (:func:`~dymem_tf.planning.pipeline.prepare_step`) once. Callers that keep an entry must plan on copies of its step graph (the planning stages add
     edges and mark tensors in place). Only the last graph is kept: a large step's analysis holds hundreds of MiB.
     """
 
@@ -388,6 +390,7 @@ class CaptureCache:
         self._key: bytes | None = None
         self._groups: list = []
         self._graphs: dict = {}
+        self._prepared: dict = {}
         self.hits = 0  # instantiations whose graph was read before
 
     def read(self, data: bytes, outputs: bytes, keep: bool) -> list[tuple[int | None, list]]:
@@ -404,6 +407,7 @@ class CaptureCache:
             return self._groups
         groups = replica_ops(graph_def_view.GraphView(graph_def, outputs))
         self._key, self._groups, self._graphs = (key, groups, {}) if keep else (None, [], {})
+        self._prepared = {}
         return groups
 
     def capture(self, replica: int | None, ops: list, batch_size: int | None, observed_batch: int | None = None):
@@ -415,6 +419,17 @@ class CaptureCache:
         if self._key is not None:
             self._graphs[entry] = result
         return result
+
+    def prepared(self, key: tuple, prepare):
+        """``prepare()`` (a :class:`~dymem_tf.planning.pipeline.PreparedStep` of a captured graph), made once per
+        graph kept and ``key`` (the capture's entry and :func:`~dymem_tf.planning.pipeline.preparation_key`);
+        the plans made from it must leave it unchanged, as :func:`~dymem_tf.planning.pipeline.finish_plan` does."""
+        if key not in self._prepared:
+            result = prepare()
+            if self._key is None:
+                return result
+            self._prepared[key] = result
+        return self._prepared[key]
 
 
 @contextlib.contextmanager

@@ -165,6 +165,13 @@ class PreparedStep:
     recomputable: list
 
 
+def preparation_key(settings: PlanSettings) -> tuple:
+    """The settings :func:`prepare_step` reads: two plans of one graph whose keys are equal can share one
+    preparation (the first step's probe and the calibrated plan under a budget)."""
+    return (settings.policy, settings.defer_updates, settings.offload_variables, settings.offload_weights,
+            settings.recompute, settings.min_swap_bytes)
+
+
 def plan_step(step_graph: StepGraph, settings: PlanSettings, copy: bool = False) -> PlannedStep:
     """Defer gradient-independent optimizer ops, plan the swaps, and clear triggers the rewrite cannot place.
 
