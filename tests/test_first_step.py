@@ -208,6 +208,7 @@ out["warnings"] = [str(w.message) for w in caught if "dymem_tf" in str(w.message
 out["calibration"] = cb.records[-1].plan.predicted.get("calibration")
 out["placed"] = cb.records[-1].plan.predicted.get("calibrated_peak_bytes")
 out["measured"] = (cb.records[-1].plan.measured or {}).get("peak_bytes")
+out["prepared_once"] = cb.records[-1].step_graph is cb.records[0].step_graph
 print("RESULT" + json.dumps(out), flush=True)
 """
 
@@ -245,6 +246,8 @@ def test_the_first_step_calibrates_and_every_step_stays_under_the_budget(budget_
     assert out["calibration"]["persistent_group"]["block_size"] > 0
     assert out["placed"] and out["placed"] >= 0.95 * out["measured"], out
     assert any("placed in GTBM's groups" in note for note in out["notes"])
+    # the calibrated plan is made on the probe's preparation of the same graph (deferrals, holds, offload marks)
+    assert out["prepared_once"]
 
 
 MEASURED_SCRIPT = r"""
