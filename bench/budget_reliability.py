@@ -38,7 +38,7 @@ PEAK_BEGIN, PEAK_END = "<!-- budget-of-peak:begin -->", "<!-- budget-of-peak:end
 #: batch size per model (small images: seconds per step on 2 cores)
 BATCH = {"vgg16": 32, "resnet50_sgd": 32, "resnet50_adam": 32, "densenet121": 32, "inception_v3": 16,
          "mobilenet_v2": 32, "efficientnet_b0": 32, "transformer_encoder": 32, "gpt_decoder": 16, "unet": 8,
-         "gan": 64, "lstm": 64, "bert": 16, "bert_base": 4,
+         "gan": 64, "lstm": 64, "bert": 16, "bert_base": 4, "gpt2": 16,
          "gated_cnn": 32}
 MiB = 1 << 20
 

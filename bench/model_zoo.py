@@ -228,6 +228,28 @@ def bert_base(batch: int, samples: int, seed: int):
     return bert(batch, samples, seed, layers=12, hidden=768, intermediate=3072, heads=12)
 
 
+def gpt2(batch: int, samples: int, seed: int, layers: int = 4, hidden: int = 256, intermediate: int = 1024,
+         heads: int = 4, seq: int = 128, classes: int = 1000):
+    """keras_hub's GPT-2 backbone (a causal decoder) built from a configuration (random weights, no download) with
+    a next-token head over ``classes`` tokens (the vocabulary cut down to keep the logits small), trained with
+    AdamW. Needs ``keras-hub`` (the ``bench`` extra)."""
+    try:
+        import keras_hub
+    except ImportError as err:
+        raise ImportError("the gpt2 model needs keras-hub: pip install --no-build-isolation -e '.[bench]'") from err
+
+    backbone = keras_hub.models.GPT2Backbone(vocabulary_size=50257, num_layers=layers, num_heads=heads,
+                                             hidden_dim=hidden, intermediate_dim=intermediate,
+                                             max_sequence_length=seq)
+    model = keras.Model(backbone.input, keras.layers.Dense(classes)(backbone.output))
+    model.compile(optimizer=keras.optimizers.AdamW(1e-4),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(seed)
+    x = {"token_ids": rng.integers(0, 50257, (samples, seq)).astype("int32"),
+         "padding_mask": np.ones((samples, seq), "int32")}
+    return model, x, rng.integers(0, classes, (samples, seq))
+
+
 ZOO = {
     "vgg16": _application("VGG16", 32, _sgd),
     "resnet50_sgd": _application("ResNet50", 32, _sgd),
@@ -244,4 +266,5 @@ ZOO = {
     "lstm": lstm,
     "bert": bert,
     "bert_base": bert_base,
+    "gpt2": gpt2,
 }
