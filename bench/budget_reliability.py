@@ -17,7 +17,7 @@ Each measurement runs in a fresh interpreter (Keras keeps every model it built a
 
 ``python bench/budget_reliability.py`` writes the "Budget reliability" section of docs/benchmarks.md (between its
 markers) and prints it; ``--quick`` runs fewer steps on fewer samples and writes nothing unless ``--write``.
-The ``bert`` and ``bert_base`` models need keras-hub (``pip install --no-build-isolation -e '.[bench]'``).
+The ``bert``, ``bert_base`` and ``gpt2`` models need keras-hub (``pip install --no-build-isolation -e '.[bench]'``).
 """
 from __future__ import annotations
 

@@ -75,8 +75,8 @@ class _PositionEmbedding(keras.layers.Layer):
 def gpt_decoder(batch: int, samples: int, seed: int, seq: int = 64, dim: int = 128, layers: int = 2,
                 vocab: int = 2000):
     """A GPT-2-style decoder-only language model (pre-norm blocks, causal self-attention, GELU MLP, next-token
-    loss) trained with AdamW. Built from layers because keras_hub's GPT2Backbone needs tensorflow-text, which is
-    not installed here."""
+    loss) trained with AdamW. Built from layers, so it runs without keras-hub (:func:`gpt2` is keras_hub's
+    backbone)."""
     inp = keras.Input((seq,), dtype="int32")
     h = _PositionEmbedding(seq, dim)(keras.layers.Embedding(vocab, dim)(inp))
     for _ in range(layers):
@@ -201,22 +201,31 @@ def lstm(batch: int, samples: int, seed: int, seq: int = 32, features: int = 32)
     return model, rng.normal(size=(samples, seq, features)).astype("float32"), rng.integers(0, 10, size=(samples,))
 
 
+def _keras_hub(model: str):
+    """The ``keras_hub`` module, or an ImportError saying how to install it (the ``bench`` extra)."""
+    try:
+        import keras_hub
+    except ImportError as err:
+        raise ImportError(f"the {model} model needs keras-hub: pip install --no-build-isolation -e '.[bench]'") from err
+    return keras_hub
+
+
+def _compile_hub(model: keras.Model) -> None:
+    """Compiles a keras_hub model with a logits head as the zoo trains them: AdamW at 1e-4, sparse cross-entropy."""
+    model.compile(optimizer=keras.optimizers.AdamW(1e-4),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+
 def bert(batch: int, samples: int, seed: int, layers: int = 4, hidden: int = 256, intermediate: int = 1024,
          heads: int = 4, seq: int = 128):
     """keras_hub's BERT backbone built from a configuration (random weights, no download) with a 3-class head on
     ``pooled_output``, trained with AdamW: token, segment and padding-mask inputs (a dict), einsum attention,
     dropout, tanh-GELU. Needs ``keras-hub`` (the ``bench`` extra)."""
-    try:
-        import keras_hub
-    except ImportError as err:
-        raise ImportError("the bert models need keras-hub: pip install --no-build-isolation -e '.[bench]'") from err
-
-    backbone = keras_hub.models.BertBackbone(vocabulary_size=30522, num_layers=layers, num_heads=heads,
-                                             hidden_dim=hidden, intermediate_dim=intermediate,
-                                             max_sequence_length=seq)
+    hub = _keras_hub("bert")
+    backbone = hub.models.BertBackbone(vocabulary_size=30522, num_layers=layers, num_heads=heads, hidden_dim=hidden,
+                                       intermediate_dim=intermediate, max_sequence_length=seq)
     model = keras.Model(backbone.input, keras.layers.Dense(3)(backbone.output["pooled_output"]))
-    model.compile(optimizer=keras.optimizers.AdamW(1e-4),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    _compile_hub(model)
     rng = np.random.default_rng(seed)
     x = {"token_ids": rng.integers(0, 30522, (samples, seq)).astype("int32"),
          "segment_ids": np.zeros((samples, seq), "int32"), "padding_mask": np.ones((samples, seq), "int32")}
@@ -233,17 +242,11 @@ def gpt2(batch: int, samples: int, seed: int, layers: int = 4, hidden: int = 256
     """keras_hub's GPT-2 backbone (a causal decoder) built from a configuration (random weights, no download) with
     a next-token head over ``classes`` tokens (the vocabulary cut down to keep the logits small), trained with
     AdamW. Needs ``keras-hub`` (the ``bench`` extra)."""
-    try:
-        import keras_hub
-    except ImportError as err:
-        raise ImportError("the gpt2 model needs keras-hub: pip install --no-build-isolation -e '.[bench]'") from err
-
-    backbone = keras_hub.models.GPT2Backbone(vocabulary_size=50257, num_layers=layers, num_heads=heads,
-                                             hidden_dim=hidden, intermediate_dim=intermediate,
-                                             max_sequence_length=seq)
+    hub = _keras_hub("gpt2")
+    backbone = hub.models.GPT2Backbone(vocabulary_size=50257, num_layers=layers, num_heads=heads, hidden_dim=hidden,
+                                       intermediate_dim=intermediate, max_sequence_length=seq)
     model = keras.Model(backbone.input, keras.layers.Dense(classes)(backbone.output))
-    model.compile(optimizer=keras.optimizers.AdamW(1e-4),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    _compile_hub(model)
     rng = np.random.default_rng(seed)
     x = {"token_ids": rng.integers(0, 50257, (samples, seq)).astype("int32"),
          "padding_mask": np.ones((samples, seq), "int32")}
