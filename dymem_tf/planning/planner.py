@@ -520,11 +520,21 @@ class _Planner:
         end = res.op_end_s
         assert end is not None
         out = self.d2h(cand.bytes) if cand.copies and not cand.from_host else 0.0
-        release = max([end[cand.prod_pos] + out] + [end[self.pos[c]] for c in cand.orig + cand.keepers])
-        wins = []
         decision = self._decision_alone(policy, mode, cand)
-        for group, si in zip(cand.groups, decision.swap_ins):
-            wins.append((release, end[self.pos[si.trigger_op]]))
+        return self._off_device(cand, end, self._released(cand, end, end[cand.prod_pos] + out),
+                                [end[self.pos[si.trigger_op]] for si in decision.swap_ins])
+
+    def _released(self, cand: _Candidate, end, out_end: float) -> float:
+        """When the tensor's original buffer can go: its swap-out done at ``out_end`` and every op that reads the
+        original (``end``: each op's end time, by position) done."""
+        return max([out_end] + [end[self.pos[c]] for c in cand.orig + cand.keepers])
+
+    def _off_device(self, cand: _Candidate, end, release: float, returns: list) -> list[tuple]:
+        """The intervals the tensor is off the device: from ``release`` to its first swap-in group's return, then
+        from each group's last consumer to the next group's return (``returns``: one time per group, in order)."""
+        wins = []
+        for group, back in zip(cand.groups, returns):
+            wins.append((release, back))
             release = end[self.pos[group[-1]]]
         return wins
 
@@ -612,15 +622,13 @@ class _Planner:
             return False
         times, in_use = res.memory_curve
         end = res.op_end_s
-        release = 0.0 if cand.from_host else max(
-            [events[0].out_end] + [end[self.pos[c]] for c in cand.orig + cand.keepers])
-        for k, group in enumerate(cand.groups):
-            back = events[k].in_start if k in events else release
-            first = max(int(np.searchsorted(times, release, "right")) - 1, 0)
-            last = int(np.searchsorted(times, back, "left"))
+        release = 0.0 if cand.from_host else self._released(cand, end, events[0].out_end)
+        returns = [events[k].in_start if k in events else None for k in range(len(cand.groups))]
+        for gone, back in self._off_device(cand, end, release, returns):
+            first = max(int(np.searchsorted(times, gone, "right")) - 1, 0)
+            last = int(np.searchsorted(times, gone if back is None else back, "left"))
             if last > first and int(in_use[first:last].max()) + cand.bytes > budget:
                 return True
-            release = end[self.pos[group[-1]]]
         return False
 
     def exchange(self, policy: str, mode: TriggerMode, kept: list[_Candidate], pool: list[_Candidate], budget: int,
