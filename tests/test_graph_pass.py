@@ -185,6 +185,33 @@ def _control_inputs(view, name) -> set[str]:
     return {c.name for c in view.get_operation_by_name(name).control_inputs}
 
 
+def test_a_second_plan_on_one_call_returns_the_graph_with_both_plans():
+    """Each apply returns the graph as it now is: a second plan's view still holds the first plan's swap ops and
+    their rerouted consumers (the pass hands back only what changed, so it must hand back every change)."""
+    base = _offered(lambda call: None)
+    seen = {}
+
+    def apply(call):
+        view = call.graph()
+        first = call.apply(_relu_swap_plan(view)).view()
+        g = _dag(view)
+        a, b = [n for n in nx.topological_sort(g) if g.in_degree(n) > 0][-2:]
+        second = call.apply(f"ctrl\t{a}\t{b}\n").view()
+        seen["types"] = [sorted(op.type for op in v.get_operations() if op.type.startswith("DymemSwap"))
+                         for v in (first, second)]
+        seen["readers"] = [sorted(c.name for op in v.get_operations() if op.type == "DymemSwapIn"
+                                  for c in op.outputs[0].consumers()) for v in (first, second)]
+        seen["ctrl"] = (a, b, _control_inputs(second, b))
+
+    out = _offered(apply)
+    assert seen["types"][0] == ["DymemSwapIn", "DymemSwapOut"] and seen["types"][1] == seen["types"][0]
+    assert seen["readers"][0] and seen["readers"][1] == seen["readers"][0]
+    a, b, controls = seen["ctrl"]
+    assert a in controls
+    for x, y in zip(out, base):
+        np.testing.assert_array_equal(x, y)
+
+
 def test_seq_records_chain_independent_ops_in_the_listed_order_and_bend_to_the_graphs_edges():
     """Two ops with no path between them get an edge in the listed order; the whole graph listed backwards is
     chained in a topological order (no cycle: the listed order gives way to the edges), and the step computes the

@@ -61,9 +61,10 @@ class PassCall:
         return graph_def_view.GraphView(self.graph_def_bytes, self.outputs_bytes)
 
     def apply(self, plan_text: str):
-        """Insert the plan (see :func:`encode_plan`); returns the rewritten graph as a
-        :class:`~dymem_tf.passes.graph_def_view.RewrittenGraph` (what the plan changed, merged into the offered
-        graph when first read). Raises :class:`PlanApplyError` (graph unchanged) when the plan does not fit."""
+        """Insert the plan (see :func:`encode_plan`); returns the graph as it now is, as a
+        :class:`~dymem_tf.passes.graph_def_view.RewrittenGraph` (what this call's plans changed, merged into the
+        offered graph when first read). Raises :class:`PlanApplyError` (graph unchanged) when the plan does not
+        fit."""
         from dymem_tf.passes import graph_def_view
 
         if self._lib.dymem_pass_apply(self._handle, plan_text.encode()) != 0:

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -66,6 +67,11 @@ struct PassCall {
   // output records of the added nodes, in that GraphDef's order.
   std::string buffers[kNumBuffers];
   ShapeAnnotations shapes;
+  // Node ids below this were in the offered graph (TF never reuses an id); the nodes every successful
+  // dymem_pass_apply of this call added or rewired, each once, in that order.
+  int offered_ids = 0;
+  std::vector<const tensorflow::Node*> changed;
+  std::unordered_set<const tensorflow::Node*> changed_set;
   std::string error;
   std::string fail_message;
 };
@@ -147,6 +153,7 @@ void Serialize(const tensorflow::Graph& graph, PassCall* call) {
   tensorflow::GraphDef def;
   graph.ToGraphDef(&def, /*include_flib_def=*/false);
   call->shapes = InferOutputs(graph, g_batch_hint.load());
+  call->offered_ids = graph.num_node_ids();
   std::string& outputs = call->buffers[kOutputs];
   for (const tensorflow::NodeDef& nd : def.node()) {
     auto it = call->shapes.find(nd.name());
@@ -205,22 +212,26 @@ void SetInputs(const tensorflow::Node* n, tensorflow::NodeDef* def) {
   for (std::string& c : control) def->add_input(std::move(c));
 }
 
-// What a plan changed, into the call's kChanged and kChangedOutputs buffers (see PassCall): a fraction of the
-// whole graph's serialization, which the pass would otherwise pay on every instantiation.
+// What the call's plans changed so far (`changed` adds the last one's nodes), into the call's kChanged and
+// kChangedOutputs buffers (see PassCall): a fraction of the whole graph's serialization, which the pass would
+// otherwise pay on every instantiation.
 void SerializeChanged(const std::vector<tensorflow::Node*>& changed, PassCall* call) {
+  for (const tensorflow::Node* n : changed) {
+    if (call->changed_set.insert(n).second) call->changed.push_back(n);
+  }
   tensorflow::GraphDef def;
   std::string& outputs = call->buffers[kChangedOutputs];
   outputs.clear();
-  for (const tensorflow::Node* n : changed) {
+  for (const tensorflow::Node* n : call->changed) {
     tensorflow::NodeDef* nd = def.add_node();
-    if (call->shapes.count(n->name())) {
+    if (n->id() < call->offered_ids) {
       nd->set_name(n->name());
     } else {
       *nd = n->def();
       if (!n->assigned_device_name().empty()) nd->set_device(n->assigned_device_name());
-      OutputRecord record = AddedRecord(n, call->shapes);
-      AppendRecord(record, &outputs);
-      call->shapes.emplace(n->name(), std::move(record));
+      auto it = call->shapes.find(n->name());
+      if (it == call->shapes.end()) it = call->shapes.emplace(n->name(), AddedRecord(n, call->shapes)).first;
+      AppendRecord(it->second, &outputs);
     }
     SetInputs(n, nd);
   }
