@@ -259,6 +259,57 @@ def test_a_seqadded_record_chains_the_plans_own_ops_as_soon_as_they_are_ready():
     assert seen[False] < seen[True] and len(seen[True] - seen[False]) == 1
 
 
+def _gated_step_function():
+    """A train step with a ``tf.cond`` whose "then" branch (a Relu read by a Mul) is never taken: after lowering, the
+    branch's ops are dead in every run."""
+    w = tf.Variable(np.ones((8, 8), np.float32))
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            h = tf.matmul(x, w)
+            h = tf.cond(tf.reduce_sum(h) < -1e9, lambda: tf.nn.relu(h * 2.0) * 3.0, lambda: h * 0.5)
+            loss = tf.reduce_sum(tf.matmul(h, w))
+        return loss, tape.gradient(loss, w)
+
+    return step
+
+
+def test_seqadded_leaves_swap_ops_on_an_untaken_branch_out_of_the_chain():
+    """Regression: every op the plan added joined the chain, and a dead one (on the branch not taken) made every op
+    chained after it dead, so the step had no results. A branch's swap ops must not be chained."""
+    step = _gated_step_function()
+    base = [t.numpy() for t in step(tf.constant(X))]
+    seen = {}
+
+    def apply(call):
+        view = call.graph()
+        relu = next(op for op in view.get_operations() if op.type == "Relu")
+        consumer = relu.outputs[0].consumers()[0].name
+        g = _dag(view)
+        types = {op.name: op.type for op in view.get_operations()}
+        # the ops of both branches: reached from a Switch before a Merge (what Python's capture marks conditional)
+        beyond = g.subgraph(n for n in g if types[n] != "Merge")
+        branch = set().union(*(nx.descendants(beyond, n) for n in g if types[n] == "Switch"))
+        chain = [n for n in nx.topological_sort(g) if g.in_degree(n) > 0 and n not in branch
+                 and types[n] not in ("_Retval", "Switch", "Merge")]
+        text = (_relu_swap_plan(view, consumers=[consumer]) + "".join(f"seq\t0\t{n}\n" for n in chain)
+                + "seqadded\t0\n")
+        seen["graph"] = _dag(call.apply(text).view())
+        seen["swaps"] = {n for n in seen["graph"] if "/dymem_swap_" in n}
+        seen["consumer"] = consumer
+
+    step = _gated_step_function()
+    with graph_pass.armed(apply):
+        out = [t.numpy() for t in step(tf.constant(X))]
+    g, swaps = seen["graph"], seen["swaps"]
+    assert len(swaps) == 2
+    # inserted, and linked only to each other and the consumer: no chain edge leaves them
+    assert all(set(g.successors(n)) <= swaps | {seen["consumer"]} for n in swaps)
+    for a, b in zip(out, base):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_a_listener_that_raises_leaves_the_step_unmodified_with_a_warning():
     base = _offered(lambda call: None)
 

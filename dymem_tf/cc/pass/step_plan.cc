@@ -614,7 +614,29 @@ std::vector<Node*> OrderSequence(const std::vector<std::string>& sequence, const
   return order;
 }
 
+// Whether each node (by id) may be dead: reached from a Switch's output by data or control edges without passing a
+// Merge. A dead node makes every node after it dead, so it must not join a chain.
+std::vector<bool> MayBeDead(const Graph& graph) {
+  std::vector<bool> dead(graph.num_node_ids(), false);
+  std::vector<const Node*> stack;
+  for (const Node* n : graph.op_nodes()) {
+    if (n->IsSwitch()) stack.push_back(n);
+  }
+  while (!stack.empty()) {
+    const Node* n = stack.back();
+    stack.pop_back();
+    for (const Edge* e : n->out_edges()) {
+      const Node* dst = e->dst();
+      if (dst->IsMerge() || !dst->IsOp() || dead[dst->id()]) continue;
+      dead[dst->id()] = true;
+      stack.push_back(dst);
+    }
+  }
+  return dead;
+}
+
 // Chains each of the plan's sequences with control edges (see `seq` in step_plan.h), skipping edges the graph has.
+// The plan's own nodes join a `seqadded` chain only where they cannot be dead (MayBeDead).
 void AddSequences(const StepPlan& plan, const NodeIndex& index, Graph* graph, UndoLog* log) {
   const std::vector<Node*> added = log->added_nodes;  // copied: the chain's edges are logged too
   for (size_t k = 0; k < plan.sequences.size(); ++k) {
@@ -623,8 +645,9 @@ void AddSequences(const StepPlan& plan, const NodeIndex& index, Graph* graph, Un
     std::vector<Node*> extra;
     if (std::count(plan.chains_with_added.begin(), plan.chains_with_added.end(), static_cast<int>(k))) {
       const std::string& device = index.at(sequence[0])->assigned_device_name();
+      const std::vector<bool> dead = MayBeDead(*graph);
       for (Node* n : added) {
-        if (n->assigned_device_name() == device) extra.push_back(n);
+        if (n->assigned_device_name() == device && !dead[n->id()]) extra.push_back(n);
       }
     }
     std::vector<Node*> order = OrderSequence(sequence, extra, index, *graph);
