@@ -6,7 +6,7 @@ off so that running out of memory raises instead of crashing):
 Each measurement runs in a fresh interpreter (Keras keeps every model it built alive until exit).
 
 1. **Same results**: 3 steps with op determinism on, without and with ``DymemCallback()``: losses and every weight
-   compared bit for bit.
+   compared bit for bit, with oneDNN's CPU kernels off and again with them on (``TF_ENABLE_ONEDNN_OPTS``).
 2. **No-swap peak** ``P0`` of a plain step and the persistent bytes ``W`` (weights and optimizer state).
 3. **Budgets** ``B = W + f * (P0 - W)`` for each fraction ``f``: the device is capped at ``B`` and the model trains
    ``--steps`` steps on ``--samples`` samples with ``memory_budget="auto"``; every run must either train with
@@ -17,6 +17,8 @@ Each measurement runs in a fresh interpreter (Keras keeps every model it built a
 
 ``python bench/budget_reliability.py`` writes the "Budget reliability" section of docs/benchmarks.md (between its
 markers) and prints it; ``--quick`` runs fewer steps on fewer samples and writes nothing unless ``--write``.
+``--identity-only`` runs step 1 alone and writes its own section ("Bit-identity with oneDNN on and off") and
+docs/identity.json.
 The ``bert``, ``bert_base`` and ``gpt2`` models need keras-hub (``pip install --no-build-isolation -e '.[bench]'``).
 """
 from __future__ import annotations
@@ -35,6 +37,10 @@ REPO = os.path.dirname(HERE)
 BEGIN, END = "<!-- budget-reliability:begin -->", "<!-- budget-reliability:end -->"
 #: the section and the saved run of ``--of-peak`` (budgets as shares of the plain peak, the issues' targets)
 PEAK_BEGIN, PEAK_END = "<!-- budget-of-peak:begin -->", "<!-- budget-of-peak:end -->"
+#: the section and the saved run of ``--identity-only``
+IDENTITY_BEGIN, IDENTITY_END = "<!-- identity:begin -->", "<!-- identity:end -->"
+#: what the identity phase reports with each oneDNN setting
+IDENTITY_KEYS = ("identical", "identical_budgeted", "repeatable", "skipped")
 #: batch size per model (small images: seconds per step on 2 cores)
 BATCH = {"vgg16": 32, "resnet50_sgd": 32, "resnet50_adam": 32, "densenet121": 32, "inception_v3": 16,
          "mobilenet_v2": 32, "efficientnet_b0": 32, "transformer_encoder": 32, "gpt_decoder": 16, "unet": 8,
@@ -182,10 +188,11 @@ def _value(model, path):
 
 
 # ----------------------------------------------------------------------------------------------- parent process
-def _run_child(name: str, args, *extra) -> dict:
+def _run_child(name: str, args, *extra, onednn: str = "0") -> dict:
     """One phase of one model in a fresh interpreter (Keras keeps every model it built alive until exit, so each
-    measurement starts from an empty device); its RESULT, or ``{"error": ...}``."""
-    env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="0", TF_CPP_MIN_LOG_LEVEL="2", DYMEM_DEVICE_MEMORY_LIMIT="16GiB",
+    measurement starts from an empty device), oneDNN off unless ``onednn`` is "1"; its RESULT, or
+    ``{"error": ...}``."""
+    env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS=onednn, TF_CPP_MIN_LOG_LEVEL="2", DYMEM_DEVICE_MEMORY_LIMIT="16GiB",
                PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--steps", str(args.steps),
            "--samples", str(args.samples), "--identity-steps", str(args.identity_steps), *extra]
@@ -199,19 +206,35 @@ def _run_child(name: str, args, *extra) -> dict:
     return json.loads(lines[-1][len("RESULT"):])
 
 
-def run_model(name: str, args) -> dict:
-    """All phases of one model: same results, the no-swap peak, and each budget with "auto" and with None."""
-    out = {"model": name, "batch": BATCH[name]}
-    for phase in ("identity", "p0"):
-        result = _run_child(name, args, "--phase", phase)
-        if "error" in result:
-            return {**out, "error": f"{phase}: {result['error']}"}
-        out.update(result)
-    if out["repeatable"] and not (out["identical"] and out.get("identical_budgeted", True)):
-        # two plain runs of one process agreed; do two in two processes (TensorFlow's CPU kernels may not repeat)
-        a, b = (_run_child(name, args, "--phase", "digest") for _ in range(2))
+def same_results(name: str, args, onednn: str) -> dict:
+    """The identity phase of one model with oneDNN off ("0") or on ("1"); where Dymem's run differs and two plain
+    runs of one process agreed, two more in two processes (TensorFlow's CPU kernels may not repeat)."""
+    out = _run_child(name, args, "--phase", "identity", onednn=onednn)
+    if "error" not in out and out["repeatable"] and not (out["identical"] and out.get("identical_budgeted", True)):
+        a, b = (_run_child(name, args, "--phase", "digest", onednn=onednn) for _ in range(2))
         if "error" not in a and "error" not in b and (a["digest"], a["loss"]) != (b["digest"], b["loss"]):
             out["repeatable"] = False
+    return out
+
+
+def run_model(name: str, args) -> dict:
+    """All phases of one model: same results (oneDNN off and on), the no-swap peak, and each budget with "auto" and
+    with None; with ``--identity-only`` the first alone."""
+    out = {"model": name, "batch": BATCH[name]}
+    for onednn in ("0", "1"):
+        result = same_results(name, args, onednn)
+        if "error" in result:
+            return {**out, "error": f"identity (oneDNN {'on' if onednn == '1' else 'off'}): {result['error']}"}
+        if onednn == "0":
+            out.update(result)
+        else:
+            out["onednn_on"] = {k: result.get(k) for k in IDENTITY_KEYS}
+    if getattr(args, "identity_only", False):
+        return out
+    result = _run_child(name, args, "--phase", "p0")
+    if "error" in result:
+        return {**out, "error": f"p0: {result['error']}"}
+    out.update(result)
     runs = []
     for f in args.fractions:
         budget = int(f * out["p0"] if args.of_peak else out["persistent"] + f * (out["p0"] - out["persistent"]))
@@ -228,6 +251,51 @@ def run_model(name: str, args) -> dict:
         runs.append(run)
     out["runs"] = runs
     return out
+
+
+def _identity_cell(r: dict) -> str:
+    """Bit-identity without / under a budget, oneDNN off, then (when measured) on."""
+    def yes(flag):
+        return "–" if flag is None else "yes" if flag else "**no**"
+
+    def cell(result: dict) -> str:
+        text = f"{yes(result.get('identical'))} / {yes(result.get('identical_budgeted'))}"
+        if result.get("repeatable") is False:
+            text = f"{text.replace('**', '')}, but two plain runs differ too"
+        if result.get("skipped"):
+            text += f" (unmodified: {', '.join(sorted(set(result['skipped'])))})"
+        return text
+
+    on = r.get("onednn_on")
+    return cell(r) if on is None else f"off: {cell(r)}; on: {cell(on)}"
+
+
+def identity_report(results: list[dict], args, seconds: float) -> str:
+    """The markdown section of ``--identity-only``."""
+    lines = [IDENTITY_BEGIN, "## Bit-identity with oneDNN on and off", "",
+             f"`python bench/budget_reliability.py{' ' + ' '.join(args.argv) if args.argv else ''}` on this 2-core "
+             f"CPU machine{f' ({seconds / 60:.1f} min)' if seconds else ''}. Each model and setting in a fresh "
+             f"process: {args.identity_steps} steps with op determinism on, losses and every weight compared bit "
+             "for bit against a plain run, without a budget and under one (whose first step, the probe, swaps every "
+             "feature map and offloads optimizer state and weights); oneDNN's CPU kernels off "
+             "(`TF_ENABLE_ONEDNN_OPTS=0`) and on (`=1`). With oneDNN on, the pass plans the partition oneDNN "
+             "rewrote (docs/onednn.md).", "",
+             "| model | batch | Dymem swaps | no budget / budget, oneDNN off | no budget / budget, oneDNN on |",
+             "| --- | ---: | ---: | --- | --- |"]
+    differ = []
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['model']} | – | – | error: {r['error'][:120]!r} | |")
+            continue
+        off, on = _identity_cell(r).split("; on: ") if r.get("onednn_on") else (_identity_cell(r), "–")
+        lines.append(f"| {r['model']} | {r['batch']} | {r['swaps']} | {off.removeprefix('off: ')} | {on} |")
+        for label, result in (("off", r), ("on", r.get("onednn_on") or {})):
+            if result and not (result.get("identical") and result.get("identical_budgeted", True)) \
+                    and result.get("repeatable") is not False:
+                differ.append(f"{r['model']} (oneDNN {label})")
+    lines += ["", f"- Runs that differ from a plain run that repeats itself: {len(differ)}"
+              + (": " + ", ".join(differ) + "." if differ else "."), IDENTITY_END, ""]
+    return "\n".join(lines)
 
 
 def _mib(n) -> str:
@@ -252,7 +320,7 @@ def report(results: list[dict], args, seconds: float) -> str:
              "against a plain run: without a budget, and under a budget, whose first step (the probe) swaps every "
              "feature map and offloads optimizer state and weights (*probe offloads*: feature maps / state / "
              "weights).", "",
-             "| model | batch | bit-identical (3 steps): no budget / budget | probe offloads | swaps | W MiB | P0 MiB | f | "
+             "| model | batch | bit-identical (3 steps): no budget / budget, oneDNN off; on | probe offloads | swaps | W MiB | P0 MiB | f | "
              "B MiB | auto | auto max peak MiB | none | probe pred./meas. MiB | calibrated pred./meas. MiB |",
              "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | --- | --- | --- |"]
     raw_err, cal_err, first_err, use_err, violations, placed = [], [], [], [], [], 0
@@ -261,14 +329,7 @@ def report(results: list[dict], args, seconds: float) -> str:
         if "error" in r:
             lines.append(f"| {r['model']} | – | error: {r['error'][:120]!r} |" + " |" * 11)
             continue
-        def yes(flag):
-            return "–" if flag is None else "yes" if flag else "**no**"
-
-        ident = f"{yes(r['identical'])} / {yes(r.get('identical_budgeted'))}"
-        if r.get("repeatable") is False:
-            ident = f"{ident.replace('**', '')}, but two plain runs differ too"
-        if r["skipped"]:
-            ident += f" (unmodified: {', '.join(sorted(set(r['skipped'])))})"
+        ident = _identity_cell(r)
         for run in r["runs"]:
             auto, none = run["auto"], run["none"]
             peak = max(auto["peaks"]) if auto["peaks"] else None
@@ -369,6 +430,9 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="4 steps on 256 samples, two models")
     parser.add_argument("--write", action="store_true", help="with --quick: write docs/benchmarks.md anyway")
     parser.add_argument("--timeout", type=int, default=3600)
+    parser.add_argument("--identity-only", action="store_true",
+                        help="only the bit-identity runs (oneDNN off and on), written to their own section and "
+                             "docs/identity.json")
     parser.add_argument("--report-from", help="re-render docs/benchmarks.md's section from a saved JSON run")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--phase", choices=("identity", "digest", "p0", "budget"), help=argparse.SUPPRESS)
@@ -391,7 +455,9 @@ def main(argv=None) -> int:
             saved = {"argv": [], "steps": args.steps, "samples": args.samples, "seconds": None, "results": saved}
         args.argv, args.steps, args.samples = saved["argv"], saved["steps"], saved["samples"]
         args.of_peak = saved.get("of_peak", False)
-        section = report(saved["results"], args, saved["seconds"])
+        args.identity_only = saved.get("identity_only", False)
+        args.identity_steps = saved.get("identity_steps", args.identity_steps)
+        section = _render(saved["results"], args, saved["seconds"])
         print(section)
         write_section(os.path.join(REPO, "docs", "benchmarks.md"), section, *_markers(args))
         return 0
@@ -407,7 +473,7 @@ def main(argv=None) -> int:
         print(json.dumps(results[-1])[:400], flush=True)
         if saving:  # after every model, so that an interrupted run keeps what it measured
             _save(results, args, time.perf_counter() - t0, complete=False)
-    section = report(results, args, time.perf_counter() - t0)
+    section = _render(results, args, time.perf_counter() - t0)
     print(section)
     if saving:
         write_section(os.path.join(REPO, "docs", "benchmarks.md"), section, *_markers(args))
@@ -415,18 +481,28 @@ def main(argv=None) -> int:
     return 0
 
 
+def _render(results, args, seconds) -> str:
+    """The section ``args`` asks for."""
+    return identity_report(results, args, seconds) if getattr(args, "identity_only", False) \
+        else report(results, args, seconds)
+
+
 def _markers(args) -> tuple[str, str]:
     """The markers of the section ``args`` writes."""
+    if getattr(args, "identity_only", False):
+        return IDENTITY_BEGIN, IDENTITY_END
     return (PEAK_BEGIN, PEAK_END) if getattr(args, "of_peak", False) else (BEGIN, END)
 
 
 def _save(results, args, seconds, complete):
-    """Writes the run so far to docs/budget_reliability.json, or docs/budget_reliability_of_peak.json with
-    ``--of-peak`` (``complete`` false until the last model ran)."""
-    name = "budget_reliability_of_peak.json" if args.of_peak else "budget_reliability.json"
+    """Writes the run so far to docs/budget_reliability.json, docs/budget_reliability_of_peak.json with
+    ``--of-peak``, or docs/identity.json with ``--identity-only`` (``complete`` false until the last model ran)."""
+    name = ("identity.json" if getattr(args, "identity_only", False) else
+            "budget_reliability_of_peak.json" if args.of_peak else "budget_reliability.json")
     with open(os.path.join(REPO, "docs", name), "w") as fh:
         json.dump({"argv": args.argv, "steps": args.steps, "samples": args.samples, "seconds": seconds,
-                   "of_peak": args.of_peak, "complete": complete, "results": results}, fh, indent=1)
+                   "of_peak": args.of_peak, "identity_only": getattr(args, "identity_only", False),
+                   "identity_steps": args.identity_steps, "complete": complete, "results": results}, fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ level.
 | ``TFE_ContextListDevices`` / ``TF_DeviceListMemoryBytes`` (TF's C API, through ctypes) | a GPU's memory limit as TF computed it, read from the eager context's own devices |
 | ``tensorflow.python.eager.context`` function call options | autoclustering off for the rewritten train step only |
 | ``tensorflow.python.framework.kernels`` | which devices the swap ops have kernels for (``selfcheck``); which outputs a GPU kernel keeps in host memory (``HostMemory``) |
-| ``tensorflow.python.framework.op_def_registry`` | an op's output argument names, to map ``HostMemory`` names to output indices |
+| ``tensorflow.python.framework.op_def_registry`` | an op's output argument names, to map ``HostMemory`` names to output indices; which standard op a oneDNN op replaces |
 | ``tensorflow.python.data.util.structure.normalize_element`` | the one place tf.data turns inputs into tensors |
 | ``keras.src.callbacks.callback_list.CallbackList`` | the list whose hook is calling a callback |
 | the ``fit`` frame's locals (``epoch_iterator``, ``batch_size``) | the batch size of the running ``fit`` |

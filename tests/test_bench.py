@@ -363,6 +363,28 @@ def test_budget_reliability_cli_checks_its_arguments_and_renders_a_saved_run(tmp
     assert "over 1 runs." in budget_reliability.report([result], args, 60.0)
 
 
+
+def test_budget_reliability_reports_identity_with_onednn_on_and_off():
+    import sys
+
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    import budget_reliability
+
+    result = {"model": "gan", "batch": 64, "identical": True, "identical_budgeted": True, "repeatable": True,
+              "swaps": 3, "skipped": [],
+              "onednn_on": {"identical": False, "identical_budgeted": True, "repeatable": True, "skipped": []}}
+    args = types.SimpleNamespace(argv=["--identity-only"], steps=20, samples=2000, identity_steps=3,
+                                 identity_only=True, of_peak=False)
+    text = budget_reliability._render([result], args, 60.0)
+    assert text.startswith(budget_reliability.IDENTITY_BEGIN)
+    assert "| gan | 64 | 3 | yes / yes | **no** / yes |" in text
+    assert "differ from a plain run that repeats itself: 1: gan (oneDNN on)." in text
+    result["onednn_on"]["repeatable"] = False  # TF's own step does not repeat: not counted against Dymem
+    text = budget_reliability._render([result], args, 60.0)
+    assert "no / yes, but two plain runs differ too" in text and "repeats itself: 0." in text
+    # the full report shows both settings in its identity column
+    assert "off: yes / yes; on: no / yes, but two plain runs differ too" in budget_reliability._identity_cell(result)
+
 def test_largest_batch_search_and_report(monkeypatch):
     """The search finds the largest batch whose trial trained every step under the budget (trials faked by a
     limit: the real ones train ResNet-50 for minutes); a step over the budget or a refusal is a batch that fails."""

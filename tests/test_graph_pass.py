@@ -562,3 +562,53 @@ def test_the_pass_and_the_planner_agree_on_the_steps_input_ops():
 
     native = set(graph_pass._library().dymem_pass_step_input_types().decode().split(","))
     assert native == set(step_pass.INPUT_OP_TYPES) - {"IteratorGetNextAsOptional"}
+
+
+def test_the_pass_offers_and_rewrites_the_partitioned_graph_after_onednn():
+    """At "after_partitioning" (the default with oneDNN on) the pass offers the device's partition, named by the
+    function, and a plan applied there computes the same values; an unknown stage is refused."""
+    base = _offered(lambda call: None)
+    seen = []
+
+    def apply(call):
+        seen.append((call.stage, call.function_name))
+        call.apply(_relu_swap_plan(call.graph()))
+
+    step = _step_function()
+    with graph_pass.armed(apply, stage="after_partitioning"):
+        out = [t.numpy() for t in step(tf.constant(X))]
+    assert [s for s, _ in seen] == ["after_partitioning"] and seen[0][1].startswith("__inference_step")
+    for a, b in zip(out, base):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="after_partitioning"):
+        with graph_pass.armed(apply, stage="after_grappler"):
+            pass
+
+
+def test_the_default_stage_follows_onednn(monkeypatch):
+    from dymem_tf import compat
+
+    monkeypatch.setattr(compat, "onednn_enabled", lambda: True)
+    assert graph_pass.default_stage() == "after_partitioning"
+    monkeypatch.setattr(compat, "onednn_enabled", lambda: False)
+    assert graph_pass.default_stage() == "after_xla"
+
+
+@pytest.mark.parametrize("onednn_type, standard", [
+    ("_MklNativeConv2D", "Conv2D"), ("_MklNativeFusedConv2D", "_FusedConv2D"), ("_MklMatMul", "MatMul"),
+    ("_MklNativeFusedBatchNormV3", "FusedBatchNormV3"),
+    ("_MklNativeConv2DBackpropFilterWithBias", "Conv2DBackpropFilter"), ("_MklNativePadWithConv2D", "Conv2D"),
+    ("_MklLayerNorm", "_MklLayerNorm"), ("Relu", "Relu"), ("_FusedConv2D", "_FusedConv2D"),
+])
+def test_onednn_ops_read_as_the_standard_op_they_replace(onednn_type, standard):
+    assert graph_def_view.standard_op_type(onednn_type) == standard
+
+
+def test_a_onednn_max_pools_workspace_is_sized_from_its_output():
+    from tensorflow.core.framework import node_def_pb2
+
+    node = node_def_pb2.NodeDef(name="pool", op="_MklNativeMaxPool")
+    outputs = [(tf.float32, (None, 4, 4, 8)), (tf.uint8, None)]
+    assert graph_def_view._with_workspace(node, outputs)[1] == (tf.uint8, (None, 128))
+    node.op = "MaxPool"
+    assert graph_def_view._with_workspace(node, outputs) == outputs

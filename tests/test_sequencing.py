@@ -9,7 +9,6 @@ import textwrap
 import pytest
 
 import dymem_tf
-from dymem_tf import compat
 from dymem_tf.planning import pipeline, sequencing
 from dymem_tf.planning.analysis import StepGraph
 
@@ -90,19 +89,18 @@ def test_swap_ops_join_the_chain_only_where_their_copies_are_synchronous(device,
     (dict(policy="vdnn"), False),
     (dict(policy="none"), False),
 ])
-def test_only_the_dymem_policy_with_the_planned_order_chains_the_ops(settings, chained, monkeypatch):
-    monkeypatch.setattr(compat, "onednn_enabled", lambda: False)
+def test_only_the_dymem_policy_with_the_planned_order_chains_the_ops(settings, chained):
     planned = pipeline.plan_step(step_graph(), pipeline.PlanSettings(**settings), copy=True)
     assert bool(planned.sequence.ops) is chained
     assert any("chained in the planned order" in n for n in planned.plan.notes) is chained
 
 
-@pytest.mark.parametrize("device, chained", [(CPU, False), (GPU, True)])
-def test_with_onednn_on_a_cpu_step_keeps_tfs_order_and_says_why(device, chained, monkeypatch):
-    """oneDNN's layout pass runs after Dymem's and fuses only ops no other edge leaves: a chain would change the
-    numbers on the CPU (a GPU's ops are not oneDNN's)."""
-    monkeypatch.setattr(compat, "onednn_enabled", lambda: True)
-    planned = pipeline.plan_step(step_graph(device), pipeline.PlanSettings(), copy=True)
+@pytest.mark.parametrize("device, onednn_later, chained", [(CPU, True, False), (GPU, True, True), (CPU, False, True)])
+def test_a_cpu_step_that_onednn_rewrites_after_the_plan_keeps_tfs_order_and_says_why(device, onednn_later, chained):
+    """oneDNN's layout pass fuses only ops no other edge leaves: run after the plan, a chain would change the
+    numbers on the CPU (a GPU's ops are not oneDNN's). Planned after it (the pass's default stage with oneDNN on),
+    the chain stays."""
+    planned = pipeline.plan_step(step_graph(device), pipeline.PlanSettings(onednn_later=onednn_later), copy=True)
     assert bool(planned.sequence.ops) is chained
     assert any("oneDNN's layout pass" in n for n in planned.plan.notes) is not chained
 

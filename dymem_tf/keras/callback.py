@@ -315,7 +315,7 @@ class DymemCallback(keras.callbacks.Callback):
             before = callback._peak_stats(reset=first)
             clustering = callback._step_clustering()
             try:
-                with graph_pass.armed(callback.pass_, before_xla=callback.xla == "auto",
+                with graph_pass.armed(callback.pass_, stage=callback._pass_stage(),
                                       batch_size=callback._replica_batch_size()), clustering:
                     outputs = train_function(iterator)
             except tf.errors.ResourceExhaustedError:
@@ -353,6 +353,18 @@ class DymemCallback(keras.callbacks.Callback):
 
         dymem_train_function._dymem_wrapped = True  # pylint: disable=protected-access
         return dymem_train_function
+
+    def _pass_stage(self) -> str:
+        """Where the graph pass plans the step (:data:`~dymem_tf.passes.graph_pass.STAGES`): before XLA's clustering
+        for ``xla="auto"``; after oneDNN's rewrite (:func:`~dymem_tf.passes.graph_pass.default_stage`) for a step on
+        one CPU device, the only one whose partition oneDNN rewrites and holds the whole step; else after XLA's
+        clustering, where the graph is still the whole step of every replica."""
+        if self.xla == "auto":
+            return "before_xla"
+        strategy = getattr(self.model, "distribute_strategy", None)
+        if training_gpus() or (getattr(strategy, "num_replicas_in_sync", 1) or 1) > 1:
+            return "after_xla"
+        return graph_pass.default_stage()
 
     def _replica_batch_size(self) -> int | None:
         """The batch size of one replica's step in the running ``fit`` (None when unknown): what an unknown batch

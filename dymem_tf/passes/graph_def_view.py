@@ -16,9 +16,12 @@ from __future__ import annotations
 import array
 import functools
 import hashlib
+import math
 
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
+
+from dymem_tf import compat
 
 
 class TensorView:
@@ -50,12 +53,55 @@ class TensorView:
         return f"<TensorView {self.name} {self.dtype.name} {self.shape}>"
 
 
+#: Prefixes oneDNN's layout pass (``POST_PARTITIONING``) gives the ops it takes over: ``_MklNativeConv2D`` is a
+#: ``Conv2D`` run by a oneDNN kernel, with the same inputs, outputs and attributes (a max pool adds a workspace).
+_ONEDNN_PREFIXES = ("_MklNative", "_Mkl")
+#: oneDNN ops that merge two standard ones, by the standard op whose inputs, outputs and cost they share.
+_ONEDNN_MERGED = {"Conv2DBackpropFilterWithBias": "Conv2DBackpropFilter",
+                  "Conv3DBackpropFilterWithBias": "Conv3DBackpropFilter",
+                  "PadWithConv2D": "Conv2D", "PadWithFusedConv2D": "_FusedConv2D"}
+#: oneDNN pooling ops whose output 1 is the workspace their gradient reads: one byte per element of output 0 (the
+#: index of each window's maximum), which shape inference leaves unknown.
+_ONEDNN_WORKSPACE_OPS = frozenset({"_MklNativeMaxPool", "_MklNativeMaxPool3D"})
+
+
+@functools.lru_cache(maxsize=None)
+def standard_op_type(op_type: str) -> str:
+    """The standard op a oneDNN op stands for (``_MklNativeFusedConv2D`` -> ``_FusedConv2D``, ``_MklMatMul`` ->
+    ``MatMul``), so that the capture's cost model and op sets read the graph oneDNN rewrote like the one it did
+    not; any other type as it is."""
+    for prefix in _ONEDNN_PREFIXES:
+        if not op_type.startswith(prefix):
+            continue
+        rest = op_type[len(prefix):]
+        if rest in _ONEDNN_MERGED:
+            return _ONEDNN_MERGED[rest]
+        for candidate in (rest, "_" + rest):
+            if compat.registered_op_def(candidate) is not None:
+                return candidate
+        break
+    return op_type
+
+
+def _with_workspace(node, outputs: list) -> list:
+    """``outputs`` with a oneDNN pool's workspace (:data:`_ONEDNN_WORKSPACE_OPS`) sized from output 0: rank 2,
+    leading with output 0's batch dimension, so that a batch size given later sizes it too."""
+    if node.op not in _ONEDNN_WORKSPACE_OPS or len(outputs) < 2 or outputs[1][1] is not None:
+        return outputs
+    dims = outputs[0][1]
+    if dims is None or len(dims) < 2 or any(d is None for d in dims[1:]):
+        return outputs
+    return [outputs[0], (outputs[1][0], (dims[0], math.prod(dims[1:])))] + outputs[2:]
+
+
 class OpView:
-    """One node of the GraphDef; ``outputs`` as ``(dtype, dims)`` pairs (see :class:`TensorView`)."""
+    """One node of the GraphDef; ``outputs`` as ``(dtype, dims)`` pairs (see :class:`TensorView`). ``type`` is the
+    standard op's (:func:`standard_op_type`), ``node_def.op`` the node's own."""
 
     def __init__(self, graph: "GraphView", node, outputs: list):
         self.graph, self.node_def = graph, node
-        self.name, self.type, self.device = node.name, node.op, node.device
+        self.name, self.type, self.device = node.name, standard_op_type(node.op), node.device
+        outputs = _with_workspace(node, outputs)
         self.outputs = [TensorView(self, k, dt, dims) for k, (dt, dims) in enumerate(outputs)]
         #: data inputs, in order, and the ops this op waits for through control edges (set by the graph once
         #: every op exists)

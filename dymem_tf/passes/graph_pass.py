@@ -1,6 +1,7 @@
 """The bridge to Dymem's graph pass after Grappler (``cc/pass/graph_pass.cc``): offer, plan, apply.
 
-TensorFlow runs the pass once per function instantiation, on the graph it will execute (after Grappler). While a
+TensorFlow runs the pass once per function instantiation, on the graph it will execute (after Grappler, and after
+oneDNN's layout rewrite where that is on: :func:`default_stage`). While a
 :func:`armed` block is active, the pass hands every instantiated graph that holds gradient ops to the *listener*
 of that block, as a :class:`PassCall`. The listener may
 
@@ -38,12 +39,14 @@ _GRAPH, _OUTPUTS, _CHANGED, _CHANGED_OUTPUTS = 0, 1, 2, 3
 class PassCall:
     """One offer of an instantiated graph to a listener (valid only while the listener runs).
 
-    ``graph_def_bytes`` is the graph as Grappler left it, serialized; ``outputs_bytes`` its nodes' output types
-    and inferred shapes (decoded by :class:`~dymem_tf.passes.graph_def_view.GraphView`)."""
+    ``graph_def_bytes`` is the graph as Grappler (and, at ``stage`` ``"after_partitioning"``, oneDNN) left it,
+    serialized; ``outputs_bytes`` its nodes' output types and inferred shapes (decoded by :class:`~dymem_tf.passes.graph_def_view.GraphView`)."""
 
-    def __init__(self, lib, handle, function_name: str, graph_def_bytes: bytes):
+    def __init__(self, lib, handle, function_name: str, graph_def_bytes: bytes, stage: str = "after_xla"):
         self._lib, self._handle = lib, handle
         self.function_name = function_name
+        #: where the pass offered the graph (:data:`STAGES`)
+        self.stage = stage
         self.graph_def_bytes = graph_def_bytes
         self.outputs_bytes = self._buffer(_OUTPUTS)
         self.failed_with: str | None = None
@@ -104,8 +107,8 @@ def _library():
         lib.dymem_pass_buffer.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
         lib.dymem_pass_buffer.restype = ctypes.c_int64
         lib.dymem_pass_fail.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
-        lib.dymem_pass_set_before_xla.argtypes = [ctypes.c_int]
-        lib.dymem_pass_set_before_xla.restype = ctypes.c_int
+        lib.dymem_pass_set_stage.argtypes = [ctypes.c_int]
+        lib.dymem_pass_set_stage.restype = ctypes.c_int
         lib.dymem_pass_set_batch_hint.argtypes = [ctypes.c_int64]
         lib.dymem_pass_set_batch_hint.restype = ctypes.c_int64
         lib.dymem_pass_step_input_types.restype = ctypes.c_char_p
@@ -121,7 +124,7 @@ def _on_graph(handle, function_name, data, size) -> int:
         if listener is None:
             return _CONTINUE
         call = PassCall(_library(), handle, (function_name or b"").decode(errors="replace"),
-                        ctypes.string_at(data, size))
+                        ctypes.string_at(data, size), _state.get("stage", "after_xla"))
         listener(call)
         return _FAIL if call.failed_with is not None else _CONTINUE
     except BaseException as err:  # pylint: disable=broad-except  (an exception must not cross into TF's C++)
@@ -138,20 +141,39 @@ def _install() -> None:
             _library().dymem_pass_set_handler(_state["handler"])
 
 
+#: Where the pass acts (``cc/pass/graph_pass.cc``, ``Stage``): after XLA's auto-clustering passes, before them, or
+#: after TensorFlow partitioned the graph by device and oneDNN rewrote its CPU partition.
+STAGES = {"after_xla": 0, "before_xla": 1, "after_partitioning": 2}
+
+
+def default_stage() -> str:
+    """The stage whose graph is the one that runs: after partitioning where oneDNN's layout pass rewrites CPU ops
+    (it runs after TF's other passes, so swap ops inserted before it could keep a pair of ops from fusing as they
+    do in the plain step), otherwise after XLA's clustering passes."""
+    from dymem_tf import compat
+
+    return "after_partitioning" if compat.onednn_enabled() else "after_xla"
+
+
 @contextlib.contextmanager
-def armed(listener: Callable[[PassCall], None], before_xla: bool = False, batch_size: int | None = None):
+def armed(listener: Callable[[PassCall], None], stage: str | None = None, batch_size: int | None = None):
     """Offer graphs instantiated inside this block to ``listener`` (the innermost block wins).
 
-    ``before_xla``: offer them before XLA's auto-clustering passes instead of after (for a step that is to be
-    auto-clustered around its swap ops); the graph is Grappler's either way. ``batch_size``: the batch an unknown
-    batch dimension of the step's input stands for in the offered shapes, so that shapes computed from it (a
-    ``Reshape`` to ``tf.shape(x)``-derived dimensions) are known too; the graph itself is not changed."""
+    ``stage``: one of :data:`STAGES`, where the pass offers the graph (``None``: :func:`default_stage`);
+    ``"before_xla"`` is for a step that is to be auto-clustered around its swap ops. The graph is Grappler's
+    either way; ``"after_partitioning"`` offers each device's partition on its own. ``batch_size``: the batch an
+    unknown batch dimension of the step's input stands for in the offered shapes, so that shapes computed from it
+    (a ``Reshape`` to ``tf.shape(x)``-derived dimensions) are known too; the graph itself is not changed."""
+    stage = default_stage() if stage is None else stage
+    if stage not in STAGES:
+        raise ValueError(f"stage must be one of {sorted(STAGES)}, not {stage!r}")
     _install()
     lib = _library()
     with _lock:
         _listeners.append(listener)
         lib.dymem_pass_arm(1)
-        previous = lib.dymem_pass_set_before_xla(int(before_xla))
+        previous = lib.dymem_pass_set_stage(STAGES[stage])
+        previous_stage, _state["stage"] = _state.get("stage", "after_xla"), stage
         previous_batch = lib.dymem_pass_set_batch_hint(int(batch_size or 0))
     try:
         yield
@@ -159,7 +181,8 @@ def armed(listener: Callable[[PassCall], None], before_xla: bool = False, batch_
         with _lock:
             _listeners.remove(listener)
             lib.dymem_pass_set_batch_hint(previous_batch)
-            lib.dymem_pass_set_before_xla(previous)
+            lib.dymem_pass_set_stage(previous)
+            _state["stage"] = previous_stage
             lib.dymem_pass_arm(-1)
 
 

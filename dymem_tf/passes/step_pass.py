@@ -216,7 +216,9 @@ class StepPass:
             planned = []
             for replica, ops in groups:
                 try:
-                    result = self.plan_ops(call.function_name, ops, replica, len(groups))
+                    result = self.plan_ops(call.function_name, ops, replica, len(groups),
+                                           onednn_later=call.stage != "after_partitioning" and
+                                           bool(compat.onednn_enabled()))
                 except planner.BudgetTooSmallError as err:
                     self.refusal = err
                     call.fail(str(err))
@@ -226,8 +228,10 @@ class StepPass:
             if planned:
                 self._apply(call, planned, start, clock)
 
-    def plan_ops(self, function_name: str, ops: list, replica: int | None, replicas: int = 1):
-        """The planned step for one device's ops, or None when they are left unmodified."""
+    def plan_ops(self, function_name: str, ops: list, replica: int | None, replicas: int = 1,
+                 onednn_later: bool = False):
+        """The planned step for one device's ops, or None when they are left unmodified. ``onednn_later``: oneDNN's
+        layout pass rewrites the graph after this plan (see ``PlanSettings.onednn_later``)."""
         batch = graph_batch_size(ops) or replica_batch(self.default_batch_size, replicas)
         observed = None
         if batch is None and self.observed_batch_size:
@@ -255,7 +259,7 @@ class StepPass:
                 headroom=0.0 if self.probe else headroom, defer_updates=cfg.defer_updates,
                 execution_order=cfg.execution_order, offload_variables=self._may_offload(ops, cfg.offload_variables),
                 offload_weights=self._may_offload(ops, cfg.offload_weights), least_memory=self.probe,
-                memory=None if self.probe else self.memory)
+                memory=None if self.probe else self.memory, onednn_later=onednn_later)
             if not prepared:
                 key = (replica, batch, observed, pipeline.preparation_key(settings))
                 prepared.append(self._captures.prepared(

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from dymem_tf import compat
 from dymem_tf.planning import (backward_ordering, offload, planner, read_ordering, recompute, sequencing,
                                update_deferral)
 from dymem_tf.planning.analysis import StepGraph
@@ -49,6 +48,9 @@ class PlanSettings:
     least_memory: bool = False  # without a budget: the least-memory plan (the first step's probe)
     #: kernel temporaries measured in a traced step of this graph (the first step's probe), or None
     memory: MeasuredMemory | None = None
+    #: oneDNN's layout pass rewrites the graph after the plan is applied (the pass acted before it: several replicas,
+    #: or XLA's auto-clustering); then a CPU step keeps TF's order (dymem_tf.planning.sequencing)
+    onednn_later: bool = False
 
 
 @dataclasses.dataclass
@@ -98,7 +100,7 @@ def sequence_for(step_graph: StepGraph, settings: PlanSettings) -> sequencing.Se
     (the baselines keep TF's order, as the systems they stand for do)."""
     if settings.execution_order != "planned" or settings.policy != "dymem":
         return sequencing.Sequence()
-    return sequencing.find_sequence(step_graph, onednn=bool(compat.onednn_enabled()))
+    return sequencing.find_sequence(step_graph, onednn_later=settings.onednn_later)
 
 
 def _adds_edges(settings: PlanSettings) -> bool:

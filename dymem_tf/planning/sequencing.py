@@ -12,10 +12,10 @@ only delay an op), so results stay bit-identical; intra-op parallelism is untouc
 independent ops is given up (on a GPU the kernels go to one compute stream in order anyway; the swap ops are not
 chained and still overlap compute on their own threads).
 
-On a CPU with oneDNN's kernels on (TF's default on x86 unless ``TF_ENABLE_ONEDNN_OPTS=0``) nothing is chained:
-oneDNN's layout pass runs after Dymem's (``POST_PARTITIONING``) and fuses ops only where no other edge leaves
-them, so the chain's edges would change what it fuses, and the numbers (a small CNN's loss moved by 2e-7). The
-CPU emulation of the benchmarks runs with oneDNN off; on a GPU the pass does not touch the GPU's ops.
+With oneDNN's CPU kernels on (TF's default on some x86 CPUs), its layout pass rewrites the graph after
+partitioning and fuses ops only where no other edge leaves them; the pass therefore plans the partition oneDNN
+left (:func:`dymem_tf.passes.graph_pass.default_stage`), and the chain cannot change what it fuses. Where the pass
+acts before that rewrite (several replicas, or ``xla="auto"``: ``onednn_later``), a CPU step is not chained.
 
 A step that runs inside a loop (Keras' ``steps_per_execution > 1`` puts the whole step in one) is not chained
 either: edges inside a loop body order one iteration only, and TF's executor then fed an ``OptionalHasValue`` the
@@ -90,19 +90,18 @@ class Sequence:
     skipped: str = ""
 
 
-def find_sequence(sg: StepGraph, onednn: bool = False) -> Sequence:
+def find_sequence(sg: StepGraph, onednn_later: bool = False) -> Sequence:
     """The chainable ops in the simulator's order. The rewrite links them in the topological order of the rewritten
     graph that follows this order as far as the plan's own edges allow (a weight's reads wait for its swap-in).
 
     On a CPU device the plan's swap ops join the chain as soon as they are ready: their copies are synchronous
-    kernels, which the executor would otherwise queue behind the chain (a swap-out run late frees its tensor late:
-    a ResNet-50 least-memory step measured 126 MiB for 50 MiB simulated). On a GPU they stay out: their copies run
-    on their own streams and must overlap the chain. ``onednn``: oneDNN's CPU kernels are on (then a CPU step is
-    left in TF's order, see above)."""
+    kernels, which the executor would otherwise queue behind the chain (a swap-out run late frees its tensor late).
+    On a GPU they stay out: their copies run on their own streams and must overlap the chain. ``onednn_later``:
+    oneDNN's layout pass rewrites the graph after the plan (then a CPU step is left in TF's order, see above)."""
     if not sg.ops:
         return Sequence()
     frame, device = _step_frame_and_device(sg)
-    if onednn and _is_cpu(device):
+    if onednn_later and _is_cpu(device):
         return Sequence(skipped=ONEDNN_SKIP)
     if frame:
         return Sequence(skipped=LOOP_SKIP)

@@ -1,5 +1,5 @@
-// Dymem's graph pass: runs on the graph TensorFlow will execute, after Grappler (POST_REWRITE_FOR_EXEC), once per
-// function instantiation. It hands the graph to the Python planner through a C function pointer set with ctypes
+// Dymem's graph pass: runs on the graph TensorFlow will execute, after Grappler, once per function instantiation:
+// at POST_REWRITE_FOR_EXEC, or after oneDNN's layout rewrite at POST_PARTITIONING (Python chooses, see Stage). It hands the graph to the Python planner through a C function pointer set with ctypes
 // and applies the plan the planner returns (step_plan.h). Nothing happens unless Python installed a handler and
 // armed the pass (DymemCallback arms it while its train function runs), and only for graphs with gradient ops.
 //
@@ -37,14 +37,19 @@ using Handler = int (*)(void* call, const char* function_name, const char* graph
 constexpr int kContinue = 0;
 constexpr int kFail = 1;
 
-// The two phases of POST_REWRITE_FOR_EXEC the pass is registered at: before XLA's clustering passes (phases 3-60)
-// and after them. Only the one Python chose acts (kAfterXla unless the step is to be auto-clustered).
-constexpr int kBeforeXla = 1;
-constexpr int kAfterXla = 100;
+// Where the pass acts; Python chooses one (dymem_pass_set_stage), the others let the graph through.
+//  - kAfterXla: POST_REWRITE_FOR_EXEC after XLA's clustering passes (phases 3-60), the default;
+//  - kBeforeXla: before them, for a step to be auto-clustered around its swap ops;
+//  - kAfterPartitioning: POST_PARTITIONING after oneDNN's layout rewrite (phases 0-2), on each partition that
+//    holds gradient ops: with oneDNN on, the graph that runs is the one rewritten there.
+enum Stage : int { kAfterXla = 0, kBeforeXla = 1, kAfterPartitioning = 2 };
+constexpr int kBeforeXlaPhase = 1;
+constexpr int kAfterXlaPhase = 100;
+constexpr int kAfterPartitioningPhase = 10;
 
 std::atomic<Handler> g_handler{nullptr};
 std::atomic<int> g_armed{0};
-std::atomic<int> g_phase{kAfterXla};
+std::atomic<int> g_stage{kAfterXla};
 std::atomic<int64_t> g_handled{0};
 // The batch size the step's unknown input batch dimension stands for (0: none), set by Python while armed.
 std::atomic<int64_t> g_batch_hint{0};
@@ -238,31 +243,49 @@ void SerializeChanged(const std::vector<tensorflow::Node*>& changed, PassCall* c
   call->buffers[kChanged] = def.SerializeAsString();
 }
 
-// The name of the function being instantiated (empty when TF did not say).
-std::string FunctionName(const tensorflow::GraphOptimizationPassOptions& options) {
-  return options.function_def != nullptr ? options.function_def->signature().name() : std::string();
+// Offers `graph` of function `name` to the Python planner; a planner failure leaves the graph as it was, a kFail
+// fails the instantiation.
+absl::Status Offer(Handler handler, const std::string& name, tensorflow::Graph* graph) {
+  if (!HasGradientOps(*graph)) return absl::OkStatus();
+  PassCall call;
+  call.graph = graph;
+  Serialize(*graph, &call);
+  g_handled.fetch_add(1);
+  const std::string& def = call.buffers[kGraph];
+  if (handler(&call, name.c_str(), def.data(), def.size()) == kFail) {
+    return absl::CancelledError(absl::StrCat("dymem_tf: ", call.fail_message));
+  }
+  return absl::OkStatus();
 }
 
-template <int kPhase>
+// The handler when the pass is armed for `stage`, else null.
+Handler ArmedFor(Stage stage) {
+  if (g_armed.load() <= 0 || g_stage.load() != stage) return nullptr;
+  return g_handler.load();
+}
+
+// The pass at POST_REWRITE_FOR_EXEC: the whole function graph, named by its FunctionDef.
+template <Stage kStage>
 class DymemStepPass : public tensorflow::GraphOptimizationPass {
  public:
-  // Offers the graph to the Python planner when armed for this phase; a planner failure leaves the graph as it was.
   absl::Status Run(const tensorflow::GraphOptimizationPassOptions& options) override {
-    Handler handler = g_handler.load();
-    if (handler == nullptr || g_armed.load() <= 0 || g_phase.load() != kPhase || options.graph == nullptr ||
-        *options.graph == nullptr) {
-      return absl::OkStatus();
-    }
-    tensorflow::Graph* graph = options.graph->get();
-    if (!HasGradientOps(*graph)) return absl::OkStatus();
-    PassCall call;
-    call.graph = graph;
-    Serialize(*graph, &call);
-    g_handled.fetch_add(1);
-    const std::string name = FunctionName(options);
-    const std::string& def = call.buffers[kGraph];
-    if (handler(&call, name.c_str(), def.data(), def.size()) == kFail) {
-      return absl::CancelledError(absl::StrCat("dymem_tf: ", call.fail_message));
+    Handler handler = ArmedFor(kStage);
+    if (handler == nullptr || options.graph == nullptr || *options.graph == nullptr) return absl::OkStatus();
+    const std::string name = options.function_def != nullptr ? options.function_def->signature().name() : "";
+    return Offer(handler, name, options.graph->get());
+  }
+};
+
+// The pass at POST_PARTITIONING: each device's partition, named by the function (TF passes it as the debug prefix).
+class DymemPartitionPass : public tensorflow::GraphOptimizationPass {
+ public:
+  absl::Status Run(const tensorflow::GraphOptimizationPassOptions& options) override {
+    Handler handler = ArmedFor(kAfterPartitioning);
+    if (handler == nullptr || options.partition_graphs == nullptr) return absl::OkStatus();
+    for (auto& partition : *options.partition_graphs) {
+      if (partition.second == nullptr) continue;
+      absl::Status status = Offer(handler, options.debug_filename_prefix, partition.second.get());
+      if (!status.ok()) return status;
     }
     return absl::OkStatus();
   }
@@ -276,13 +299,17 @@ using DymemStepPassBeforeXla = DymemStepPass<kBeforeXla>;
 
 // After XLA's clustering passes (phases 3-60 of the same grouping): swap ops never land inside a cluster. The
 // default: a step that swaps runs without XLA.
-REGISTER_OPTIMIZATION(tensorflow::OptimizationPassRegistry::POST_REWRITE_FOR_EXEC, dymem::kAfterXla,
+REGISTER_OPTIMIZATION(tensorflow::OptimizationPassRegistry::POST_REWRITE_FOR_EXEC, dymem::kAfterXlaPhase,
                       dymem::DymemStepPassAfterXla);
 // Before them, for a step auto-clustered around its swap ops (DymemCallback(xla="auto")): the swap ops have no XLA
 // kernel, so MarkForCompilationPass leaves them out, and a cluster cannot hold both ends of a swap (that would
 // close a cycle through the swap ops): clusters form between them and every swapped tensor is a cluster output.
-REGISTER_OPTIMIZATION(tensorflow::OptimizationPassRegistry::POST_REWRITE_FOR_EXEC, dymem::kBeforeXla,
+REGISTER_OPTIMIZATION(tensorflow::OptimizationPassRegistry::POST_REWRITE_FOR_EXEC, dymem::kBeforeXlaPhase,
                       dymem::DymemStepPassBeforeXla);
+// After oneDNN's MklLayoutRewritePass (phase 1) and MklToTfConversionPass (phase 2): with oneDNN on, the swap ops
+// are inserted into the graph as oneDNN left it, so they cannot keep it from fusing a pair the plain step fuses.
+REGISTER_OPTIMIZATION(tensorflow::OptimizationPassRegistry::POST_PARTITIONING, dymem::kAfterPartitioningPhase,
+                      dymem::DymemPartitionPass);
 
 extern "C" {
 
@@ -294,9 +321,11 @@ __attribute__((visibility("default"))) void dymem_pass_set_handler(dymem::Handle
 // Arms (+1) or disarms (-1) the pass; it offers graphs to the handler while the count is positive.
 __attribute__((visibility("default"))) int dymem_pass_arm(int delta) { return dymem::g_armed.fetch_add(delta) + delta; }
 
-// Makes the pass act before XLA's clustering passes (1) or after them (0, the default); returns the previous choice.
-__attribute__((visibility("default"))) int dymem_pass_set_before_xla(int before) {
-  return dymem::g_phase.exchange(before ? dymem::kBeforeXla : dymem::kAfterXla) == dymem::kBeforeXla ? 1 : 0;
+// Makes the pass act at `stage` (dymem::Stage: 0 after XLA's clustering passes, the default; 1 before them; 2 after
+// partitioning); returns the previous stage, or -1 (nothing changed) for an unknown one.
+__attribute__((visibility("default"))) int dymem_pass_set_stage(int stage) {
+  if (stage < dymem::kAfterXla || stage > dymem::kAfterPartitioning) return -1;
+  return dymem::g_stage.exchange(stage);
 }
 
 // Sets the batch size the step's unknown input batch dimension stands for in the shapes offered (0: none); returns
