@@ -1,13 +1,14 @@
 """Step time of the planned execution order against TF's own, interleaved: what the chain costs on the CPU.
 
     python bench/execution_order.py                          # ResNet-50 and DenseNet-121, 64px, 3 rounds
-    python bench/execution_order.py --models resnet50 --rounds 1
+    python bench/execution_order.py --models resnet50 --rounds 1 --onednn on
 
 ``DymemCallback(execution_order="planned")`` chains the step's ops with control edges in the simulator's order
 (``dymem_tf/planning/sequencing.py``); ``"free"`` leaves the order to TF's executor. Each run is a fresh
-interpreter with oneDNN off (the chain is skipped with oneDNN on, as in section 1 of docs/benchmarks.md) that trains
-6 steps of batch 16 with SGD and momentum, no budget; its step time is the median after the first step. The two
-orders alternate within each round, and the report gives planned / free per round and their median.
+interpreter, with oneDNN's CPU kernels off and on (``--onednn``), that trains 6 steps of batch 16 with SGD and
+momentum, no budget; its step time is the median after the first step, its peak spread the largest step peak over
+the median step peak, less one (GTBM's reserved bytes, steps after the first). The two orders alternate within each
+round, and the report gives planned / free per round and their median.
 """
 from __future__ import annotations
 
@@ -30,7 +31,9 @@ def child(name: str, order: str, image_size: int) -> dict:
     import dymem_tf
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from common import StepTimer
+    from model_zoo import StepPeaks
 
     keras.utils.set_random_seed(0)
     app = {"resnet50": keras.applications.ResNet50, "densenet121": keras.applications.DenseNet121}[name]
@@ -39,15 +42,19 @@ def child(name: str, order: str, image_size: int) -> dict:
                   loss=keras.losses.SparseCategoricalCrossentropy())
     x = np.random.default_rng(0).normal(size=(96, image_size, image_size, 3)).astype("float32")
     y = np.zeros(96, dtype="int64")
-    cb, timer = dymem_tf.DymemCallback(verbose=0, execution_order=order), StepTimer()
-    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[cb, timer])
-    return {"model": name, "order": order, "step_s": timer.median_step_s(),
+    cb, timer, peaks = dymem_tf.DymemCallback(verbose=0, execution_order=order), StepTimer(), StepPeaks()
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[cb, timer, peaks])
+    steady = peaks.peaks[1:] or peaks.peaks
+    return {"model": name, "order": order, "onednn": bool(dymem_tf.compat.onednn_enabled()),
+            "step_s": timer.median_step_s(), "peak_spread": max(steady) / statistics.median(steady) - 1.0,
+            "chained": next((int(n.split()[0]) for n in (cb.plan.notes if cb.plan is not None else ())
+                             if " ops chained in the planned order" in n), 0),
             "swaps": len(cb.plan.swaps) if cb.plan is not None else 0}
 
 
-def run(name: str, order: str, image_size: int) -> dict:
-    """:func:`child` in a fresh interpreter (oneDNN off)."""
-    env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="0", TF_CPP_MIN_LOG_LEVEL="3",
+def run(name: str, order: str, image_size: int, onednn: str = "off") -> dict:
+    """:func:`child` in a fresh interpreter, oneDNN ``"on"`` or ``"off"``."""
+    env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="1" if onednn == "on" else "0", TF_CPP_MIN_LOG_LEVEL="3",
                DYMEM_DEVICE_MEMORY_LIMIT=os.environ.get("DYMEM_DEVICE_MEMORY_LIMIT", "4GiB"))
     cmd = [sys.executable, os.path.abspath(__file__), "--child", name, order, "--image-size", str(image_size)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -58,16 +65,20 @@ def run(name: str, order: str, image_size: int) -> dict:
 
 
 def report(results: list[dict]) -> str:
-    """planned / free step time per model: each round's ratio and their median."""
-    lines = ["| model | planned s | free s | planned / free [per round] | median |",
-             "| --- | ---: | ---: | --- | ---: |"]
-    for name in dict.fromkeys(r["model"] for r in results):
-        rounds = [r for r in results if r["model"] == name]
+    """planned / free step time per model and oneDNN setting: each round's ratio and their median; the largest
+    step-to-step spread of the peak of each order."""
+    lines = ["| model | oneDNN | planned s | free s | planned / free [per round] | median | peak spread planned / "
+             "free (max) |",
+             "| --- | --- | ---: | ---: | --- | ---: | --- |"]
+    for name, onednn in dict.fromkeys((r["model"], r.get("onednn", False)) for r in results):
+        rounds = [r for r in results if r["model"] == name and r.get("onednn", False) == onednn]
         planned = [r["step_s"] for r in rounds if r["order"] == "planned"]
         free = [r["step_s"] for r in rounds if r["order"] == "free"]
         ratios = [p / f for p, f in zip(planned, free)]
-        lines.append(f"| {name} | {statistics.median(planned):.3f} | {statistics.median(free):.3f} | "
-                     f"[{', '.join(f'{x:.2f}' for x in ratios)}] | {statistics.median(ratios):.2f}x |")
+        spread = {o: max((r.get("peak_spread") or 0.0) for r in rounds if r["order"] == o) for o in ORDERS}
+        lines.append(f"| {name} | {'on' if onednn else 'off'} | {statistics.median(planned):.3f} | "
+                     f"{statistics.median(free):.3f} | [{', '.join(f'{x:.2f}' for x in ratios)}] | "
+                     f"{statistics.median(ratios):.2f}x | {spread['planned']:.1%} / {spread['free']:.1%} |")
     return "\n".join(lines)
 
 
@@ -76,6 +87,7 @@ def main(argv=None) -> int:
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--image-size", type=int, default=64)
+    parser.add_argument("--onednn", choices=("off", "on", "both"), default="both")
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "ORDER"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -85,11 +97,13 @@ def main(argv=None) -> int:
     if any(m not in MODELS for m in models) or args.rounds < 1:
         parser.error(f"--models: choose from {', '.join(MODELS)}; --rounds at least 1")
     results = []
+    settings = ("off", "on") if args.onednn == "both" else (args.onednn,)
     for _ in range(args.rounds):
         for name in models:
-            for order in ORDERS:
-                results.append(run(name, order, args.image_size))
-                print(json.dumps(results[-1]), flush=True)
+            for onednn in settings:
+                for order in ORDERS:
+                    results.append(run(name, order, args.image_size, onednn))
+                    print(json.dumps(results[-1]), flush=True)
     print(f"python bench/execution_order.py {' '.join(sys.argv[1:] if argv is None else argv)}")
     print(report(results))
     return 0

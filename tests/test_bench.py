@@ -577,10 +577,13 @@ def test_execution_order_cli_checks_its_arguments_and_reports_ratios():
     assert bad.returncode == 2 and "--models: choose from resnet50, densenet121" in bad.stderr
     import execution_order
 
-    runs = [{"model": "densenet121", "order": o, "step_s": s, "swaps": 213}
-            for o, s in (("planned", 0.58), ("free", 0.46), ("planned", 0.57), ("free", 0.46))]
+    runs = [{"model": "densenet121", "order": o, "step_s": s, "swaps": 213, "onednn": False, "peak_spread": p}
+            for o, s, p in (("planned", 0.58, 0.01), ("free", 0.46, 0.2), ("planned", 0.57, 0.03),
+                            ("free", 0.46, 0.1))]
+    runs += [dict(r, onednn=True, step_s=0.5) for r in runs]
     text = execution_order.report(runs)
-    assert "| densenet121 | 0.575 | 0.460 | [1.26, 1.24] | 1.25x |" in text
+    assert "| densenet121 | off | 0.575 | 0.460 | [1.26, 1.24] | 1.25x | 3.0% / 20.0% |" in text
+    assert "| densenet121 | on | 0.500 | 0.500 | [1.00, 1.00] | 1.00x | 3.0% / 20.0% |" in text
 
 
 def test_pass_scaling_checks_its_arguments_and_reports_stages_ratios_and_before():
