@@ -329,7 +329,7 @@ def test_a_calibrated_plan_without_slack_is_calibrated_again_once_then_the_probe
     import types
 
     import dymem_tf
-    from dymem_tf.keras import callback as callback_module
+    from dymem_tf.memory import devices
 
     cb = dymem_tf.DymemCallback(memory_budget="100MiB", verbose=0)
     cb._refined = False
@@ -340,7 +340,7 @@ def test_a_calibrated_plan_without_slack_is_calibrated_again_once_then_the_probe
                         lambda measured, fallback, in_use=None, source="probe": installed.append(
                             (measured, fallback, in_use, source)))
     stats = {"peak_bytes_reserved": 80 * MiB, "peak_bytes_in_use": 70 * MiB}
-    monkeypatch.setattr(callback_module, "device_memory_stats", lambda: dict(stats))
+    monkeypatch.setattr(devices, "device_memory_stats", lambda: dict(stats))
     cb._keep_calibrated_if_it_leaves_slack("probe's")  # 20% free: more than the 8% slack of 100 MiB
     assert installed == [] and model.train_function == "calibrated"
     stats.update(peak_bytes_reserved=95 * MiB, peak_bytes_in_use=80 * MiB)

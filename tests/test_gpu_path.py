@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from dymem_tf.memory import devices
 from dymem_tf.planning import device_profiles
 from dymem_tf.planning.analysis import StepGraph
 from dymem_tf.planning.cost_model import CostModel
@@ -19,7 +20,6 @@ def test_device_memory_is_read_from_the_context_not_from_a_new_device_set(monkey
     from tensorflow.python.client import device_lib
 
     from dymem_tf import compat
-    from dymem_tf.keras import callback
 
     def no_second_device_set(*args, **kwargs):
         raise AssertionError("device_lib.list_local_devices creates a second set of devices")
@@ -33,7 +33,7 @@ def test_device_memory_is_read_from_the_context_not_from_a_new_device_set(monkey
     monkeypatch.setattr(tf.config, "list_physical_devices",
                         lambda kind=None: [tf.config.PhysicalDevice("/physical_device:GPU:0", "GPU")]
                         if kind == "GPU" else [])
-    assert callback.device_memory_capacity() is None
+    assert devices.device_memory_capacity() is None
 
 
 def test_the_context_reports_what_device_lib_reports():
@@ -95,12 +95,12 @@ def test_device_memory_stats_read_the_gpus_when_the_step_trains_on_gpus(monkeypa
 
     infos = {"GPU:0": {"current": 100, "peak": 700}, "GPU:1": {"current": 300, "peak": 500}}
     resets = []
-    monkeypatch.setattr(callback, "training_gpus", lambda: list(infos))
+    monkeypatch.setattr(devices, "training_gpus", lambda: list(infos))
     monkeypatch.setattr(tf.config.experimental, "get_memory_info", lambda gpu: infos[gpu])
     monkeypatch.setattr(tf.config.experimental, "reset_memory_stats", resets.append)
-    assert callback.device_memory_stats() == {"bytes_in_use": 300, "peak_bytes_in_use": 700,
+    assert devices.device_memory_stats() == {"bytes_in_use": 300, "peak_bytes_in_use": 700,
                                               "peak_bytes_reserved": 700}
-    callback.reset_device_peaks()
+    devices.reset_device_peaks()
     assert resets == ["GPU:0", "GPU:1"]
     cb = callback.DymemCallback(memory_budget="1MiB", verbose=0)
     cb._cap_device_at_budget()
@@ -121,7 +121,7 @@ def test_gpus_that_gtbm_serves_are_measured_and_capped_through_its_pools(monkeyp
              "GPU:1": {"bytes_in_use": 20, "peak_bytes_in_use": 50, "peak_bytes_reserved": 80}}
     limits = {"GPU:0": 1 << 30, "GPU:1": 1 << 30}
     served, resets = set(pools), []
-    monkeypatch.setattr(callback, "training_gpus", lambda: list(pools))
+    monkeypatch.setattr(devices, "training_gpus", lambda: list(pools))
     monkeypatch.setattr(allocator, "is_active", lambda: True)
     monkeypatch.setattr(allocator, "serves_gpu", lambda gpu: gpu in served)
     monkeypatch.setattr(allocator, "memory_stats", lambda device=None: dict(pools[device]))
@@ -130,9 +130,9 @@ def test_gpus_that_gtbm_serves_are_measured_and_capped_through_its_pools(monkeyp
     monkeypatch.setattr(allocator, "set_memory_limit", lambda value, device=None: limits.__setitem__(device, value))
     monkeypatch.setattr(tf.config.experimental, "reset_memory_stats", lambda gpu: resets.append(("tf", gpu)))
     monkeypatch.setattr(tf.config.experimental, "get_memory_info", lambda gpu: {"current": 1, "peak": 2})
-    assert callback.device_memory_stats() == pools["GPU:1"]  # the largest reserved peak
-    assert callback.trace_device() is False  # two GPUs: one plan per replica, no single pool to trace
-    callback.reset_device_peaks()
+    assert devices.device_memory_stats() == pools["GPU:1"]  # the largest reserved peak
+    assert devices.trace_device() is False  # two GPUs: one plan per replica, no single pool to trace
+    devices.reset_device_peaks()
     assert ("gtbm", "GPU:0") in resets and ("gtbm", "GPU:1") in resets
     cb = callback.DymemCallback(memory_budget="256MiB", verbose=0)
     cb._others_bytes = 0
@@ -140,22 +140,21 @@ def test_gpus_that_gtbm_serves_are_measured_and_capped_through_its_pools(monkeyp
     assert limits == {"GPU:0": 256 << 20, "GPU:1": 256 << 20}
     cb._restore_device_limit()
     assert limits == {"GPU:0": 1 << 30, "GPU:1": 1 << 30}
-    monkeypatch.setattr(callback, "training_gpus", lambda: ["GPU:0"])
-    assert callback.trace_device() == "GPU:0"  # the probe and the dashboard trace that GPU's pool
-    monkeypatch.setattr(callback, "training_gpus", lambda: list(pools))
+    monkeypatch.setattr(devices, "training_gpus", lambda: ["GPU:0"])
+    assert devices.trace_device() == "GPU:0"  # the probe and the dashboard trace that GPU's pool
+    monkeypatch.setattr(devices, "training_gpus", lambda: list(pools))
     served.discard("GPU:1")  # one GPU on TF's allocator: GTBM's pools no longer describe the device set
-    assert callback.device_memory_stats() == {"bytes_in_use": 1, "peak_bytes_in_use": 2, "peak_bytes_reserved": 2}
+    assert devices.device_memory_stats() == {"bytes_in_use": 1, "peak_bytes_in_use": 2, "peak_bytes_reserved": 2}
     cb._cap_device_at_budget()
     assert cb._saved_limit == {} and limits["GPU:0"] == 1 << 30
 
 
 def test_device_memory_stats_are_gtbms_on_the_cpu():
-    from dymem_tf.keras import callback
     from dymem_tf.memory import allocator
 
-    assert callback.training_gpus() == []
-    assert callback.trace_device() is (None if allocator.is_active() else False)
-    stats = callback.device_memory_stats()
+    assert devices.training_gpus() == []
+    assert devices.trace_device() is (None if allocator.is_active() else False)
+    stats = devices.device_memory_stats()
     assert (stats is None) == (not allocator.is_active())
     if stats is not None:
         assert stats["peak_bytes_reserved"] >= stats["peak_bytes_in_use"] >= 0
@@ -396,13 +395,13 @@ def test_the_out_of_memory_hint_on_a_gpu_names_the_gpu_not_the_cpu_pool(monkeypa
     CPU device's pool, which does nothing there) but say what frees or enlarges GPU memory (faked device list)."""
     from dymem_tf.keras import callback
 
-    monkeypatch.setattr(callback, "training_gpus", lambda: ["GPU:0"])
-    monkeypatch.setattr(callback, "device_memory_capacity", lambda: 40 << 30)
+    monkeypatch.setattr(devices, "training_gpus", lambda: ["GPU:0"])
+    monkeypatch.setattr(devices, "device_memory_capacity", lambda: 40 << 30)
     hint = callback.DymemCallback(memory_budget="30GiB", verbose=0).out_of_memory_hint()
     assert "DYMEM_DEVICE_MEMORY_LIMIT" not in hint and "set_memory_limit" not in hint and "GTBM device" not in hint
     assert "GPU:0" in hint and "40.0 GiB" in hint and "memory_budget=30.0 GiB" in hint
     assert "lower the batch size" in hint and "GPU with more memory" in hint
-    monkeypatch.setattr(callback, "training_gpus", lambda: [])  # the CPU keeps its own advice
+    monkeypatch.setattr(devices, "training_gpus", lambda: [])  # the CPU keeps its own advice
     assert "GPU" not in callback.DymemCallback(verbose=0).out_of_memory_hint()
 
 

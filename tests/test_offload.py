@@ -243,7 +243,7 @@ COMPACT_SCRIPT = r"""
 import json
 import numpy as np, keras, tensorflow as tf
 import dymem_tf
-from dymem_tf.keras import callback
+from dymem_tf.keras import variables
 from dymem_tf.memory import allocator
 from dymem_tf.ops import swap_ops
 
@@ -264,9 +264,9 @@ values = [np.array(v.numpy(), copy=True) for v in list(model.variables) + list(m
 def persistent():
     return allocator.memory_stats()["groups"]["persistent"]
 
-offloaded = callback._offload_optimizer_state(model, 1 << 16)
+offloaded = variables.offload_optimizer_state(model, 1 << 16)
 before = persistent()
-moved = callback._compact_weights(model)
+moved = variables.compact_weights(model)
 after = persistent()
 same = all(np.array_equal(a, v.numpy()) for a, v in zip(values, list(model.variables) + list(model.optimizer.variables)))
 print("RESULT" + json.dumps({"offloaded": offloaded, "moved": moved, "before": before, "after": after,

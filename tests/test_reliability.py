@@ -315,9 +315,9 @@ def test_generator_data_under_a_budget_is_left_unmodified():
     ((tf.ragged.constant([[1], [2, 3]]), np.zeros((2,))), None),
 ])
 def test_leading_dimension_of_a_peeked_batch(batch, size):
-    from dymem_tf.keras import callback
+    from dymem_tf.keras import fit_batch
 
-    assert callback._leading_dim(batch) == size  # pylint: disable=protected-access
+    assert fit_batch.leading_dim(batch) == size
 
 
 def attention_net(seq=12, dim=16) -> keras.Model:

@@ -115,7 +115,7 @@ _PEAKS_SCRIPT = textwrap.dedent("""
     import json, sys
     import keras, numpy as np, tensorflow as tf
     import dymem_tf
-    from dymem_tf.keras import callback as cbmod
+    from dymem_tf.memory import devices
     tf.config.experimental.enable_op_determinism()
     keras.utils.set_random_seed(1)
     inputs = keras.Input((16, 16, 3))
@@ -130,10 +130,10 @@ _PEAKS_SCRIPT = textwrap.dedent("""
 
     class Peaks(keras.callbacks.Callback):
         def on_train_batch_begin(self, batch, logs=None):
-            cbmod.reset_device_peaks()
+            devices.reset_device_peaks()
 
         def on_train_batch_end(self, batch, logs=None):
-            peaks.append(int(cbmod.device_memory_stats()["peak_bytes_in_use"]))
+            peaks.append(int(devices.device_memory_stats()["peak_bytes_in_use"]))
 
     x, y = np.random.rand(64, 16, 16, 3).astype("float32"), np.random.rand(64, 4).astype("float32")
     order = sys.argv[1]

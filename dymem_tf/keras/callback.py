@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import functools
 import numbers
 import os
 import tempfile
@@ -12,8 +11,8 @@ import keras
 import tensorflow as tf
 
 from dymem_tf import compat, units
-from dymem_tf.keras import fit_guard
-from dymem_tf.memory import allocator, placement
+from dymem_tf.keras import arguments, fit_batch, fit_guard, variables
+from dymem_tf.memory import allocator, devices, placement
 from dymem_tf.passes import graph_pass, step_pass
 from dymem_tf.planning import device_profiles, first_step, memory_model, planner, sequencing, simulator
 
@@ -85,7 +84,7 @@ class DymemCallback(keras.callbacks.Callback):
             raise ValueError(f"unknown policy {policy!r}: choose one of {', '.join(POLICIES)}")
         if isinstance(swapin_ahead, bool) or not isinstance(swapin_ahead, int) or swapin_ahead < 1:
             raise ValueError(f"swapin_ahead must be a positive integer, got {swapin_ahead!r}")
-        min_swap_bytes = _resolve_min_swap_bytes(min_swap_bytes)
+        min_swap_bytes = arguments.resolve_min_swap_bytes(min_swap_bytes)
         if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
             raise TypeError(f"log_dir must be a directory path (str or os.PathLike) or None, got "
                             f"{type(log_dir).__name__}")
@@ -117,7 +116,7 @@ class DymemCallback(keras.callbacks.Callback):
             raise TypeError(f"device must be a profile name such as 'a100' or a DeviceProfile, got "
                             f"{type(device).__name__} (known profiles: {', '.join(device_profiles.known_profiles())})")
         self.memory_budget = memory_budget
-        self.budget_bytes = _resolve_budget(memory_budget)
+        self.budget_bytes = arguments.resolve_budget(memory_budget)
         self.profile = device_profiles.get_profile(device or default_device_profile())
         self.policy = policy
         self.log_dir = log_dir
@@ -154,14 +153,14 @@ class DymemCallback(keras.callbacks.Callback):
         # what the device holds besides this model (other models of the process): not this fit's to budget; read
         # before the optimizer builds, since offloaded state is made in host memory (a device that holds the
         # weights need not hold it all at once)
-        stats = device_memory_stats()
-        held = _device_resident_bytes(model) if offload else step_pass.persistent_bytes(model)
+        stats = devices.device_memory_stats()
+        held = variables.device_resident_bytes(model) if offload else step_pass.persistent_bytes(model)
         self._others_bytes = max(int(stats["bytes_in_use"]) - held, 0) if stats is not None else 0
-        _build_optimizer(model, in_host_memory=offload and allocator.is_active())
+        variables.build_optimizer(model, in_host_memory=offload and allocator.is_active())
         weights = step_pass.persistent_bytes(model)
         resident = step_pass.persistent_bytes(model, optimizer=not offload)  # what must stay on the device
         if offload and self._offloads_weights():  # at least the largest weight, and those too small to move
-            resident = _resident_weight_bytes(model, self.pass_.config.min_swap_bytes)
+            resident = variables.resident_weight_bytes(model, self.pass_.config.min_swap_bytes)
         if self.budget_bytes is not None and resident > self.budget_bytes:
             what = ("the model's weights that must stay on the device (its largest weight and those smaller than "
                     "min_swap_bytes)" if offload and self._offloads_weights()
@@ -172,7 +171,7 @@ class DymemCallback(keras.callbacks.Callback):
         # under a budget the first step is the probe (dymem_tf.planning.first_step): least memory, measured,
         # variables guarded, and the device capped at the budget (which cannot go below GTBM's pageblocks)
         guard = self.budget_bytes is not None and self.policy != "none" and self.calibrate
-        floor = _pageblock_floor(stats, resident)
+        floor = variables.pageblock_floor(stats, resident)
         if guard and floor > self.budget_bytes:
             raise planner.BudgetTooSmallError(
                 f"memory_budget {_fmt(self.budget_bytes)} is smaller than the least GTBM can train in: "
@@ -181,15 +180,15 @@ class DymemCallback(keras.callbacks.Callback):
                 "raise the budget to at least that.")
         _warn_onednn_out_of_memory_crash()
         fit_locals = compat.fit_frame_locals(model)  # the running fit's locals: its data adapter, its batch_size
-        self.pass_.default_batch_size = _fit_batch_size(fit_locals)
+        self.pass_.default_batch_size = fit_batch.fit_batch_size(fit_locals)
         self.pass_.last_skipped = None  # an earlier fit's step is not this one's
-        self.pass_.observed_batch_size = _observed_batch_size(fit_locals)
+        self.pass_.observed_batch_size = fit_batch.observed_batch_size(fit_locals)
         self.pass_.persistent_bytes = weights
         if offload:  # the state starts in host memory: each plan brings back only what it needs, when it needs it
-            _offload_optimizer_state(model, self.pass_.config.min_swap_bytes)
+            variables.offload_optimizer_state(model, self.pass_.config.min_swap_bytes)
             if self._offloads_weights():  # so do the weights: the first step (the probe) finds them there
-                _offload_weights(model, self.pass_.config.min_swap_bytes)
-            _compact_weights(model)  # what stays (and state made in the host arena) is packed on the device
+                variables.offload_weights(model, self.pass_.config.min_swap_bytes)
+            variables.compact_weights(model)  # what stays (and state made in the host arena) is packed on the device
         # A new train function: its first call instantiates it, and the graph pass plans that instantiation (the
         # probe under a guarded budget, see above).
         self.pass_.probe, self.pass_.calibration, self.pass_.memory = guard, None, None
@@ -206,7 +205,7 @@ class DymemCallback(keras.callbacks.Callback):
             self._writer = summaries.DymemSummaryWriter(log_dir, profile=self.profile)
             self._plans_written = len(self.pass_.records)  # plans of an earlier fit are not this run's
             if self.trace_allocations:
-                traced = trace_device()
+                traced = devices.trace_device()
                 self._writer.start_allocator_trace(device=None if traced is False else traced)
 
     def on_train_batch_end(self, batch, logs=None):
@@ -228,7 +227,7 @@ class DymemCallback(keras.callbacks.Callback):
             self._exit_guard = None
         self._restore_device_limit()
         if self._offloads_state():  # the device holds the whole optimizer state (and every weight) again after fit
-            _bring_back_offloaded(self.model, weights=self._offloads_weights())
+            variables.bring_back_offloaded(self.model, weights=self._offloads_weights())
         # Later fit() calls without this callback must trace the plain step again.
         self.model.train_function = None
         if self._writer is not None:
@@ -239,7 +238,7 @@ class DymemCallback(keras.callbacks.Callback):
         """Whether this fit's plans may keep optimizer state in host memory between its uses: a budget, the dymem
         policy, ``offload_optimizer_state``, and the CPU device (see :mod:`dymem_tf.planning.offload`)."""
         return (self.budget_bytes is not None and self.policy == "dymem" and self.offload_optimizer_state
-                and not training_gpus())
+                and not devices.training_gpus())
 
     def _offloads_weights(self) -> bool:
         """Whether this fit's plans may keep weights in host memory between their uses (as for state, and
@@ -273,7 +272,7 @@ class DymemCallback(keras.callbacks.Callback):
         if asked:
             self._say("dymem_tf: jit_compile=True would compile the whole train step as one XLA cluster, which "
                       "would swallow the swap ops: with xla='auto' the step is auto-clustered around them instead.")
-        if not training_gpus() and not compat.cpu_autoclustering_enabled():
+        if not devices.training_gpus() and not compat.cpu_autoclustering_enabled():
             self._warn("dymem_tf: xla='auto' on the CPU: XLA clusters CPU ops only with "
                        "TF_XLA_FLAGS=--tf_xla_cpu_global_jit set before TensorFlow starts; without it the step runs "
                        "unclustered.")
@@ -362,7 +361,7 @@ class DymemCallback(keras.callbacks.Callback):
         if self.xla == "auto":
             return "before_xla"
         strategy = getattr(self.model, "distribute_strategy", None)
-        if training_gpus() or (getattr(strategy, "num_replicas_in_sync", 1) or 1) > 1:
+        if devices.training_gpus() or (getattr(strategy, "num_replicas_in_sync", 1) or 1) > 1:
             return "after_xla"
         return graph_pass.default_stage()
 
@@ -377,7 +376,7 @@ class DymemCallback(keras.callbacks.Callback):
         """Run a new train function's first step with the variables saved to host; after the probe, calibrate and
         install the budgeted train function; after a budgeted plan that fails, go back to the probe's."""
         snapshot = first_step.VariableSnapshot(self.model)
-        reset_device_peaks()
+        devices.reset_device_peaks()
         probe = self.pass_.probe
         if probe:  # the persistent group the probe finds: the calibration predicts each plan's placement from it
             self._probe_group = self._persistent_group()
@@ -400,7 +399,7 @@ class DymemCallback(keras.callbacks.Callback):
             self.model.train_function = fallback
             return fallback(iterator)
         if probe:
-            stats = self._own(device_memory_stats())
+            stats = self._own(devices.device_memory_stats())
             measured = stats["peak_bytes_reserved"] if stats is not None else None
             if measured is not None and measured > (1 - first_step.step_slack(self.budget_bytes)) * self.budget_bytes:
                 snapshot.restore()
@@ -415,14 +414,14 @@ class DymemCallback(keras.callbacks.Callback):
                 # group, between the holes of those that went to host memory); packed, later steps reserve less
                 # (ResNet-50 32px + SGD under 237 MiB, calibrated prediction 199 MiB: later peaks 208-212 MiB
                 # without this, 200-204 with it; the probe's plan, the fallback, keeps nothing there to pack)
-                _compact_weights(self.model)
+                variables.compact_weights(self.model)
         return outputs
 
     def _traced_probe(self, run, iterator):
         """Run the probe step with GTBM's trace on and keep the kernel temporaries it measured in the pass
         (``pass_.memory``, for the budgeted plan and the calibration); without GTBM serving the training device
         (the CPU, or the one training GPU) just run it."""
-        traced = trace_device()
+        traced = devices.trace_device()
         if traced is False:
             return run(iterator)
         with tempfile.TemporaryDirectory(prefix="dymem_probe_") as tmp:
@@ -445,7 +444,7 @@ class DymemCallback(keras.callbacks.Callback):
         replaced by the plan made with that calibration, whose first step is guarded the same way; after that,
         training goes on with the probe's least-memory plan, which left that slack. No batch is lost: the step
         trained."""
-        stats = self._own(device_memory_stats())
+        stats = self._own(devices.device_memory_stats())
         measured = stats["peak_bytes_reserved"] if stats is not None else None
         slack = first_step.step_slack(self.budget_bytes)
         if measured is None or measured <= (1 - slack) * self.budget_bytes:
@@ -494,13 +493,13 @@ class DymemCallback(keras.callbacks.Callback):
         """The training device's memory statistics before a call of the train function (None when nothing
         measures it); ``reset``: its peaks are reset first (a fit's first step, so that they measure that step)."""
         if reset:
-            reset_device_peaks()
-        return self._own(device_memory_stats())
+            devices.reset_device_peaks()
+        return self._own(devices.device_memory_stats())
 
     def _persistent_group(self) -> placement.PersistentGroup | None:
         """GTBM's persistent group on the training device now, less what other models held when ``fit`` began
         (None without GTBM's groups)."""
-        return placement.PersistentGroup.from_stats(self._own(device_memory_stats()))
+        return placement.PersistentGroup.from_stats(self._own(devices.device_memory_stats()))
 
     def _own(self, stats: dict | None) -> dict | None:
         """``stats`` less what the device held besides this model when ``fit`` began (the budget is this fit's);
@@ -525,7 +524,7 @@ class DymemCallback(keras.callbacks.Callback):
             return
         plan = new[0].plan
         steps = getattr(self.model, "steps_per_execution", 1)
-        after = self._own(device_memory_stats())
+        after = self._own(devices.device_memory_stats())
         plan.measured = first_step.measurement(before, after, plan.predicted.get("peak_bytes"),
                                                plan.predicted.get("calibration"), outcome,
                                                steps if isinstance(steps, int) else 1,
@@ -540,12 +539,12 @@ class DymemCallback(keras.callbacks.Callback):
         keep its fixed limit. What the device held besides this model when ``fit`` began (other models of the
         process) is added to the cap."""
         self._saved_limit = {}
-        gpus = training_gpus()
-        devices = gtbm_gpus(gpus) if gpus else ([None] if allocator.is_active() else [])
-        if not devices:
+        gpus = devices.training_gpus()
+        pools = devices.gtbm_gpus(gpus) if gpus else ([None] if allocator.is_active() else [])
+        if not pools:
             return
         cap = self.budget_bytes + self._others_bytes  # other models the process holds keep their memory
-        for device in devices:
+        for device in pools:
             limit = allocator.get_memory_limit(device=device)
             if cap < limit:
                 allocator.set_memory_limit(cap, device=device)
@@ -605,9 +604,9 @@ class DymemCallback(keras.callbacks.Callback):
     def out_of_memory_hint(self) -> str:
         """What the out-of-memory error of a train step under this callback adds: the budget, and what to change."""
         limits = []
-        gpus = training_gpus()
+        gpus = devices.training_gpus()
         if gpus:  # GTBM's CPU pool (DYMEM_DEVICE_MEMORY_LIMIT) is not the step's memory there
-            capacity = device_memory_capacity()
+            capacity = devices.device_memory_capacity()
             limits.append(f"memory of {', '.join(gpus)}" + (f" ({_fmt(capacity)} for TensorFlow)" if capacity else ""))
             device_limit = capacity
             raise_budget = ("free GPU memory that other processes hold, or use a GPU with more memory")
@@ -682,117 +681,6 @@ def _less(stats: dict, others: int, keys) -> dict:
     return out
 
 
-def _offload_variables(variables, min_bytes: int) -> int:
-    """Move each of ``variables`` that has one handle, is not a scalar or a string and holds at least ``min_bytes``
-    to host memory before the first step; returns how many moved. Each plan brings back before their users those
-    it keeps (``PlannedStep.resident``; updates bring back optimizer state it does not offload), so a first step
-    measures what the plan needs and not the variables that were on the device before it."""
-    from dymem_tf.ops import swap_ops
-
-    moved = 0
-    for var in variables:
-        if (swap_ops.variable_handle(var) is not None and len(var.shape) > 0 and var.dtype != tf.string
-                and step_pass.variable_bytes(var) >= min_bytes):
-            swap_ops.offload_variable(var)
-            moved += 1
-    return moved
-
-
-def _offload_optimizer_state(model, min_bytes: int) -> int:
-    """:func:`_offload_variables` of the optimizer's variables (a distributed one, without a single handle, stays)."""
-    return _offload_variables(getattr(getattr(model, "optimizer", None), "variables", []), min_bytes)
-
-
-def _offload_weights(model, min_bytes: int) -> int:
-    """:func:`_offload_variables` of the model's trainable variables (each replica's of a distributed one)."""
-    from dymem_tf.ops import swap_ops
-
-    return _offload_variables(swap_ops.variable_components(model.trainable_variables), min_bytes)
-
-
-def _compact_weights(model) -> int:
-    """Place what stays on the device (the model's variables, the optimizer's small ones) next to each other again
-    after the optimizer state left it; returns how many variables moved.
-
-    Keras creates each weight's slots right after it, so weights and state share GTBM's persistent pageblocks, and
-    a pageblock stays reserved while any buffer in it lives: with the state offloaded, a 12-block GPT's persistent
-    group kept 96 MiB reserved for 43 MiB of weights. Every such variable goes to host memory and back
-    (``DymemVariableSwapOut`` / ``In``: copies, the values do not change), so the pageblocks empty and leave the
-    pool before the variables are placed again, packed, in the persistent group."""
-    from dymem_tf.ops import swap_ops
-
-    optimizer = getattr(model, "optimizer", None)
-    candidates = list(model.variables) + list(getattr(optimizer, "variables", []) if optimizer is not None else [])
-    seen, variables = set(), []
-    for var in swap_ops.variable_components(candidates):
-        if id(var) not in seen and var.dtype != tf.string and not swap_ops.variable_is_offloaded(var):
-            seen.add(id(var))
-            variables.append(var)
-    if not variables or not allocator.is_active():
-        return 0
-    for var in variables:
-        swap_ops.offload_variable(var)
-    with allocator.mobility("persistent"):
-        return swap_ops.bring_back_variables(variables)
-
-
-def _device_resident_bytes(model) -> int:
-    """Bytes of the model's and its optimizer's variables that are in device memory now (not offloaded; CPU
-    device, where the offloading kernels run)."""
-    from dymem_tf.ops import swap_ops
-
-    optimizer = getattr(model, "optimizer", None)
-    variables = list(model.variables) + list(getattr(optimizer, "variables", []) if optimizer is not None else [])
-    seen, total = set(), 0
-    for var in swap_ops.variable_components(variables):
-        if id(var) not in seen and var.dtype != tf.string:
-            seen.add(id(var))
-            total += 0 if swap_ops.variable_is_offloaded(var) else step_pass.variable_bytes(var)
-    return total
-
-
-def _pageblock_floor(stats: dict | None, resident: int) -> int:
-    """The least device memory GTBM can train in with ``resident`` bytes of variables on the device (0 without
-    GTBM's pageblocks): each mobility group holds whole pageblocks, the persistent one enough for the variables and
-    the transient and mobile ones at least one each. Below it nothing runs, not even the input pipeline's first
-    tensor (an LSTM under a 3 MiB device: TF's "Cannot parse tensor from proto" from its iterator)."""
-    block = int((stats or {}).get("block_size") or 0)
-    if block <= 0:
-        return 0
-    return placement.PersistentGroup(0, 0, block).reserved_with(max(int(resident), 1)) + 2 * block
-
-
-def _resident_weight_bytes(model, min_bytes: int) -> int:
-    """Bytes of the model's variables that stay on the device while weights may be offloaded: those smaller than
-    ``min_bytes`` (never moved), and the largest other one (its stays put it on the device once at least)."""
-    sizes = [step_pass.variable_bytes(v) for v in model.variables]
-    movable = [b for b in sizes if b >= min_bytes]
-    return sum(b for b in sizes if b < min_bytes) + max(movable, default=0)
-
-
-def _bring_back_offloaded(model, weights: bool = False) -> int:
-    """Swap every optimizer variable (and with ``weights`` every model variable) that a plan left in host memory
-    back onto the device; returns how many."""
-    optimizer = getattr(model, "optimizer", None)
-    variables = list(getattr(optimizer, "variables", [])) if optimizer is not None else []
-    if weights:
-        variables += [v for v in model.variables if all(v is not u for u in variables)]
-    if not variables:
-        return 0
-    from dymem_tf.ops import swap_ops
-
-    try:
-        return swap_ops.bring_back_variables(variables)
-    except tf.errors.ResourceExhaustedError:
-        # a model trained with its weights and state offloaded need not fit the device whole: what does not fit
-        # stays in host memory, where reads see its value and the next fit's plan finds it
-        left = sum(swap_ops.variable_is_offloaded(v) for v in swap_ops.variable_components(variables))
-        compat.warn_user(f"dymem_tf: {left} of the model's and optimizer's variables stay in host memory after fit: "
-                         "the device cannot hold all of them at once. Their values are intact and readable "
-                         "(get_weights, checkpoints); the next fit with DymemCallback moves them as its plan needs.")
-        return 0
-
-
 _ONEDNN_WARNED = []
 
 
@@ -814,180 +702,9 @@ def _warn_onednn_out_of_memory_crash() -> None:
             "raising ResourceExhaustedError. Set TF_ENABLE_ONEDNN_OPTS=0 before starting Python to get the error.")
 
 
-def _resolve_budget(memory_budget):
-    if memory_budget is None:
-        return None
-    if isinstance(memory_budget, str) and memory_budget.strip().lower() == "auto":
-        return device_memory_capacity()
-    if isinstance(memory_budget, float) and memory_budget.is_integer():
-        memory_budget = int(memory_budget)
-    if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, str)):
-        raise TypeError(f"memory_budget must be None, \"auto\", a number of bytes or a string such as \"6GiB\", "
-                        f"got {memory_budget!r}")
-    if isinstance(memory_budget, int) and memory_budget <= 0:
-        raise ValueError(f"memory_budget must be positive, got {memory_budget!r}")
-    try:
-        budget = allocator.parse_bytes(memory_budget)
-    except ValueError as err:
-        raise ValueError(f"memory_budget={memory_budget!r} is not a valid budget: {err}") from None
-    if budget <= 0:
-        raise ValueError(f"memory_budget must be positive, got {memory_budget!r}")
-    return budget
-
-
-def _resolve_min_swap_bytes(value) -> int:
-    if isinstance(value, str):
-        try:
-            return allocator.parse_bytes(value)
-        except ValueError as err:
-            raise ValueError(f"min_swap_bytes={value!r} is not a valid size: {err}") from None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"min_swap_bytes must be a non-negative integer (bytes) or a string such as \"64KiB\", "
-                         f"got {value!r}")
-    return value
-
-
-def _fit_batch_size(loc: dict | None) -> int | None:
-    """The batch size of the ``fit`` call that is running (global, over all replicas), or None when unknown.
-
-    A traced step's batch dimension is unknown when the data has a partial last batch (NumPy data whose length is
-    not a multiple of the batch size) or comes from a dataset batched without ``drop_remainder``; the planner then
-    needs the largest batch the step will see. Keras hands callbacks no batch size, so this reads the locals ``loc``
-    of the ``fit`` frame that called ``on_train_begin`` (:func:`dymem_tf.compat.fit_frame_locals`): its data
-    adapter's batch size, or the ``batch`` call of a ``tf.data`` pipeline.
-    """
-    if loc is None:
-        return None
-    adapter = getattr(loc.get("epoch_iterator"), "data_adapter", None)
-    for candidate in (_safe_attr(adapter, "batch_size"), loc.get("batch_size"),
-                      compat.dataset_batch_size(getattr(adapter, "_dataset", None))):
-        if isinstance(candidate, int) and not isinstance(candidate, bool) and candidate > 0:
-            return candidate
-    return None
-
-
-def _observed_batch_size(loc: dict | None) -> int | None:
-    """The batch size of the first batches of a Python generator, as Keras's ``GeneratorDataAdapter`` peeked them
-    (``_first_batches``, to build the dataset's signature), or None.
-
-    An observation, not a bound: a later batch may be larger, so the pass plans with it only without a
-    ``memory_budget`` (:attr:`dymem_tf.passes.step_pass.StepPass.observed_batch_size`). None when the peeked batches do not
-    tell one batch size: a leaf without a leading dimension, or leaves whose leading dimensions differ. The
-    ``PyDataset`` adapter keeps no batch; reading one again would call the user's ``__getitem__`` once more (and
-    advance any random state it draws from), so its batch size stays unknown.
-    """
-    adapter = getattr(loc.get("epoch_iterator"), "data_adapter", None) if loc is not None else None
-    batches = compat.peeked_batches(adapter)
-    if not isinstance(batches, (list, tuple)) or not batches:
-        return None
-    sizes = [_leading_dim(batch) for batch in batches]
-    if any(size is None for size in sizes):
-        return None
-    return max(sizes)
-
-
-def _leading_dim(batch) -> int | None:
-    """The leading dimension shared by every array of one batch (``None`` entries aside), or None.
-
-    None too when the batch holds a sparse or ragged array: the step's tensors of unknown leading dimension then
-    include value counts (a sparse input's values, ``embedding_lookup_sparse``'s ids) that the batch size, which
-    the pass puts in every unknown leading dimension, does not bound."""
-    dims = set()
-    for leaf in tf.nest.flatten(batch):
-        if leaf is None:
-            continue
-        kind = type(leaf)
-        if (kind.__name__ in ("SparseTensor", "RaggedTensor", "SparseTensorValue", "RaggedTensorValue")
-                or kind.__module__.startswith(("scipy.sparse", "jax.experimental.sparse"))):
-            return None
-        shape = _safe_attr(leaf, "shape")
-        try:
-            first = tuple(shape)[0] if shape is not None else None
-        except (TypeError, ValueError, IndexError):  # unknown rank, or a scalar
-            return None
-        if isinstance(first, bool) or not isinstance(first, numbers.Integral) or first <= 0:
-            return None
-        dims.add(int(first))
-    return dims.pop() if len(dims) == 1 else None
-
-
-def _safe_attr(obj, name):
-    try:
-        return getattr(obj, name, None)
-    except Exception:  # pylint: disable=broad-except  (a data adapter property may fail on exotic data)
-        return None
-
-
 def _batch_hint(batch: int | None, suggested: int | None) -> str:
     return f"reduce the batch size from {batch} to about {suggested}" if suggested is not None else \
         "reduce the batch size"
-
-
-def training_gpus() -> list[str]:
-    """The logical GPUs (``"GPU:0"``, ...) when the step trains on GPUs, else []: GTBM then measures nothing of it."""
-    return list(_logical_gpus())
-
-
-@functools.lru_cache(maxsize=1)
-def _logical_gpus() -> tuple[str, ...]:
-    """TF's logical GPUs, listed once: they are fixed once its runtime exists (the step reads them every call)."""
-    return tuple(d.name.split("device:")[-1] for d in tf.config.list_logical_devices("GPU"))
-
-
-def gtbm_gpus(gpus: list[str]) -> list[str]:
-    """``gpus`` when GTBM serves every one of them (opt-in ``DYMEM_GTBM_GPU=1``, see docs/gpu.md), else []: the
-    callback reads and caps GTBM's GPU pools only when they describe the whole training device set."""
-    return list(gpus) if gpus and allocator.is_active() and all(allocator.serves_gpu(g) for g in gpus) else []
-
-
-def trace_device():
-    """The GTBM pool whose trace shows the training step: None (the CPU device), ``"GPU:<k>"`` (the one training
-    GPU, when GTBM serves it), or False when GTBM serves neither (or the step trains on several GPUs)."""
-    gpus = training_gpus()
-    if not gpus:
-        return None if allocator.is_active() else False
-    served = gtbm_gpus(gpus)
-    return served[0] if len(served) == 1 else False
-
-
-def reset_device_peaks() -> None:
-    """Reset the peak counters of the training device: every GPU's (GTBM's pool where it serves them, else TF's
-    allocator), else GTBM's CPU device."""
-    gpus = training_gpus()
-    for gpu in gtbm_gpus(gpus):
-        allocator.reset_peak_stats(device=gpu)
-    for gpu in gpus:
-        tf.config.experimental.reset_memory_stats(gpu)
-    if not gpus and allocator.is_active():
-        allocator.reset_peak_stats()
-
-
-def device_memory_stats() -> dict | None:
-    """The training device's memory, as GTBM names it (``bytes_in_use``, ``peak_bytes_in_use``,
-    ``peak_bytes_reserved``): GTBM's statistics on the CPU, and on GPUs that GTBM serves (the GPU with the largest
-    reserved peak); on other GPUs, TF's allocator's (``get_memory_info``: in use and peak, taken as reserved too: its
-    fragmentation is not measured), the largest over the GPUs; None when neither is available."""
-    gpus = training_gpus()
-    if not gpus:
-        return allocator.memory_stats() if allocator.is_active() else None
-    served = gtbm_gpus(gpus)
-    if served:
-        return max((allocator.memory_stats(device=gpu) for gpu in served), key=lambda s: s["peak_bytes_reserved"])
-    infos = [tf.config.experimental.get_memory_info(gpu) for gpu in gpus]
-    peak, current = max(int(i["peak"]) for i in infos), max(int(i["current"]) for i in infos)
-    return {"bytes_in_use": current, "peak_bytes_in_use": peak, "peak_bytes_reserved": peak}
-
-
-def device_memory_capacity() -> int | None:
-    """Bytes of the training device: the memory limit TF gave the GPU's allocator (the smallest, with several), or
-    on the CPU the GTBM budget (None when unbounded).
-
-    The GPU's limit is read from the devices TF's eager context already has (:func:`dymem_tf.compat.gpu_memory_limits`),
-    so it respects ``memory_limit``, virtual devices and ``set_memory_growth``; no second device set is created."""
-    if tf.config.list_physical_devices("GPU"):
-        limits = compat.gpu_memory_limits()
-        return min(limits) if limits else None
-    return allocator.get_memory_limit() if allocator.is_active() else None
 
 
 def default_device_profile() -> str:
@@ -1005,32 +722,6 @@ def default_device_profile() -> str:
                      f"{', '.join(p for p in device_profiles.known_profiles() if p != 'cpu')}, or a DeviceProfile "
                      "measured on this GPU (dymem_tf.planning.device_profiles).")
     return "a100"
-
-
-def _build_optimizer(model, in_host_memory: bool = False) -> None:
-    """Create the optimizer's slot variables now, as its first ``apply`` would (zeros, under the model's strategy),
-    so that the persistent bytes the planner works with include them: Keras builds Adam's ``m`` and ``v`` lazily,
-    and without them a ResNet-50 step was planned with a third of its persistent memory.
-
-    Only when every layer of the model is built, as Keras's own symbolic build requires: an optimizer is built for
-    a fixed set of variables, and a subclassed model whose layers create theirs at its first call (a ``Dense`` in
-    ``call``) would otherwise get an optimizer that rejects them (Keras's ``test_callbacks_can_update_state_at_
-    batch_boundary``: weights made in ``__init__`` plus such a layer).
-
-    ``in_host_memory``: make them in GTBM's host arena (not the device), for a fit that offloads optimizer state:
-    the state moves to the host pool next, and what stays on the device comes back to it packed
-    (:func:`_compact_weights`)."""
-    optimizer = getattr(model, "optimizer", None)
-    if optimizer is None or getattr(optimizer, "built", True) or not model.trainable_variables:
-        return
-    if not compat.all_layers_built(model):
-        return
-    try:
-        with model.distribute_strategy.scope(), (allocator.host_memory() if in_host_memory
-                                                  else contextlib.nullcontext()):
-            optimizer.build(model.trainable_variables)
-    except Exception:  # pylint: disable=broad-except  (an optimizer that cannot build early builds at its step)
-        pass
 
 
 def _make_train_function_without_xla(model) -> bool:
@@ -1052,8 +743,8 @@ def _step_stats(pass_, own) -> dict:
     device held besides the model when fit began), the host pool's, and the plan's swap figures. The device is
     GTBM's pool of the training GPUs where it serves them all, else GTBM's CPU device."""
     stats = {}
-    if gtbm_gpus(training_gpus()):
-        stats.update(own(device_memory_stats()))
+    if devices.gtbm_gpus(devices.training_gpus()):
+        stats.update(own(devices.device_memory_stats()))
     elif allocator.is_active():
         stats.update(own(allocator.memory_stats()))
     try:
