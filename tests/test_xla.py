@@ -222,8 +222,10 @@ def test_xla_auto_warns_on_the_cpu_without_cpu_auto_jit(monkeypatch):
 
     monkeypatch.delenv("TF_XLA_FLAGS", raising=False)
     cb = dymem_tf.DymemCallback(xla="auto", verbose=0)
+    from dymem_tf.keras import xla
+
     with pytest.warns(RuntimeWarning, match="--tf_xla_cpu_global_jit"):
-        cb._say_auto_clustering([])
+        xla.say_auto_clustering([], cb._say, cb._warn)
     assert callback.XLA_MODES == (None, "auto")
     with pytest.raises(ValueError, match="unknown xla 'on'"):
         dymem_tf.DymemCallback(xla="on")

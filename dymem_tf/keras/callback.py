@@ -1,9 +1,7 @@
 """``DymemCallback``: the one-line entry point, ``model.fit(..., callbacks=[dymem_tf.DymemCallback()])``."""
 from __future__ import annotations
 
-import contextlib
 import csv
-import numbers
 import os
 import tempfile
 
@@ -11,7 +9,7 @@ import keras
 import tensorflow as tf
 
 from dymem_tf import compat, units
-from dymem_tf.keras import arguments, fit_batch, fit_guard, variables
+from dymem_tf.keras import arguments, errors, fit_batch, fit_guard, variables, xla
 from dymem_tf.memory import allocator, devices, placement
 from dymem_tf.passes import graph_pass, step_pass
 from dymem_tf.planning import device_profiles, first_step, memory_model, planner, sequencing, simulator
@@ -178,7 +176,7 @@ class DymemCallback(keras.callbacks.Callback):
                 f"{_fmt(floor)}, the pageblocks of the variables that stay on the device ({_fmt(resident)}) and one "
                 f"{_fmt(int(stats['block_size']))} pageblock each for the step's transient and mobile tensors; "
                 "raise the budget to at least that.")
-        _warn_onednn_out_of_memory_crash()
+        errors.warn_onednn_out_of_memory_crash()
         fit_locals = compat.fit_frame_locals(model)  # the running fit's locals: its data adapter, its batch_size
         self.pass_.default_batch_size = fit_batch.fit_batch_size(fit_locals)
         self.pass_.last_skipped = None  # an earlier fit's step is not this one's
@@ -196,7 +194,7 @@ class DymemCallback(keras.callbacks.Callback):
         if guard:
             self._cap_device_at_budget()
         self.pass_.config.headroom = self._headroom
-        self._xla_asked = self._turn_off_xla(model)
+        self._xla_asked = xla.turn_off(model, self.xla, self._say, self._warn)
         model.train_function = self._wrap_train_function(model.train_function, guard=guard)
         log_dir = self.log_dir
         if log_dir:
@@ -245,55 +243,6 @@ class DymemCallback(keras.callbacks.Callback):
         ``offload_weights``)."""
         return self._offloads_state() and self.offload_weights
 
-    def _turn_off_xla(self, model) -> list[str]:
-        """Build the train function without XLA and note which XLA settings the user asked for (they come back
-        when the plan swaps nothing, see :meth:`_restore_xla`); warn when XLA cannot be turned off."""
-        asked = []
-        if _make_train_function_without_xla(model):
-            asked.append("jit_compile=True")
-        if self.xla == "auto":
-            self._say_auto_clustering(asked)
-            return []  # the step stays auto-clustered whatever its plan
-        if compat.autoclustering_requested():
-            asked.append("auto-clustering (tf.config.optimizer.set_jit)")
-        forced = compat.forced_auto_jit_flag()
-        if forced is not None:
-            self._warn(f"dymem_tf: TF_XLA_FLAGS=--tf_xla_auto_jit={forced} compiles the train step into XLA clusters "
-                       "before Dymem's pass sees it, and overrides any per-function setting: no feature map can be "
-                       "swapped in this run. Unset --tf_xla_auto_jit to train with Dymem.")
-        if asked:
-            self._say(f"dymem_tf: XLA ({', '.join(asked)}) is off for the train step while Dymem plans it, and stays "
-                      "off if the plan swaps: an XLA cluster would swallow the swap ops. A plan that swaps nothing "
-                      "gives the step back to XLA.")
-        return asked
-
-    def _say_auto_clustering(self, asked: list[str]) -> None:
-        """``xla="auto"``: say how the step runs, and warn when XLA cannot cluster it on this machine."""
-        if asked:
-            self._say("dymem_tf: jit_compile=True would compile the whole train step as one XLA cluster, which "
-                      "would swallow the swap ops: with xla='auto' the step is auto-clustered around them instead.")
-        if not devices.training_gpus() and not compat.cpu_autoclustering_enabled():
-            self._warn("dymem_tf: xla='auto' on the CPU: XLA clusters CPU ops only with "
-                       "TF_XLA_FLAGS=--tf_xla_cpu_global_jit set before TensorFlow starts; without it the step runs "
-                       "unclustered.")
-
-    def _step_clustering(self):
-        """The XLA auto-clustering the train step's calls run under: on around the swap ops with ``xla="auto"``,
-        explicitly off where the user turned it on for every function (it would swallow the swap ops), else as
-        TF's configuration says."""
-        if self.xla == "auto":
-            return compat.autoclustering_on()
-        return compat.autoclustering_off() if compat.autoclustering_requested() else contextlib.nullcontext()
-
-    def _restore_xla(self) -> None:
-        """The plan of the train function's first step swaps nothing: from the next step on, run the train step as
-        the user compiled it (with XLA), without the pass."""
-        model = self.model
-        model.make_train_function(force=True)  # the model's own jit_compile; auto-clustering as the user set it
-        self._say(f"dymem_tf: the plan swaps nothing, so the train step runs with XLA ({', '.join(self._xla_asked)}) "
-                  "as you set it, from its next step on (its first step ran without XLA).")
-        self._xla_asked = []
-
     def _wrap_train_function(self, train_function, guard: bool = False, fallback=None):
         """``train_function`` run with the graph pass armed (its instantiation is planned and rewritten after
         Grappler), re-raising a refusal of the pass as its own error and an out-of-memory error with the budget it
@@ -312,7 +261,7 @@ class DymemCallback(keras.callbacks.Callback):
             seen_records = len(callback.pass_.records)
             seen = seen_records + len(callback.pass_.skipped)
             before = callback._peak_stats(reset=first)
-            clustering = callback._step_clustering()
+            clustering = xla.step_clustering(callback.xla)
             try:
                 with graph_pass.armed(callback.pass_, stage=callback._pass_stage(),
                                       batch_size=callback._replica_batch_size()), clustering:
@@ -330,7 +279,7 @@ class DymemCallback(keras.callbacks.Callback):
                                     None)
             if first and callback._xla_asked and not callback.pass_.probe and not any(
                     record.plan.swaps for record in callback.pass_.records[seen_records:]):
-                callback._restore_xla()
+                callback._give_back_xla()
             return outputs
 
         def dymem_train_function(iterator):
@@ -385,7 +334,7 @@ class DymemCallback(keras.callbacks.Callback):
         except tf.errors.ResourceExhaustedError as err:
             snapshot.restore()
             if fallback is None:
-                raise self._measured_too_small(err) from err  # fit's exit (the FitGuard) restores the device limit
+                raise errors.measured_too_small(self, err) from err  # fit's exit (the FitGuard) restores the device limit
             self._warn(f"dymem_tf: the plan made for memory_budget {_fmt(self.budget_bytes)} ran out of memory in "
                        "its first step; the variables were restored and training goes on with the first step's "
                        "least-memory plan (one batch was skipped).")
@@ -403,7 +352,7 @@ class DymemCallback(keras.callbacks.Callback):
             measured = stats["peak_bytes_reserved"] if stats is not None else None
             if measured is not None and measured > (1 - first_step.step_slack(self.budget_bytes)) * self.budget_bytes:
                 snapshot.restore()
-                raise self._too_close(measured)
+                raise errors.too_close(self, measured)
             self.pass_.probe = False
             self._install_calibrated(measured, fallback=self.model.train_function,
                                      in_use=stats["peak_bytes_in_use"] if stats is not None else None)
@@ -485,7 +434,7 @@ class DymemCallback(keras.callbacks.Callback):
                                                             placed=placed, group=group)
             self.pass_.calibration = calibration
             self.pass_.config.headroom = calibration.headroom
-        _make_train_function_without_xla(self.model)
+        xla.make_train_function_without_xla(self.model)
         self.model.train_function = self._wrap_train_function(self.model.train_function, guard=True,
                                                                fallback=fallback)
 
@@ -555,96 +504,16 @@ class DymemCallback(keras.callbacks.Callback):
         for device, limit in saved.items():
             allocator.set_memory_limit(limit, device=device)
 
-    def _too_close(self, measured: int) -> planner.BudgetTooSmallError:
-        """The refusal after the least-memory plan fitted with less than its step slack of the budget to spare."""
-        batch = self.plan.batch_size if self.plan is not None else None
-        slack = first_step.step_slack(self.budget_bytes)
-        suggested = planner.suggested_batch(batch, self.budget_bytes, measured, self.pass_.persistent_bytes,
-                                            margin=2 * slack)
-        hint = _batch_hint(batch, suggested)
-        return planner.BudgetTooSmallError(
-            f"memory_budget {_fmt(self.budget_bytes)} is too small to train reliably: the first step, planned for "
-            f"the least device memory, measured a peak of {_fmt(measured)}, within "
-            f"{slack:.0%} of the budget, and later steps of a plan vary by a few % (at least "
-            f"{_fmt(first_step.STEP_VARIATION_BYTES)}: whole pageblocks). The variables "
-            f"were restored. Raise the budget or {hint}.",
-            min_peak_bytes=measured, budget_bytes=self.budget_bytes, suggested_batch=suggested)
-
-    def _measured_too_small(self, err) -> planner.BudgetTooSmallError:
-        """The refusal after the least-memory plan ran out of memory in its first step (variables restored)."""
-        plan = self.plan
-        predicted = int(plan.predicted.get("peak_bytes", 0)) if plan is not None else 0
-        persistent = self.pass_.persistent_bytes
-        batch = plan.batch_size if plan is not None else None
-        # the simulator underestimated this plan by an unknown amount: scale from the prediction with a margin,
-        # and by at least one sample
-        suggested = planner.suggested_batch(batch, self.budget_bytes, max(predicted, self.budget_bytes + 1),
-                                            persistent, margin=first_step.CALIBRATION_MARGIN)
-        if suggested is not None:
-            suggested = max(min(suggested, batch - 1), 0)
-        hint = _batch_hint(batch, suggested)
-        if plan is None:  # the pass left the step unmodified: nothing could be swapped
-            reasons = "; ".join(sorted({s.kind for s in self.pass_.skipped})) or "no plan"
-            return planner.BudgetTooSmallError(
-                f"memory_budget {_fmt(self.budget_bytes)} is too small: the first step ran out of memory, and Dymem "
-                f"left it unmodified ({reasons}), so no swapping could help. No variable was changed. Raise the "
-                "budget or reduce the batch size.", budget_bytes=self.budget_bytes)
-        error = planner.BudgetTooSmallError(
-            f"memory_budget {_fmt(self.budget_bytes)} is too small: the first step, planned for the least device "
-            f"memory (every eligible tensor swapped; predicted peak {_fmt(predicted)}, of which "
-            f"{_fmt(plan.persistent_bytes)} weights and optimizer state that stay on the device), ran out of memory "
-            f"({err.message.splitlines()[0] if err.message else ''})"
-            f". No variable was changed. Raise the budget or {hint}.",
-            min_peak_bytes=predicted or None, budget_bytes=self.budget_bytes, suggested_batch=suggested)
-        return error
-
     def _warn(self, text: str) -> None:
         compat.warn_user(text)
 
     def out_of_memory_hint(self) -> str:
         """What the out-of-memory error of a train step under this callback adds: the budget, and what to change."""
-        limits = []
-        gpus = devices.training_gpus()
-        if gpus:  # GTBM's CPU pool (DYMEM_DEVICE_MEMORY_LIMIT) is not the step's memory there
-            capacity = devices.device_memory_capacity()
-            limits.append(f"memory of {', '.join(gpus)}" + (f" ({_fmt(capacity)} for TensorFlow)" if capacity else ""))
-            device_limit = capacity
-            raise_budget = ("free GPU memory that other processes hold, or use a GPU with more memory")
-        else:
-            if allocator.is_active():
-                env = os.environ.get(allocator.LIMIT_ENV)
-                src = f"{allocator.LIMIT_ENV}={env}" if env else "the GTBM default (no DYMEM_DEVICE_MEMORY_LIMIT set)"
-                limits.append(f"GTBM device budget {_fmt(allocator.get_memory_limit())} ({src})")
-            device_limit = allocator.get_memory_limit() if allocator.is_active() else None
-            raise_budget = (f"raise the budget ({allocator.LIMIT_ENV} before starting Python, or "
-                            "dymem_tf.set_memory_limit)" if device_limit is not None else "use a device with more memory")
-        if self.budget_bytes is not None:
-            limits.append(f"memory_budget={_fmt(self.budget_bytes)}")
-        where = "; ".join(limits) if limits else "the device's memory"
-        skipped = self.pass_.last_skipped
-        if skipped is not None:  # no plan runs in this step: swapping (or a plan's budget) cannot change anything
-            why = skipped.reason.split(": ", 1)[-1].rstrip(".")
-            return (f"dymem_tf: the train step ran out of device memory under the {where}. Dymem left this step "
-                    f"unmodified ({skipped.kind}: {why}), so no tensor is swapped and swapping cannot help it. To "
-                    f"fit: lower the batch size; or {raise_budget}.")
-        plan = self.plan
-        predicted = ""
-        if plan is not None and plan.predicted.get("peak_bytes"):
-            predicted = f" The plan predicted a peak of {_fmt(int(plan.predicted['peak_bytes']))}."
-        fixes = ["lower the batch size", raise_budget]
-        if self.budget_bytes is not None and device_limit is not None and self.budget_bytes > device_limit:
-            fixes.append(f"plan for the device's real size: memory_budget=\"{_fmt(device_limit)}\" (memory_budget "
-                         f"{_fmt(self.budget_bytes)} exceeds the device budget)")
-        elif self.policy != "dymem" or self.budget_bytes is None:
-            budget = _fmt(self.budget_bytes or device_limit) if (self.budget_bytes or device_limit) \
-                else "<device memory>"
-            fixes.append(f'let the planner swap enough feature maps to fit: DymemCallback(policy="dymem", '
-                         f'memory_budget="{budget}")')
-        else:
-            fixes.append(f"lower memory_budget below {_fmt(self.budget_bytes)} to leave room for what the planner "
-                         "does not model (workspace, fragmentation), or min_swap_bytes=0 to swap small tensors too")
-        return (f"dymem_tf: the train step ran out of device memory under the {where}.{predicted} To fit: "
-                + "; or ".join(fixes) + ".")
+        return errors.out_of_memory_hint(self)
+
+    def _give_back_xla(self) -> None:
+        xla.restore(self.model, self._xla_asked, self._say)
+        self._xla_asked = []
 
     # -- results -------------------------------------------------------------------------------------------------
     @property
@@ -681,32 +550,6 @@ def _less(stats: dict, others: int, keys) -> dict:
     return out
 
 
-_ONEDNN_WARNED = []
-
-
-def _warn_onednn_out_of_memory_crash() -> None:
-    """Warn once when running out of a GTBM budget would crash TensorFlow instead of raising an error.
-
-    TensorFlow 2.21's oneDNN kernels (``MklConvOp`` ...) do not stop when their output allocation fails: they touch
-    the missing buffer and the process dies with SIGSEGV. TF's own CPU allocator never fails, so only a capped GTBM
-    pool reaches that path; with ``TF_ENABLE_ONEDNN_OPTS=0`` TensorFlow uses its Eigen kernels, which raise
-    ``ResourceExhaustedError`` as on a GPU.
-    """
-    if _ONEDNN_WARNED or not allocator.is_active() or not os.environ.get(allocator.LIMIT_ENV, "").strip():
-        return
-    if compat.onednn_enabled():
-        _ONEDNN_WARNED.append(True)
-        compat.warn_user(
-            f"dymem_tf: {allocator.LIMIT_ENV} caps the device pool while TensorFlow's oneDNN kernels are on; in "
-            "TensorFlow 2.21 a oneDNN kernel that runs out of the budget crashes the process (SIGSEGV) instead of "
-            "raising ResourceExhaustedError. Set TF_ENABLE_ONEDNN_OPTS=0 before starting Python to get the error.")
-
-
-def _batch_hint(batch: int | None, suggested: int | None) -> str:
-    return f"reduce the batch size from {batch} to about {suggested}" if suggested is not None else \
-        "reduce the batch size"
-
-
 def default_device_profile() -> str:
     """The cost-model profile for this machine: the GPU's class when one is visible, else ``"cpu"``."""
     gpus = tf.config.list_physical_devices("GPU")
@@ -722,20 +565,6 @@ def default_device_profile() -> str:
                      f"{', '.join(p for p in device_profiles.known_profiles() if p != 'cpu')}, or a DeviceProfile "
                      "measured on this GPU (dymem_tf.planning.device_profiles).")
     return "a100"
-
-
-def _make_train_function_without_xla(model) -> bool:
-    """Build ``model.train_function`` afresh without XLA; return whether the model asked for XLA.
-
-    Keras reads ``model.jit_compile`` when it builds a function (``tf.function(..., jit_compile=...)``), so the flag
-    is off only while the train function is built: the model keeps the user's value, and its evaluate and predict
-    functions (traced during ``fit`` for validation, or after it) keep XLA.
-    """
-    if not getattr(model, "jit_compile", False):
-        model.make_train_function(force=True)
-        return False
-    compat.build_without_jit(model, lambda: model.make_train_function(force=True))
-    return True
 
 
 def _step_stats(pass_, own) -> dict:
