@@ -409,14 +409,14 @@ def test_an_unknown_gpu_says_which_profile_it_falls_back_to(monkeypatch):
     import tensorflow as tf
 
     from dymem_tf import compat
-    from dymem_tf.keras import callback
+    from dymem_tf.keras import arguments
 
     warned = []
     monkeypatch.setattr(compat, "warn_user", warned.append)
     monkeypatch.setattr(tf.config, "list_physical_devices", lambda kind=None: ["GPU:0"] if kind == "GPU" else [])
     names = iter(["NVIDIA H100 80GB HBM3", "NVIDIA GeForce RTX 4090"])
     monkeypatch.setattr(tf.config.experimental, "get_device_details", lambda gpu: {"device_name": next(names)})
-    assert callback.default_device_profile() == "h100" and warned == []
-    assert callback.default_device_profile() == "a100"
+    assert arguments.default_device_profile() == "h100" and warned == []
+    assert arguments.default_device_profile() == "a100"
     assert len(warned) == 1 and "NVIDIA GeForce RTX 4090" in warned[0] and "'a100'" in warned[0]
     assert "device=" in warned[0]

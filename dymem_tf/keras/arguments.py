@@ -1,7 +1,60 @@
-"""``DymemCallback``'s size arguments, parsed and validated (a clear error for each bad value)."""
+"""``DymemCallback``'s arguments, parsed and validated (a clear error for each bad value), and the cost profile
+that fits this machine."""
 from __future__ import annotations
 
+import os
+
+from dymem_tf import compat
 from dymem_tf.memory import allocator, devices
+from dymem_tf.planning import device_profiles, planner, sequencing
+
+POLICIES = planner.POLICIES
+#: ``DymemCallback(xla=...)``: None (no XLA while the step swaps) or "auto" (auto-clustering around the swap ops).
+XLA_MODES = (None, "auto")
+#: ``DymemCallback(execution_order=...)``: see :data:`dymem_tf.planning.sequencing.EXECUTION_ORDERS`.
+EXECUTION_ORDERS = sequencing.EXECUTION_ORDERS
+
+
+def validate(*, policy, swapin_ahead, min_swap_bytes, log_dir, defer_updates, trace_allocations,
+             offload_optimizer_state, offload_weights, calibrate, xla, execution_order, verbose, device):
+    """Check ``DymemCallback``'s arguments (ValueError or TypeError naming the argument and what it accepts);
+    returns ``min_swap_bytes`` in bytes, ``log_dir`` as a string (or None) and ``verbose`` as an int."""
+    if not isinstance(policy, str) or policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}: choose one of {', '.join(POLICIES)}")
+    if isinstance(swapin_ahead, bool) or not isinstance(swapin_ahead, int) or swapin_ahead < 1:
+        raise ValueError(f"swapin_ahead must be a positive integer, got {swapin_ahead!r}")
+    min_swap_bytes = resolve_min_swap_bytes(min_swap_bytes)
+    if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
+        raise TypeError(f"log_dir must be a directory path (str or os.PathLike) or None, got "
+                        f"{type(log_dir).__name__}")
+    if log_dir is not None:
+        log_dir = os.fspath(log_dir)
+        if not log_dir.strip():
+            raise ValueError("log_dir must be a non-empty directory path or None")
+    if not isinstance(defer_updates, bool):
+        raise TypeError(f"defer_updates must be True or False, got {defer_updates!r}")
+    if not isinstance(trace_allocations, bool):
+        raise TypeError(f"trace_allocations must be True or False, got {trace_allocations!r}")
+    if not isinstance(offload_optimizer_state, bool):
+        raise TypeError(f"offload_optimizer_state must be True or False, got {offload_optimizer_state!r}")
+    if not isinstance(offload_weights, bool):
+        raise TypeError(f"offload_weights must be True or False, got {offload_weights!r}")
+    if not isinstance(calibrate, bool):
+        raise TypeError(f"calibrate must be True or False, got {calibrate!r}")
+    if xla not in XLA_MODES:
+        raise ValueError(f"unknown xla {xla!r}: choose None (no XLA while the step swaps) or 'auto' "
+                         "(auto-clustering around the swap ops)")
+    if not isinstance(execution_order, str) or execution_order not in EXECUTION_ORDERS:
+        raise ValueError(f"unknown execution_order {execution_order!r}: choose one of "
+                         f"{', '.join(EXECUTION_ORDERS)}")
+    if isinstance(verbose, bool):
+        verbose = int(verbose)
+    if not isinstance(verbose, int) or verbose not in (0, 1, 2):
+        raise ValueError(f"verbose must be 0 (silent), 1 or 2, got {verbose!r}")
+    if device is not None and not isinstance(device, (str, device_profiles.DeviceProfile)):
+        raise TypeError(f"device must be a profile name such as 'a100' or a DeviceProfile, got "
+                        f"{type(device).__name__} (known profiles: {', '.join(device_profiles.known_profiles())})")
+    return min_swap_bytes, log_dir, verbose
 
 
 def resolve_budget(memory_budget):
@@ -35,3 +88,22 @@ def resolve_min_swap_bytes(value) -> int:
         raise ValueError(f"min_swap_bytes must be a non-negative integer (bytes) or a string such as \"64KiB\", "
                          f"got {value!r}")
     return value
+
+
+def default_device_profile() -> str:
+    """The cost-model profile for this machine: the GPU's class when one is visible, else ``"cpu"``."""
+    import tensorflow as tf
+
+    gpus = tf.config.list_physical_devices("GPU")
+    if not gpus:
+        return "cpu"
+    shown = tf.config.experimental.get_device_details(gpus[0]).get("device_name", "")
+    name = shown.lower()
+    for key in ("h200", "gh200", "h100", "a100", "v100"):
+        if key in name:
+            return key
+    compat.warn_user(f"dymem_tf: no cost profile matches the GPU {shown!r}; planning with the 'a100' profile. Pass "
+                     "DymemCallback(device=...) with the closest of "
+                     f"{', '.join(p for p in device_profiles.known_profiles() if p != 'cpu')}, or a DeviceProfile "
+                     "measured on this GPU (dymem_tf.planning.device_profiles).")
+    return "a100"

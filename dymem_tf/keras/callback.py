@@ -8,17 +8,13 @@ import tempfile
 import keras
 import tensorflow as tf
 
-from dymem_tf import compat, units
+from dymem_tf import compat
 from dymem_tf.keras import arguments, errors, fit_batch, fit_guard, variables, xla
 from dymem_tf.memory import allocator, devices, placement
 from dymem_tf.passes import graph_pass, step_pass
-from dymem_tf.planning import device_profiles, first_step, memory_model, planner, sequencing, simulator
+from dymem_tf.planning import device_profiles, first_step, memory_model, planner, simulator
 
-POLICIES = planner.POLICIES
-#: ``DymemCallback(xla=...)``: None (no XLA while the step swaps) or "auto" (auto-clustering around the swap ops).
-XLA_MODES = (None, "auto")
-#: ``DymemCallback(execution_order=...)``: see :data:`dymem_tf.planning.sequencing.EXECUTION_ORDERS`.
-EXECUTION_ORDERS = sequencing.EXECUTION_ORDERS
+POLICIES, XLA_MODES, EXECUTION_ORDERS = arguments.POLICIES, arguments.XLA_MODES, arguments.EXECUTION_ORDERS
 
 
 class DymemCallback(keras.callbacks.Callback):
@@ -78,44 +74,14 @@ class DymemCallback(keras.callbacks.Callback):
                  execution_order: str = "planned"):
         super().__init__()
         compat.check_versions()  # a clear error now, not a missing attribute inside fit
-        if not isinstance(policy, str) or policy not in POLICIES:
-            raise ValueError(f"unknown policy {policy!r}: choose one of {', '.join(POLICIES)}")
-        if isinstance(swapin_ahead, bool) or not isinstance(swapin_ahead, int) or swapin_ahead < 1:
-            raise ValueError(f"swapin_ahead must be a positive integer, got {swapin_ahead!r}")
-        min_swap_bytes = arguments.resolve_min_swap_bytes(min_swap_bytes)
-        if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
-            raise TypeError(f"log_dir must be a directory path (str or os.PathLike) or None, got "
-                            f"{type(log_dir).__name__}")
-        if log_dir is not None:
-            log_dir = os.fspath(log_dir)
-            if not log_dir.strip():
-                raise ValueError("log_dir must be a non-empty directory path or None")
-        if not isinstance(defer_updates, bool):
-            raise TypeError(f"defer_updates must be True or False, got {defer_updates!r}")
-        if not isinstance(trace_allocations, bool):
-            raise TypeError(f"trace_allocations must be True or False, got {trace_allocations!r}")
-        if not isinstance(offload_optimizer_state, bool):
-            raise TypeError(f"offload_optimizer_state must be True or False, got {offload_optimizer_state!r}")
-        if not isinstance(offload_weights, bool):
-            raise TypeError(f"offload_weights must be True or False, got {offload_weights!r}")
-        if not isinstance(calibrate, bool):
-            raise TypeError(f"calibrate must be True or False, got {calibrate!r}")
-        if xla not in XLA_MODES:
-            raise ValueError(f"unknown xla {xla!r}: choose None (no XLA while the step swaps) or 'auto' "
-                             "(auto-clustering around the swap ops)")
-        if not isinstance(execution_order, str) or execution_order not in EXECUTION_ORDERS:
-            raise ValueError(f"unknown execution_order {execution_order!r}: choose one of "
-                             f"{', '.join(EXECUTION_ORDERS)}")
-        if isinstance(verbose, bool):
-            verbose = int(verbose)
-        if not isinstance(verbose, int) or verbose not in (0, 1, 2):
-            raise ValueError(f"verbose must be 0 (silent), 1 or 2, got {verbose!r}")
-        if device is not None and not isinstance(device, (str, device_profiles.DeviceProfile)):
-            raise TypeError(f"device must be a profile name such as 'a100' or a DeviceProfile, got "
-                            f"{type(device).__name__} (known profiles: {', '.join(device_profiles.known_profiles())})")
+        min_swap_bytes, log_dir, verbose = arguments.validate(
+            policy=policy, swapin_ahead=swapin_ahead, min_swap_bytes=min_swap_bytes, log_dir=log_dir,
+            defer_updates=defer_updates, trace_allocations=trace_allocations,
+            offload_optimizer_state=offload_optimizer_state, offload_weights=offload_weights, calibrate=calibrate,
+            xla=xla, execution_order=execution_order, verbose=verbose, device=device)
         self.memory_budget = memory_budget
         self.budget_bytes = arguments.resolve_budget(memory_budget)
-        self.profile = device_profiles.get_profile(device or default_device_profile())
+        self.profile = device_profiles.get_profile(device or arguments.default_device_profile())
         self.policy = policy
         self.log_dir = log_dir
         self.trace_allocations = trace_allocations
@@ -164,7 +130,7 @@ class DymemCallback(keras.callbacks.Callback):
                     "min_swap_bytes)" if offload and self._offloads_weights()
                     else "the model's weights alone" if offload else "the model's weights and optimizer state")
             raise planner.BudgetTooSmallError(
-                f"memory_budget {_fmt(self.budget_bytes)} is smaller than {what} ({_fmt(resident)}); raise the "
+                f"memory_budget {errors.fmt(self.budget_bytes)} is smaller than {what} ({errors.fmt(resident)}); raise the "
                 "budget or use a smaller model.")
         # under a budget the first step is the probe (dymem_tf.planning.first_step): least memory, measured,
         # variables guarded, and the device capped at the budget (which cannot go below GTBM's pageblocks)
@@ -172,9 +138,9 @@ class DymemCallback(keras.callbacks.Callback):
         floor = variables.pageblock_floor(stats, resident)
         if guard and floor > self.budget_bytes:
             raise planner.BudgetTooSmallError(
-                f"memory_budget {_fmt(self.budget_bytes)} is smaller than the least GTBM can train in: "
-                f"{_fmt(floor)}, the pageblocks of the variables that stay on the device ({_fmt(resident)}) and one "
-                f"{_fmt(int(stats['block_size']))} pageblock each for the step's transient and mobile tensors; "
+                f"memory_budget {errors.fmt(self.budget_bytes)} is smaller than the least GTBM can train in: "
+                f"{errors.fmt(floor)}, the pageblocks of the variables that stay on the device ({errors.fmt(resident)}) and one "
+                f"{errors.fmt(int(stats['block_size']))} pageblock each for the step's transient and mobile tensors; "
                 "raise the budget to at least that.")
         errors.warn_onednn_out_of_memory_crash()
         fit_locals = compat.fit_frame_locals(model)  # the running fit's locals: its data adapter, its batch_size
@@ -213,7 +179,7 @@ class DymemCallback(keras.callbacks.Callback):
             while len(self.pass_.records) > self._plans_written:
                 self._plans_written += 1
                 self._writer.write_plan(self.pass_.records[self._plans_written - 1])
-            self._writer.write_step(self._global_step(batch), _step_stats(self.pass_, self._own))
+            self._writer.write_step(self._global_step(batch), devices.step_stats(self.pass_.last_plan, self._own))
 
     def on_train_end(self, logs=None):
         self._end_fit()
@@ -335,7 +301,7 @@ class DymemCallback(keras.callbacks.Callback):
             snapshot.restore()
             if fallback is None:
                 raise errors.measured_too_small(self, err) from err  # fit's exit (the FitGuard) restores the device limit
-            self._warn(f"dymem_tf: the plan made for memory_budget {_fmt(self.budget_bytes)} ran out of memory in "
+            self._warn(f"dymem_tf: the plan made for memory_budget {errors.fmt(self.budget_bytes)} ran out of memory in "
                        "its first step; the variables were restored and training goes on with the first step's "
                        "least-memory plan (one batch was skipped).")
             self.model.train_function = fallback
@@ -398,7 +364,7 @@ class DymemCallback(keras.callbacks.Callback):
         slack = first_step.step_slack(self.budget_bytes)
         if measured is None or measured <= (1 - slack) * self.budget_bytes:
             return
-        said = (f"dymem_tf: the plan made for memory_budget {_fmt(self.budget_bytes)} measured {_fmt(measured)} "
+        said = (f"dymem_tf: the plan made for memory_budget {errors.fmt(self.budget_bytes)} measured {errors.fmt(measured)} "
                 f"in its first step, within {slack:.0%} of the budget; ")
         in_use = stats.get("peak_bytes_in_use")
         if not self._refined and in_use:
@@ -451,18 +417,8 @@ class DymemCallback(keras.callbacks.Callback):
         return placement.PersistentGroup.from_stats(self._own(devices.device_memory_stats()))
 
     def _own(self, stats: dict | None) -> dict | None:
-        """``stats`` less what the device held besides this model when ``fit`` began (the budget is this fit's);
-        GTBM's persistent group holds those bytes, and loses them too."""
-        others = getattr(self, "_others_bytes", 0)
-        if stats is None or not others:
-            return stats
-        own = _less(stats, others, ("bytes_in_use", "peak_bytes_in_use", "peak_bytes_reserved", "bytes_reserved"))
-        persistent = (stats.get("groups") or {}).get("persistent")
-        if persistent:
-            groups = dict(stats["groups"])
-            groups["persistent"] = _less(persistent, others, ("in_use", "peak_in_use", "reserved", "peak_reserved"))
-            own["groups"] = groups
-        return own
+        """``stats`` less what the device held besides this model when ``fit`` began (the budget is this fit's)."""
+        return devices.less_others(stats, getattr(self, "_others_bytes", 0))
 
     def _measure_first_step(self, planned: int, before: dict | None, outcome: str = "ran") -> None:
         """Keep what the allocator measured in the call that instantiated the step (its first step) in the plan
@@ -539,55 +495,3 @@ class DymemCallback(keras.callbacks.Callback):
     def _say(self, text: str) -> None:
         if self.verbose:
             print(text)
-
-
-def _less(stats: dict, others: int, keys) -> dict:
-    """A copy of ``stats`` with ``others`` bytes taken from each of ``keys`` it has (never below 0)."""
-    out = dict(stats)
-    for key in keys:
-        if key in out:
-            out[key] = max(int(out[key]) - others, 0)
-    return out
-
-
-def default_device_profile() -> str:
-    """The cost-model profile for this machine: the GPU's class when one is visible, else ``"cpu"``."""
-    gpus = tf.config.list_physical_devices("GPU")
-    if not gpus:
-        return "cpu"
-    shown = tf.config.experimental.get_device_details(gpus[0]).get("device_name", "")
-    name = shown.lower()
-    for key in ("h200", "gh200", "h100", "a100", "v100"):
-        if key in name:
-            return key
-    compat.warn_user(f"dymem_tf: no cost profile matches the GPU {shown!r}; planning with the 'a100' profile. Pass "
-                     "DymemCallback(device=...) with the closest of "
-                     f"{', '.join(p for p in device_profiles.known_profiles() if p != 'cpu')}, or a DeviceProfile "
-                     "measured on this GPU (dymem_tf.planning.device_profiles).")
-    return "a100"
-
-
-def _step_stats(pass_, own) -> dict:
-    """One step's row for the dashboard: the device's statistics as ``own`` makes them this fit's (less what the
-    device held besides the model when fit began), the host pool's, and the plan's swap figures. The device is
-    GTBM's pool of the training GPUs where it serves them all, else GTBM's CPU device."""
-    stats = {}
-    if devices.gtbm_gpus(devices.training_gpus()):
-        stats.update(own(devices.device_memory_stats()))
-    elif allocator.is_active():
-        stats.update(own(allocator.memory_stats()))
-    try:
-        from dymem_tf.memory import host_pool
-
-        stats.update({f"host_{k}": v for k, v in host_pool.host_pool_stats().items()})
-    except Exception:  # pylint: disable=broad-except  (the op library may be unavailable: stats are optional)
-        pass
-    plan = pass_.last_plan
-    if plan is not None:
-        stats["planned_swap_bytes"] = sum(s.bytes for s in plan.swaps)
-        stats["modelled_stall_s"] = plan.predicted.get("stall_s", 0.0)
-    return stats
-
-
-def _fmt(n: int) -> str:
-    return units.format_bytes(n)

@@ -81,3 +81,47 @@ def device_memory_capacity() -> int | None:
         limits = compat.gpu_memory_limits()
         return min(limits) if limits else None
     return allocator.get_memory_limit() if allocator.is_active() else None
+
+
+def less_others(stats: dict | None, others: int) -> dict | None:
+    """``stats`` less ``others`` bytes (what the device held besides the model when ``fit`` began) in use, at the
+    peak and reserved, never below 0; GTBM's persistent group holds those bytes, and loses them too."""
+    if stats is None or not others:
+        return stats
+    own = _less(stats, others, ("bytes_in_use", "peak_bytes_in_use", "peak_bytes_reserved", "bytes_reserved"))
+    persistent = (stats.get("groups") or {}).get("persistent")
+    if persistent:
+        groups = dict(stats["groups"])
+        groups["persistent"] = _less(persistent, others, ("in_use", "peak_in_use", "reserved", "peak_reserved"))
+        own["groups"] = groups
+    return own
+
+
+def _less(stats: dict, others: int, keys) -> dict:
+    """A copy of ``stats`` with ``others`` bytes taken from each of ``keys`` it has (never below 0)."""
+    out = dict(stats)
+    for key in keys:
+        if key in out:
+            out[key] = max(int(out[key]) - others, 0)
+    return out
+
+
+def step_stats(plan, own) -> dict:
+    """One step's row for the dashboard: the device's statistics as ``own`` makes them this fit's (see
+    :func:`less_others`), the host pool's, and the swap figures of ``plan`` (or None). The device is GTBM's pool of
+    the training GPUs where it serves them all, else GTBM's CPU device."""
+    stats = {}
+    if gtbm_gpus(training_gpus()):
+        stats.update(own(device_memory_stats()))
+    elif allocator.is_active():
+        stats.update(own(allocator.memory_stats()))
+    try:
+        from dymem_tf.memory import host_pool
+
+        stats.update({f"host_{k}": v for k, v in host_pool.host_pool_stats().items()})
+    except Exception:  # pylint: disable=broad-except  (the op library may be unavailable: stats are optional)
+        pass
+    if plan is not None:
+        stats["planned_swap_bytes"] = sum(s.bytes for s in plan.swaps)
+        stats["modelled_stall_s"] = plan.predicted.get("stall_s", 0.0)
+    return stats
