@@ -44,10 +44,8 @@ import numpy as np
 #: (ResNet-50 64px under 512 MiB, docs/largest_batch.json).
 STEP_VARIATION = 0.06
 #: The same growth in bytes, which it never falls below: the reserved peak moves in whole pageblocks (2 MiB in GTBM;
-#: each mobility group may hold a partly used one), so under small budgets it is several % of the budget. Measured,
-#: 20 steps under f = 0.35 budgets (bench/budget_reliability.py at a603fa9): EfficientNet-B0 at 73 MiB, first step
-#: of the budgeted plan 66 MiB, later steps up to 72 and out of memory in step 15; DenseNet-121 at 95 MiB, 84 then up
-#: to 92; the GAN at 72 MiB, 62 then up to 70.
+#: each mobility group may hold a partly used one), so under small budgets it is several % of the budget (the
+#: budget-reliability runs of docs/benchmarks.md: later steps up to 6-8 MiB above the first under 70-95 MiB budgets).
 STEP_VARIATION_BYTES = 8 << 20
 #: A probe that fits with less than this share of the budget to spare is refused, and a budgeted plan whose first
 #: step leaves less is replaced by the probe's: later steps may measure that much more than the first (the share of

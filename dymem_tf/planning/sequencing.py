@@ -3,7 +3,7 @@
 The simulator runs the compute ops in dependency-layer order (:meth:`StepGraph.execution_order`); TF's executor
 runs an op as soon as its inputs exist, on whichever inter-op thread is free, so two steps of the same graph may
 interleave parallel branches differently, and with one inter-op thread it runs depth-first. The peak of a step
-depends on that order: at a50db0a the plan's steps differed by up to 27% (MobileNetV2), and with
+depends on that order: without the chain the plan's steps differed by up to 27% (docs/reliability.md), and with
 ``TF_NUM_INTEROP_THREADS=1`` a plan that fitted in the simulator ran out of memory.
 
 This stage chains the step's ops with control edges in the simulated order, so every step runs them in that
