@@ -1,9 +1,8 @@
 """The bridge to Dymem's graph pass after Grappler (``cc/pass/graph_pass.cc``): offer, plan, apply.
 
 TensorFlow runs the pass once per function instantiation, on the graph it will execute (after Grappler, and after
-oneDNN's layout rewrite where that is on: :func:`default_stage`). While a
-:func:`armed` block is active, the pass hands every instantiated graph that holds gradient ops to the *listener*
-of that block, as a :class:`PassCall`. The listener may
+oneDNN's layout rewrite where that is on: :func:`default_stage`). While a :func:`armed` block is active, the pass
+hands every instantiated graph that holds gradient ops to the *listener* of that block, as a :class:`PassCall`. The listener may
 
 * :meth:`PassCall.apply` a plan (:class:`~dymem_tf.planning.plan.Plan` records encoded by :func:`encode_plan`): the swap ops
   are inserted by node name, all or nothing;
@@ -40,13 +39,14 @@ class PassCall:
     """One offer of an instantiated graph to a listener (valid only while the listener runs).
 
     ``graph_def_bytes`` is the graph as Grappler (and, at ``stage`` ``"after_partitioning"``, oneDNN) left it,
-    serialized; ``outputs_bytes`` its nodes' output types and inferred shapes (decoded by :class:`~dymem_tf.passes.graph_def_view.GraphView`)."""
+    serialized; ``outputs_bytes`` its nodes' output types and inferred shapes (decoded by
+    :class:`~dymem_tf.passes.graph_def_view.GraphView`)."""
 
-    def __init__(self, lib, handle, function_name: str, graph_def_bytes: bytes, stage: str = "after_xla"):
+    def __init__(self, lib, handle, function_name: str, graph_def_bytes: bytes):
         self._lib, self._handle = lib, handle
         self.function_name = function_name
-        #: where the pass offered the graph (:data:`STAGES`)
-        self.stage = stage
+        #: where the pass offered the graph (:data:`STAGES`), as the pass that offered it says
+        self.stage = _STAGE_NAMES[lib.dymem_pass_call_stage(handle)]
         self.graph_def_bytes = graph_def_bytes
         self.outputs_bytes = self._buffer(_OUTPUTS)
         self.failed_with: str | None = None
@@ -107,6 +107,8 @@ def _library():
         lib.dymem_pass_buffer.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
         lib.dymem_pass_buffer.restype = ctypes.c_int64
         lib.dymem_pass_fail.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+        lib.dymem_pass_call_stage.argtypes = [ctypes.c_void_p]
+        lib.dymem_pass_call_stage.restype = ctypes.c_int
         lib.dymem_pass_set_stage.argtypes = [ctypes.c_int]
         lib.dymem_pass_set_stage.restype = ctypes.c_int
         lib.dymem_pass_set_batch_hint.argtypes = [ctypes.c_int64]
@@ -124,7 +126,7 @@ def _on_graph(handle, function_name, data, size) -> int:
         if listener is None:
             return _CONTINUE
         call = PassCall(_library(), handle, (function_name or b"").decode(errors="replace"),
-                        ctypes.string_at(data, size), _state.get("stage", "after_xla"))
+                        ctypes.string_at(data, size))
         listener(call)
         return _FAIL if call.failed_with is not None else _CONTINUE
     except BaseException as err:  # pylint: disable=broad-except  (an exception must not cross into TF's C++)
@@ -144,6 +146,7 @@ def _install() -> None:
 #: Where the pass acts (``cc/pass/graph_pass.cc``, ``Stage``): after XLA's auto-clustering passes, before them, or
 #: after TensorFlow partitioned the graph by device and oneDNN rewrote its CPU partition.
 STAGES = {"after_xla": 0, "before_xla": 1, "after_partitioning": 2}
+_STAGE_NAMES = {number: name for name, number in STAGES.items()}
 
 
 def default_stage() -> str:
@@ -173,7 +176,6 @@ def armed(listener: Callable[[PassCall], None], stage: str | None = None, batch_
         _listeners.append(listener)
         lib.dymem_pass_arm(1)
         previous = lib.dymem_pass_set_stage(STAGES[stage])
-        previous_stage, _state["stage"] = _state.get("stage", "after_xla"), stage
         previous_batch = lib.dymem_pass_set_batch_hint(int(batch_size or 0))
     try:
         yield
@@ -182,7 +184,6 @@ def armed(listener: Callable[[PassCall], None], stage: str | None = None, batch_
             _listeners.remove(listener)
             lib.dymem_pass_set_batch_hint(previous_batch)
             lib.dymem_pass_set_stage(previous)
-            _state["stage"] = previous_stage
             lib.dymem_pass_arm(-1)
 
 

@@ -214,11 +214,10 @@ class StepPass:
             with stages.stage("read"):
                 groups = self._captures.read(call.graph_def_bytes, call.outputs_bytes, keep=self._plans_again())
             planned = []
+            onednn_later = call.stage != "after_partitioning" and bool(compat.onednn_enabled())
             for replica, ops in groups:
                 try:
-                    result = self.plan_ops(call.function_name, ops, replica, len(groups),
-                                           onednn_later=call.stage != "after_partitioning" and
-                                           bool(compat.onednn_enabled()))
+                    result = self.plan_ops(call.function_name, ops, replica, len(groups), onednn_later=onednn_later)
                 except planner.BudgetTooSmallError as err:
                     self.refusal = err
                     call.fail(str(err))

@@ -1,6 +1,7 @@
 // Dymem's graph pass: runs on the graph TensorFlow will execute, after Grappler, once per function instantiation:
-// at POST_REWRITE_FOR_EXEC, or after oneDNN's layout rewrite at POST_PARTITIONING (Python chooses, see Stage). It hands the graph to the Python planner through a C function pointer set with ctypes
-// and applies the plan the planner returns (step_plan.h). Nothing happens unless Python installed a handler and
+// at POST_REWRITE_FOR_EXEC, or after oneDNN's layout rewrite at POST_PARTITIONING (Python chooses, see Stage). It
+// hands the graph to the Python planner through a C function pointer set with ctypes and applies the plan the
+// planner returns (step_plan.h). Nothing happens unless Python installed a handler and
 // armed the pass (DymemCallback arms it while its train function runs), and only for graphs with gradient ops.
 //
 // Why after Grappler: the plan is then made for the graph that runs (fused ops, removed identities, rewritten
@@ -67,6 +68,8 @@ enum Buffer { kGraph = 0, kOutputs = 1, kChanged = 2, kChangedOutputs = 3, kNumB
 // State of one handler call, passed to Python as an opaque pointer.
 struct PassCall {
   tensorflow::Graph* graph = nullptr;
+  // The stage whose pass offered the graph.
+  int stage = 0;
   // kGraph: the offered GraphDef; kOutputs: its output records; after dymem_pass_apply, kChanged: a GraphDef of
   // the nodes the plan added and, by name and inputs only, those whose inputs it changed; kChangedOutputs: the
   // output records of the added nodes, in that GraphDef's order.
@@ -243,12 +246,13 @@ void SerializeChanged(const std::vector<tensorflow::Node*>& changed, PassCall* c
   call->buffers[kChanged] = def.SerializeAsString();
 }
 
-// Offers `graph` of function `name` to the Python planner; a planner failure leaves the graph as it was, a kFail
+// Offers `graph` of function `name`, at `stage`, to the Python planner; a planner failure leaves the graph as it was, a kFail
 // fails the instantiation.
-absl::Status Offer(Handler handler, const std::string& name, tensorflow::Graph* graph) {
+absl::Status Offer(Handler handler, Stage stage, const std::string& name, tensorflow::Graph* graph) {
   if (!HasGradientOps(*graph)) return absl::OkStatus();
   PassCall call;
   call.graph = graph;
+  call.stage = stage;
   Serialize(*graph, &call);
   g_handled.fetch_add(1);
   const std::string& def = call.buffers[kGraph];
@@ -272,7 +276,7 @@ class DymemStepPass : public tensorflow::GraphOptimizationPass {
     Handler handler = ArmedFor(kStage);
     if (handler == nullptr || options.graph == nullptr || *options.graph == nullptr) return absl::OkStatus();
     const std::string name = options.function_def != nullptr ? options.function_def->signature().name() : "";
-    return Offer(handler, name, options.graph->get());
+    return Offer(handler, kStage, name, options.graph->get());
   }
 };
 
@@ -284,7 +288,8 @@ class DymemPartitionPass : public tensorflow::GraphOptimizationPass {
     if (handler == nullptr || options.partition_graphs == nullptr) return absl::OkStatus();
     for (auto& partition : *options.partition_graphs) {
       if (partition.second == nullptr) continue;
-      absl::Status status = Offer(handler, options.debug_filename_prefix, partition.second.get());
+      const std::string& name = options.debug_filename_prefix;
+      absl::Status status = Offer(handler, kAfterPartitioning, name, partition.second.get());
       if (!status.ok()) return status;
     }
     return absl::OkStatus();
@@ -355,6 +360,11 @@ __attribute__((visibility("default"))) int dymem_pass_apply(void* call, const ch
   }
   dymem::SerializeChanged(changed, c);
   return 0;
+}
+
+// The stage (dymem::Stage) whose pass offered `call`'s graph.
+__attribute__((visibility("default"))) int dymem_pass_call_stage(void* call) {
+  return static_cast<dymem::PassCall*>(call)->stage;
 }
 
 // The last error of `call` ("" when none).

@@ -639,13 +639,15 @@ std::vector<bool> MayBeDead(const Graph& graph) {
 // The plan's own nodes join a `seqadded` chain only where they cannot be dead (MayBeDead).
 void AddSequences(const StepPlan& plan, const NodeIndex& index, Graph* graph, UndoLog* log) {
   const std::vector<Node*> added = log->added_nodes;  // copied: the chain's edges are logged too
+  // MayBeDead, found once: chains link only nodes that cannot be dead, so they make no node dead.
+  std::vector<bool> dead;
   for (size_t k = 0; k < plan.sequences.size(); ++k) {
     const std::vector<std::string>& sequence = plan.sequences[k];
     if (sequence.size() < 2) continue;
     std::vector<Node*> extra;
     if (std::count(plan.chains_with_added.begin(), plan.chains_with_added.end(), static_cast<int>(k))) {
       const std::string& device = index.at(sequence[0])->assigned_device_name();
-      const std::vector<bool> dead = MayBeDead(*graph);
+      if (dead.empty()) dead = MayBeDead(*graph);
       for (Node* n : added) {
         if (n->assigned_device_name() == device && !dead[n->id()]) extra.push_back(n);
       }
