@@ -210,7 +210,7 @@ def same_results(name: str, args, onednn: str) -> dict:
     """The identity phase of one model with oneDNN off ("0") or on ("1"); where Dymem's run differs and two plain
     runs of one process agreed, two more in two processes (TensorFlow's CPU kernels may not repeat)."""
     out = _run_child(name, args, "--phase", "identity", onednn=onednn)
-    if "error" not in out and out["repeatable"] and not (out["identical"] and out.get("identical_budgeted", True)):
+    if "error" not in out and out["repeatable"] and _differs(out):
         a, b = (_run_child(name, args, "--phase", "digest", onednn=onednn) for _ in range(2))
         if "error" not in a and "error" not in b and (a["digest"], a["loss"]) != (b["digest"], b["loss"]):
             out["repeatable"] = False
@@ -253,21 +253,28 @@ def run_model(name: str, args) -> dict:
     return out
 
 
-def _identity_cell(r: dict) -> str:
-    """Bit-identity without / under a budget, oneDNN off, then (when measured) on."""
+def _differs(result: dict) -> bool:
+    """Whether Dymem's run of an identity phase differed from the plain run, without or under a budget."""
+    return not (result.get("identical") and result.get("identical_budgeted", True))
+
+
+def _identity(result: dict) -> str:
+    """One identity phase: bit-identical without / under a budget, and why a difference may not be Dymem's."""
     def yes(flag):
         return "–" if flag is None else "yes" if flag else "**no**"
 
-    def cell(result: dict) -> str:
-        text = f"{yes(result.get('identical'))} / {yes(result.get('identical_budgeted'))}"
-        if result.get("repeatable") is False:
-            text = f"{text.replace('**', '')}, but two plain runs differ too"
-        if result.get("skipped"):
-            text += f" (unmodified: {', '.join(sorted(set(result['skipped'])))})"
-        return text
+    text = f"{yes(result.get('identical'))} / {yes(result.get('identical_budgeted'))}"
+    if result.get("repeatable") is False:
+        text = f"{text.replace('**', '')}, but two plain runs differ too"
+    if result.get("skipped"):
+        text += f" (unmodified: {', '.join(sorted(set(result['skipped'])))})"
+    return text
 
+
+def _identity_cell(r: dict) -> str:
+    """Bit-identity without / under a budget, oneDNN off, then (when measured) on."""
     on = r.get("onednn_on")
-    return cell(r) if on is None else f"off: {cell(r)}; on: {cell(on)}"
+    return _identity(r) if on is None else f"off: {_identity(r)}; on: {_identity(on)}"
 
 
 def identity_report(results: list[dict], args, seconds: float) -> str:
@@ -287,11 +294,11 @@ def identity_report(results: list[dict], args, seconds: float) -> str:
         if "error" in r:
             lines.append(f"| {r['model']} | – | – | error: {r['error'][:120]!r} | |")
             continue
-        off, on = _identity_cell(r).split("; on: ") if r.get("onednn_on") else (_identity_cell(r), "–")
-        lines.append(f"| {r['model']} | {r['batch']} | {r['swaps']} | {off.removeprefix('off: ')} | {on} |")
-        for label, result in (("off", r), ("on", r.get("onednn_on") or {})):
-            if result and not (result.get("identical") and result.get("identical_budgeted", True)) \
-                    and result.get("repeatable") is not False:
+        on = r.get("onednn_on")
+        lines.append(f"| {r['model']} | {r['batch']} | {r['swaps']} | {_identity(r)} | "
+                     f"{_identity(on) if on else '–'} |")
+        for label, result in (("off", r), ("on", on)):
+            if result and _differs(result) and result.get("repeatable") is not False:
                 differ.append(f"{r['model']} (oneDNN {label})")
     lines += ["", f"- Runs that differ from a plain run that repeats itself: {len(differ)}"
               + (": " + ", ".join(differ) + "." if differ else "."), IDENTITY_END, ""]
@@ -320,8 +327,8 @@ def report(results: list[dict], args, seconds: float) -> str:
              "against a plain run: without a budget, and under a budget, whose first step (the probe) swaps every "
              "feature map and offloads optimizer state and weights (*probe offloads*: feature maps / state / "
              "weights).", "",
-             "| model | batch | bit-identical (3 steps): no budget / budget, oneDNN off; on | probe offloads | swaps | W MiB | P0 MiB | f | "
-             "B MiB | auto | auto max peak MiB | none | probe pred./meas. MiB | calibrated pred./meas. MiB |",
+             "| model | batch | bit-identical (3 steps): no budget / budget, oneDNN off; on | probe offloads | swaps | "
+             "W MiB | P0 MiB | f | B MiB | auto | auto max peak MiB | none | probe pred./meas. MiB | calibrated pred./meas. MiB |",
              "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | --- | --- | --- |"]
     raw_err, cal_err, first_err, use_err, violations, placed = [], [], [], [], [], 0
     med_err, spread = [], []
