@@ -15,6 +15,7 @@ from dymem_tf.passes import graph_pass, step_pass
 from dymem_tf.planning import device_profiles, first_step, memory_model, planner, simulator
 
 POLICIES, XLA_MODES, EXECUTION_ORDERS = arguments.POLICIES, arguments.XLA_MODES, arguments.EXECUTION_ORDERS
+_fmt = errors.fmt
 
 
 class DymemCallback(keras.callbacks.Callback):
@@ -130,7 +131,7 @@ class DymemCallback(keras.callbacks.Callback):
                     "min_swap_bytes)" if offload and self._offloads_weights()
                     else "the model's weights alone" if offload else "the model's weights and optimizer state")
             raise planner.BudgetTooSmallError(
-                f"memory_budget {errors.fmt(self.budget_bytes)} is smaller than {what} ({errors.fmt(resident)}); raise the "
+                f"memory_budget {_fmt(self.budget_bytes)} is smaller than {what} ({_fmt(resident)}); raise the "
                 "budget or use a smaller model.")
         # under a budget the first step is the probe (dymem_tf.planning.first_step): least memory, measured,
         # variables guarded, and the device capped at the budget (which cannot go below GTBM's pageblocks)
@@ -138,9 +139,9 @@ class DymemCallback(keras.callbacks.Callback):
         floor = variables.pageblock_floor(stats, resident)
         if guard and floor > self.budget_bytes:
             raise planner.BudgetTooSmallError(
-                f"memory_budget {errors.fmt(self.budget_bytes)} is smaller than the least GTBM can train in: "
-                f"{errors.fmt(floor)}, the pageblocks of the variables that stay on the device ({errors.fmt(resident)}) and one "
-                f"{errors.fmt(int(stats['block_size']))} pageblock each for the step's transient and mobile tensors; "
+                f"memory_budget {_fmt(self.budget_bytes)} is smaller than the least GTBM can train in: "
+                f"{_fmt(floor)}, the pageblocks of the variables that stay on the device ({_fmt(resident)}) and one "
+                f"{_fmt(int(stats['block_size']))} pageblock each for the step's transient and mobile tensors; "
                 "raise the budget to at least that.")
         errors.warn_onednn_out_of_memory_crash()
         fit_locals = compat.fit_frame_locals(model)  # the running fit's locals: its data adapter, its batch_size
@@ -300,8 +301,9 @@ class DymemCallback(keras.callbacks.Callback):
         except tf.errors.ResourceExhaustedError as err:
             snapshot.restore()
             if fallback is None:
-                raise errors.measured_too_small(self, err) from err  # fit's exit (the FitGuard) restores the device limit
-            self._warn(f"dymem_tf: the plan made for memory_budget {errors.fmt(self.budget_bytes)} ran out of memory in "
+                # fit's exit (the FitGuard) restores the device limit
+                raise errors.measured_too_small(self, err) from err
+            self._warn(f"dymem_tf: the plan made for memory_budget {_fmt(self.budget_bytes)} ran out of memory in "
                        "its first step; the variables were restored and training goes on with the first step's "
                        "least-memory plan (one batch was skipped).")
             self.model.train_function = fallback
@@ -364,7 +366,7 @@ class DymemCallback(keras.callbacks.Callback):
         slack = first_step.step_slack(self.budget_bytes)
         if measured is None or measured <= (1 - slack) * self.budget_bytes:
             return
-        said = (f"dymem_tf: the plan made for memory_budget {errors.fmt(self.budget_bytes)} measured {errors.fmt(measured)} "
+        said = (f"dymem_tf: the plan made for memory_budget {_fmt(self.budget_bytes)} measured {_fmt(measured)} "
                 f"in its first step, within {slack:.0%} of the budget; ")
         in_use = stats.get("peak_bytes_in_use")
         if not self._refined and in_use:
