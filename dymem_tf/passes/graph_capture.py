@@ -372,19 +372,22 @@ def _mark_conditional(sg: StepGraph) -> None:
 
 
 def _infer_sizes_from_reshapes(infos: list[OpInfo], tensors: dict[str, TensorInfo]) -> int:
-    """Give unknown-shape tensors the size of a fully known Reshape of them (same element count and dtype).
+    """Give an unknown-shape tensor the size of a fully known Reshape of it, or of the fully known tensor it
+    reshapes (same element count and dtype either way; the shape recorded is the known side's).
 
     Gradient code often reduces with dynamic axes and reshapes right after (``Sum`` of BroadcastGradientArgs
-    followed by ``Reshape`` to the input's shape). Returns how many tensors were sized this way.
+    followed by ``Reshape`` to the input's shape), or reshapes to a shape computed at run time (Keras 3.15's
+    ``GlobalAveragePooling2D`` gradient). Returns how many tensors were sized this way.
     """
     n = 0
     for info in infos:
         if info.type != "Reshape" or not info.inputs or not info.outputs:
             continue
         src, out = tensors[info.inputs[0]], tensors[info.outputs[0]]
-        if not src.shape_known and src.alias_of is None and not src.persistent and out.shape_known:
-            src.shape, src.bytes, src.shape_known = out.shape, out.bytes, True
-            n += 1
+        for unknown, known in ((src, out), (out, src)):
+            if not unknown.shape_known and unknown.alias_of is None and not unknown.persistent and known.shape_known:
+                unknown.shape, unknown.bytes, unknown.shape_known = known.shape, known.bytes, True
+                n += 1
     return n
 
 
