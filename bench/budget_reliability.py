@@ -5,7 +5,8 @@ off so that running out of memory raises instead of crashing):
 
 Each measurement runs in a fresh interpreter (Keras keeps every model it built alive until exit).
 
-1. **Same results**: 3 steps with op determinism on, without and with ``DymemCallback()``: losses and every weight
+1. **Same results**: 3 steps with op determinism on, without and with ``DymemCallback(memory_budget=None)``: losses and every
+   weight
    compared bit for bit, with oneDNN's CPU kernels off and again with them on (``TF_ENABLE_ONEDNN_OPTS``).
 2. **No-swap peak** ``P0`` of a plain step and the persistent bytes ``W`` (weights and optimizer state).
 3. **Budgets** ``B = W + f * (P0 - W)`` for each fraction ``f``: the device is capped at ``B`` and the model trains
@@ -86,7 +87,7 @@ def _child(name: str, args) -> dict:
         again = fit(model, x, y, args.identity_steps, []).history["loss"]
         repeatable = again == base and all(np.array_equal(a, b) for a, b in zip(base_w, model.weights))
         model, x, y = build(batch * args.identity_steps)
-        cb = dymem_tf.DymemCallback(verbose=0)
+        cb = dymem_tf.DymemCallback(memory_budget=None, verbose=0)
         loss = fit(model, x, y, args.identity_steps, [cb]).history["loss"]
         identical = loss == base and all(np.array_equal(a, b) for a, b in zip(base_w, model.weights))
         # under a budget the first step is the probe: the least-memory plan, with every feature map swapped and

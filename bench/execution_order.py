@@ -3,7 +3,8 @@
     python bench/execution_order.py                          # ResNet-50 and DenseNet-121, 64px, 3 rounds
     python bench/execution_order.py --models resnet50 --rounds 1 --onednn on
 
-``DymemCallback(execution_order="planned")`` chains the step's ops with control edges in the simulator's order
+``DymemCallback(memory_budget=None, execution_order="planned")``
+chains the step's ops with control edges in the simulator's order
 (``dymem_tf/planning/sequencing.py``); ``"free"`` leaves the order to TF's executor. Each run is a fresh
 interpreter, with oneDNN's CPU kernels off and on (``--onednn``), that trains 6 steps of batch 16 with SGD and
 momentum, no budget; its step time is the median after the first step, its peak spread the largest step peak over
@@ -42,7 +43,8 @@ def child(name: str, order: str, image_size: int) -> dict:
                   loss=keras.losses.SparseCategoricalCrossentropy())
     x = np.random.default_rng(0).normal(size=(96, image_size, image_size, 3)).astype("float32")
     y = np.zeros(96, dtype="int64")
-    cb, timer, peaks = dymem_tf.DymemCallback(verbose=0, execution_order=order), StepTimer(), StepPeaks()
+    cb = dymem_tf.DymemCallback(memory_budget=None, verbose=0, execution_order=order)
+    timer, peaks = StepTimer(), StepPeaks()
     model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[cb, timer, peaks])
     steady = peaks.peaks[1:] or peaks.peaks
     return {"model": name, "order": order, "onednn": bool(dymem_tf.compat.onednn_enabled()),

@@ -11,7 +11,7 @@ fresh interpreter (GTBM is the emulated device, uncapped but for the budget the 
 order rotated by the round:
 
 * ``plain``: no callback;
-* ``dymem``: ``DymemCallback()``: no budget, feature maps swapped, nothing offloaded;
+* ``dymem``: ``DymemCallback(memory_budget=None)``: no budget, feature maps swapped, nothing offloaded;
 * ``loose``: ``DymemCallback(memory_budget=--loose x P0)``: a budget feature maps meet;
 * ``tight``: ``DymemCallback(memory_budget=--tight x P0)``: a budget that needs state and weights off the device.
 

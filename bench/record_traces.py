@@ -73,7 +73,7 @@ def _child(args) -> int:
 
     callbacks = []
     if args.policy != "none":
-        callbacks.append(dymem_tf.DymemCallback(policy=args.policy, verbose=0))
+        callbacks.append(dymem_tf.DymemCallback(memory_budget=None, policy=args.policy, verbose=0))
     recorder = _Record()
     callbacks.append(recorder)  # last: its batch-begin runs after the Dymem callback's
     t0 = time.perf_counter()

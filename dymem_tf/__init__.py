@@ -104,6 +104,7 @@ _arm()
 
 _LAZY = {
     "DymemCallback": ("dymem_tf.keras.callback", "DymemCallback"),
+    "dry_run": ("dymem_tf.keras.dry_run", "dry_run"),
     "Plan": ("dymem_tf.planning.plan", "Plan"),
     "make_plan": ("dymem_tf.planning.planner", "make_plan"),
     "BudgetTooSmallError": ("dymem_tf.planning.planner", "BudgetTooSmallError"),

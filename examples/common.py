@@ -26,10 +26,13 @@ def parse_args(description: str, default_batch: int, default_image_size: int, ar
     parser.add_argument("--image-size", type=int, default=default_image_size, help="square input side in pixels")
     parser.add_argument("--steps", type=int, default=6, help="training steps (the first one includes tracing)")
     parser.add_argument("--budget", default=None,
-                        help="device memory budget, e.g. 512MiB (on the CPU it caps the GTBM pool)")
+                        help="device memory budget: none (default: swap every tensor worth swapping, to show the "
+                             "least memory), auto (the device: swap only what does not fit), or e.g. 512MiB (on "
+                             "the CPU it caps the GTBM pool)")
     parser.add_argument("--policy", default="dymem", choices=["dymem", "vdnn", "tflms", "none"],
                         help="swap policy; 'none' trains without the Dymem callback")
-    parser.add_argument("--device", default=None, help="planner cost-model profile (default: this machine)")
+    parser.add_argument("--profile", "--device", dest="profile", default=None,
+                        help="planner cost-model profile (default: this machine's)")
     parser.add_argument("--logdir", default=None, help="TensorBoard log dir for the Dymem dashboard")
     parser.add_argument("--classes", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
@@ -45,12 +48,17 @@ def parse_args(description: str, default_batch: int, default_image_size: int, ar
     return args
 
 
+def _budget(value):
+    """``--budget`` as ``DymemCallback``'s ``memory_budget``: None for none (swap every tensor worth swapping)."""
+    return None if value is None or str(value).strip().lower() == "none" else value
+
+
 def main(model_name: str, description: str, default_batch: int, default_image_size: int, argv=None) -> int:
     """Entry point of an example script."""
     args = parse_args(description, default_batch, default_image_size, argv)
     if args.compare:
         return compare(model_name, args)
-    if args.budget:
+    if _budget(args.budget) not in (None, "auto"):  # a size: the CPU device gets that much memory
         os.environ["DYMEM_DEVICE_MEMORY_LIMIT"] = str(args.budget)
     summary = train(model_name, args)
     print_summary([summary])
@@ -82,8 +90,8 @@ def train(model_name: str, args: argparse.Namespace) -> dict:
     callbacks = []
     dymem_cb = None
     if args.policy != "none":
-        dymem_cb = dymem_tf.DymemCallback(memory_budget=args.budget, policy=args.policy, device=args.device,
-                                          log_dir=args.logdir, verbose=0 if args.quiet else 1)
+        dymem_cb = dymem_tf.DymemCallback(memory_budget=_budget(args.budget), policy=args.policy,
+                                          profile=args.profile, log_dir=args.logdir, verbose=0 if args.quiet else 1)
         callbacks.append(dymem_cb)
     timer = StepTimer()
     callbacks.append(timer)
@@ -195,8 +203,8 @@ def run_in_subprocess(model_name: str, args: argparse.Namespace, policy: str, ex
                "--json-out", out, "--quiet"]
         if args.budget:
             cmd += ["--budget", str(args.budget)]
-        if args.device:
-            cmd += ["--device", args.device]
+        if args.profile:
+            cmd += ["--profile", args.profile]
         if args.deterministic:
             cmd.append("--deterministic")
         print(f"$ {' '.join(cmd[1:])}", flush=True)

@@ -16,7 +16,7 @@ import common
 def fits(model: str, batch: int, args) -> bool:
     """Whether ``batch`` trains under the budget with the policy in ``args``."""
     run_args = types.SimpleNamespace(batch=batch, image_size=args.image_size, steps=args.steps, classes=10, seed=0,
-                                     budget=args.budget, device=args.device, deterministic=False)
+                                     budget=args.budget, profile=args.profile, deterministic=False)
     summary = common.run_in_subprocess(model, run_args, args.policy)
     ok = summary.get("status") == "ok"
     print(f"  {args.policy:6s} batch {batch:5d}: {'fits' if ok else summary.get('status')}", flush=True)
@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--start", type=int, default=4, help="first batch tried")
     parser.add_argument("--limit", type=int, default=2048, help="largest batch tried")
-    parser.add_argument("--device", default=None)
+    parser.add_argument("--profile", "--device", dest="profile", default=None, help="cost-model profile")
     args = parser.parse_args(argv)
     results = {}
     for policy in args.policies.split(","):

@@ -81,7 +81,7 @@ def test_a_gelu_net_holds_its_gradient_chains_and_trains_bit_identically(determi
     plain = model.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0).history["loss"]
     plain_weights = [w.numpy() for w in model.weights]
     model, x, y = _mlp()
-    cb = dymem_tf.DymemCallback(min_swap_bytes=0, verbose=0)
+    cb = dymem_tf.DymemCallback(memory_budget=None, min_swap_bytes=0, verbose=0)
     losses = model.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0, callbacks=[cb]).history["loss"]
     assert any("held until their consumers near" in n for n in cb.plan.notes), cb.plan.notes
     assert losses == plain

@@ -69,7 +69,7 @@ def train(build, callbacks, steps=3, batch=8, size=16, seed=1):
 @pytest.mark.parametrize("kind", ["functional", "sequential", "subclassed"])
 def test_swapping_gives_bit_identical_training(kind):
     base_loss, base_w, _ = train(lambda: small_cnn(kind), [])
-    cb = dymem_tf.DymemCallback(min_swap_bytes=0, verbose=0)
+    cb = dymem_tf.DymemCallback(memory_budget=None, min_swap_bytes=0, verbose=0)
     loss, weights, model = train(lambda: small_cnn(kind), [cb])
     assert cb.plan is not None and cb.plan.swaps, "the pass should have swapped some feature maps"
     report = cb.records[-1].report
@@ -84,7 +84,7 @@ def test_swapping_gives_bit_identical_training(kind):
 def test_rewrite_inserts_swap_pairs_reroutes_backward_consumers_and_keeps_a_dag():
     import networkx as nx
 
-    cb = dymem_tf.DymemCallback(min_swap_bytes=0, verbose=0)
+    cb = dymem_tf.DymemCallback(memory_budget=None, min_swap_bytes=0, verbose=0)
     train(small_cnn, [cb], steps=1)
     record = cb.records[-1]
     graph, plan = record.graph, cb.plan
@@ -134,7 +134,7 @@ def test_custom_train_step_is_rewritten():
         return Custom(base.inputs, base.outputs)
 
     base_loss, base_w, _ = train(build, [])
-    cb = dymem_tf.DymemCallback(min_swap_bytes=0, verbose=0)
+    cb = dymem_tf.DymemCallback(memory_budget=None, min_swap_bytes=0, verbose=0)
     loss, weights, _ = train(build, [cb])
     assert cb.plan.swaps
     assert loss == base_loss
@@ -143,7 +143,7 @@ def test_custom_train_step_is_rewritten():
 
 
 def test_policy_none_leaves_graph_unchanged():
-    cb = dymem_tf.DymemCallback(policy="none", verbose=0)
+    cb = dymem_tf.DymemCallback(memory_budget=None, policy="none", verbose=0)
     train(small_cnn, [cb], steps=1)
     assert cb.plan.swaps == []
     assert cb.records[-1].report.swap_out_ops == []
@@ -152,7 +152,7 @@ def test_policy_none_leaves_graph_unchanged():
 @pytest.mark.parametrize("policy", ["vdnn", "tflms"])
 def test_baseline_policies_train_identically(policy):
     base_loss, _, _ = train(small_cnn, [], steps=2)
-    cb = dymem_tf.DymemCallback(policy=policy, min_swap_bytes=0, verbose=0)
+    cb = dymem_tf.DymemCallback(memory_budget=None, policy=policy, min_swap_bytes=0, verbose=0)
     loss, _, _ = train(small_cnn, [cb], steps=2)
     assert cb.plan.policy == policy and cb.plan.swaps
     assert loss == base_loss
@@ -160,15 +160,15 @@ def test_baseline_policies_train_identically(policy):
 
 def test_invalid_arguments_have_clear_errors():
     with pytest.raises(ValueError, match="unknown policy"):
-        dymem_tf.DymemCallback(policy="fastest")
+        dymem_tf.DymemCallback(memory_budget=None, policy="fastest")
     with pytest.raises(ValueError):
         dymem_tf.DymemCallback(memory_budget="lots")
     with pytest.raises(ValueError):
         dymem_tf.DymemCallback(memory_budget=-5)
     with pytest.raises(ValueError, match="h200"):
-        dymem_tf.DymemCallback(device="tpu-v9")
+        dymem_tf.DymemCallback(memory_budget=None, device="tpu-v9")
     with pytest.raises(ValueError, match="swapin_ahead"):
-        dymem_tf.DymemCallback(swapin_ahead=0)
+        dymem_tf.DymemCallback(memory_budget=None, swapin_ahead=0)
 
 
 def test_budget_smaller_than_weights_fails_before_training():
@@ -199,7 +199,7 @@ def test_adam_slots_count_as_persistent_before_the_first_step():
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(256), keras.layers.Dense(10)])
     model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    cb = dymem_tf.DymemCallback(min_swap_bytes=0, verbose=0)
+    cb = dymem_tf.DymemCallback(memory_budget=None, min_swap_bytes=0, verbose=0)
     model.fit(np.zeros((16, 64), "float32"), np.zeros(16), batch_size=8, verbose=0, callbacks=[cb])
     weights = sum(w.numpy().nbytes for w in model.trainable_weights)
     assert cb.pass_.persistent_bytes >= 3 * weights

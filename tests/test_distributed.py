@@ -65,7 +65,7 @@ def run(callbacks, **fit_kwargs):
 
 out = {"devices": [d.name for d in tf.config.list_logical_devices("CPU")]}
 base, base_w = run([])
-cb = dymem_tf.DymemCallback(min_swap_bytes=0, verbose=0)
+cb = dymem_tf.DymemCallback(memory_budget=None, min_swap_bytes=0, verbose=0)
 loss, weights = run([cb])
 out.update(base=base, dymem=loss, same_weights=all(np.array_equal(a, b) for a, b in zip(base_w, weights)),
            records=describe(cb), skipped=[s.reason for s in cb.skipped])
@@ -112,7 +112,7 @@ def run(callbacks):
     return hist.history["loss"], [w.numpy() for w in model.weights]
 
 base, base_w = run([])
-cb = dymem_tf.DymemCallback(min_swap_bytes=0, verbose=0)
+cb = dymem_tf.DymemCallback(memory_budget=None, min_swap_bytes=0, verbose=0)
 loss, weights = run([cb])
 out = {"task": json.loads(os.environ["TF_CONFIG"])["task"]["index"], "replicas": strategy.num_replicas_in_sync,
        "base": base, "dymem": loss, "same_weights": all(np.array_equal(a, b) for a, b in zip(base_w, weights)),

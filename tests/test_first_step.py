@@ -121,16 +121,17 @@ def test_the_plan_summary_prints_predicted_and_measured_once_the_step_ran():
                                        "32.0 MiB, in use 29.0 MiB)")
 
 
-def test_snapshot_restores_weights_and_optimizer_state():
+def test_snapshot_restores_weights_optimizer_state_and_metrics():
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
     model.compile(optimizer="adam", loss="mse")
     model.optimizer.build(model.trainable_variables)
     snap = first_step.VariableSnapshot(model)
-    before = [v.numpy().copy() for v in model.variables + model.optimizer.variables]
+    saved = model.variables + model.optimizer.variables + model.metrics_variables  # the loss's running mean too
+    before = [v.numpy().copy() for v in saved]
     model.fit(np.ones((8, 4), "float32"), np.zeros((8, 3), "float32"), verbose=0)
     assert snap.restore() > 0
-    for v, b in zip(model.variables + model.optimizer.variables, before):
+    for v, b in zip(saved, before):
         np.testing.assert_array_equal(v.numpy(), b)
     assert len(snap) == len(before)
 
@@ -264,7 +265,7 @@ h = keras.layers.Conv2D(8, 3, padding="same", activation="relu")(h)
 model = keras.Model(inp, keras.layers.Dense(10)(keras.layers.GlobalAveragePooling2D()(h)))
 model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 x = np.random.default_rng(0).normal(size=(96, 16, 16, 3)).astype("float32")
-cb = dymem_tf.DymemCallback(memory_budget="auto", min_swap_bytes=0, log_dir=sys.argv[1], verbose=1)
+cb = dymem_tf.DymemCallback(memory_budget="128MiB", min_swap_bytes=0, log_dir=sys.argv[1], verbose=1)
 model.fit(x, np.arange(96) % 10, batch_size=16, epochs=1, verbose=0, callbacks=[cb])
 print("SUMMARY" + json.dumps(cb.plan.summary()))
 out = {"plans": [{"stage": r.plan.params.get("stage"), "predicted": r.plan.predicted["peak_bytes"],

@@ -72,7 +72,7 @@ def assert_plain_fit_runs_the_unmodified_step(model, x, y, cb):
 # ------------------------------------------------------------------------------------------------- no log_dir
 def test_without_log_dir_nothing_goes_into_a_keras_tensorboard_log_dir(tmp_path):
     model, x, y = model_and_data()
-    cb = dymem_tf.DymemCallback(min_swap_bytes=0, verbose=0)
+    cb = dymem_tf.DymemCallback(memory_budget=None, min_swap_bytes=0, verbose=0)
     model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[keras.callbacks.TensorBoard(str(tmp_path)), cb])
     assert cb.plan is not None and cb.plan.swaps
     assert sorted(os.listdir(tmp_path)) == ["train"]  # Keras' own run only
@@ -101,7 +101,7 @@ def test_jit_compile_stays_on_for_evaluate_and_predict():
         seen["train"] = xla(model.train_function)
         seen["test"] = xla(model.test_function)
 
-    cb = dymem_tf.DymemCallback(min_swap_bytes=0, verbose=0)
+    cb = dymem_tf.DymemCallback(memory_budget=None, min_swap_bytes=0, verbose=0)
     model.fit(x, y, batch_size=8, epochs=1, verbose=0, validation_data=(x, y),
               callbacks=[cb, keras.callbacks.LambdaCallback(on_epoch_end=on_epoch_end)])
     assert cb.plan.swaps  # the train step was rewritten: it ran without XLA ...
@@ -117,7 +117,7 @@ def test_jit_compile_stays_on_for_evaluate_and_predict():
 # ------------------------------------------------------------------------------------------- fit that raises
 def test_a_step_that_raises_leaves_nothing_behind(tmp_path):
     model, x, y = model_and_data(n=24, poisoned_batch=2)
-    cb = dymem_tf.DymemCallback(min_swap_bytes=0, verbose=0, log_dir=str(tmp_path),
+    cb = dymem_tf.DymemCallback(memory_budget=None, min_swap_bytes=0, verbose=0, log_dir=str(tmp_path),
                                 trace_allocations=allocator.is_active())
     with pytest.raises(tf.errors.InvalidArgumentError, match="a poisoned batch"):
         model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False, callbacks=[cb])
@@ -137,7 +137,7 @@ def test_a_callback_raising_in_on_epoch_end_leaves_nothing_behind(position):
     def on_epoch_end(epoch, logs):
         raise RuntimeError("stop here")
 
-    cb = dymem_tf.DymemCallback(min_swap_bytes=0, verbose=0)
+    cb = dymem_tf.DymemCallback(memory_budget=None, min_swap_bytes=0, verbose=0)
     raiser = keras.callbacks.LambdaCallback(on_epoch_end=on_epoch_end)
     callbacks = [raiser, cb] if position == "before" else [cb, raiser]
     with pytest.raises(RuntimeError, match="stop here"):
@@ -156,7 +156,7 @@ def test_a_train_function_replaced_during_fit_is_guarded_too():
             if batch == 0:
                 model.make_train_function(force=True)  # a new function, traced from the (rewritten) train_step
 
-    cb = dymem_tf.DymemCallback(min_swap_bytes=0, verbose=0)
+    cb = dymem_tf.DymemCallback(memory_budget=None, min_swap_bytes=0, verbose=0)
     with pytest.raises(tf.errors.InvalidArgumentError, match="a poisoned batch"):
         model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False, callbacks=[cb, Replace()])
     assert_left_nothing_behind(model, cb)
@@ -167,7 +167,7 @@ def test_a_train_function_replaced_during_fit_is_guarded_too():
 def test_a_validation_run_that_raises_leaves_nothing_behind():
     model, x, y = model_and_data()
     _, vx, vy = model_and_data(poisoned_batch=0)
-    cb = dymem_tf.DymemCallback(min_swap_bytes=0, verbose=0)
+    cb = dymem_tf.DymemCallback(memory_budget=None, min_swap_bytes=0, verbose=0)
     with pytest.raises(tf.errors.InvalidArgumentError, match="a poisoned batch"):
         model.fit(x, y, batch_size=8, epochs=1, verbose=0, validation_data=(vx, vy), callbacks=[cb])
     assert cb.plan.swaps
@@ -184,7 +184,7 @@ def test_a_failed_fit_closes_the_summary_writer_and_stops_the_allocator_trace(tm
 
     model, x, y = model_and_data(n=24, poisoned_batch=2 if failure == "step" else None)
     _, vx, vy = model_and_data(poisoned_batch=0)
-    cb = dymem_tf.DymemCallback(min_swap_bytes=0, verbose=0, log_dir=str(tmp_path),
+    cb = dymem_tf.DymemCallback(memory_budget=None, min_swap_bytes=0, verbose=0, log_dir=str(tmp_path),
                                 trace_allocations=allocator.is_active())
     writers = []
 

@@ -402,7 +402,7 @@ def test_the_out_of_memory_hint_on_a_gpu_names_the_gpu_not_the_cpu_pool(monkeypa
     assert "GPU:0" in hint and "40.0 GiB" in hint and "memory_budget=30.0 GiB" in hint
     assert "lower the batch size" in hint and "GPU with more memory" in hint
     monkeypatch.setattr(devices, "training_gpus", lambda: [])  # the CPU keeps its own advice
-    assert "GPU" not in callback.DymemCallback(verbose=0).out_of_memory_hint()
+    assert "GPU" not in callback.DymemCallback(memory_budget=None, verbose=0).out_of_memory_hint()
 
 
 def test_an_unknown_gpu_says_which_profile_it_falls_back_to(monkeypatch):
@@ -419,4 +419,4 @@ def test_an_unknown_gpu_says_which_profile_it_falls_back_to(monkeypatch):
     assert arguments.default_device_profile() == "h100" and warned == []
     assert arguments.default_device_profile() == "a100"
     assert len(warned) == 1 and "NVIDIA GeForce RTX 4090" in warned[0] and "'a100'" in warned[0]
-    assert "device=" in warned[0]
+    assert "profile=" in warned[0]

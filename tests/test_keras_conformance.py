@@ -1,7 +1,8 @@
 """Keras's own tests with DymemCallback injected into every ``fit``: the quick set of ``make keras-conformance``.
 
 The TensorBoard, EMA, checkpoint and early-stopping callback tests and the functional-model tests (71 tests) run
-once without and once with ``DymemCallback(min_swap_bytes=0, verbose=0)`` appended to every ``fit`` (two pytest
+once without and once with ``DymemCallback(memory_budget=None, min_swap_bytes=0, verbose=0)`` appended to every
+``fit`` (two pytest
 processes, one after the other; see tools/keras_conformance). No test may pass without the callback and fail with it.
 """
 from __future__ import annotations

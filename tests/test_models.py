@@ -35,7 +35,7 @@ def train(name, size, batch, callbacks, steps=5, seed=3):
 @pytest.mark.parametrize("name,size,batch", MODELS, ids=[m[0] for m in MODELS])
 def test_application_trains_bit_identically_with_swapping(name, size, batch):
     base_loss, base_weights = train(name, size, batch, [])
-    cb = dymem_tf.DymemCallback(min_swap_bytes=0, verbose=0)
+    cb = dymem_tf.DymemCallback(memory_budget=None, min_swap_bytes=0, verbose=0)
     loss, weights = train(name, size, batch, [cb])
     report = cb.records[-1].report
     assert report.swapped_tensors > 10 and report.rerouted_inputs > report.swapped_tensors
@@ -51,7 +51,7 @@ def test_resnet50_at_64px_batch_32_trains_bit_identically():
     # the swapped step into an accumulator (its static peak estimate moved with the swap ops), which changed the
     # rounding from step 1 on. The pass now runs after Grappler, with Grappler's default settings.
     base_loss, base_weights = train("resnet50", 64, 32, [], steps=2)
-    loss, weights = train("resnet50", 64, 32, [dymem_tf.DymemCallback(verbose=0)], steps=2)
+    loss, weights = train("resnet50", 64, 32, [dymem_tf.DymemCallback(memory_budget=None, verbose=0)], steps=2)
     assert loss == base_loss
     for a, b in zip(weights, base_weights):
         np.testing.assert_array_equal(a, b)
@@ -95,7 +95,7 @@ def test_transformer_encoder_with_adamw_trains_bit_identically():
     # Regression: with the swap ops inserted before Grappler, its arithmetic optimizer rewrote the swapped step
     # differently (63 of 68 weights off by up to 1e-6 after 3 steps). After Grappler nothing can change that way.
     base_loss, base_weights = train_transformer([])
-    cb = dymem_tf.DymemCallback(min_swap_bytes=0, verbose=0)
+    cb = dymem_tf.DymemCallback(memory_budget=None, min_swap_bytes=0, verbose=0)
     loss, weights = train_transformer([cb])
     assert cb.records and cb.records[-1].report.swapped_tensors > 5
     assert loss == base_loss
@@ -142,7 +142,7 @@ def test_feature_maps_after_a_cond_are_swapped_bit_identically():
                          lambda rng, n: rng.uniform(size=(n, 16, 16, 3)).astype("float32"))
 
     base_loss, base_weights = run([])
-    cb = dymem_tf.DymemCallback(min_swap_bytes=0, verbose=0)
+    cb = dymem_tf.DymemCallback(memory_budget=None, min_swap_bytes=0, verbose=0)
     loss, weights = run([cb])
     swapped = [s.tensor for s in cb.plan.feature_maps]
     for k in (1, 2):  # gates after the first one: both branch kinds
@@ -161,7 +161,7 @@ def test_feature_maps_after_a_merged_gelu_and_behind_reshapes_are_swapped_bit_id
         return fit_fresh(gelu_stack, lambda: keras.optimizers.AdamW(1e-3), callbacks, _tokens)
 
     base_loss, base_weights = run([])
-    cb = dymem_tf.DymemCallback(min_swap_bytes=0, verbose=0)
+    cb = dymem_tf.DymemCallback(memory_budget=None, min_swap_bytes=0, verbose=0)
     loss, weights = run([cb])
     swapped = [s for s in cb.plan.feature_maps]
     assert any("/up_1" in s.producer or "/down_1" in s.producer for s in swapped), [s.tensor for s in swapped]

@@ -37,7 +37,7 @@ def run(callbacks):
     return loss, [w.numpy() for w in model.weights]
 
 base_loss, base_w = run([])
-cb = dymem_tf.DymemCallback(min_swap_bytes=0, verbose=0)
+cb = dymem_tf.DymemCallback(memory_budget=None, min_swap_bytes=0, verbose=0)
 loss, w = run([cb])
 record = cb.records[-1]
 print("RESULT" + json.dumps({

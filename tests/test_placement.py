@@ -132,7 +132,7 @@ def test_the_callbacks_persistent_group_leaves_out_what_other_models_hold():
     the group the calibration places from both leave them out."""
     import dymem_tf
 
-    cb = dymem_tf.DymemCallback()
+    cb = dymem_tf.DymemCallback(memory_budget=None)
     cb._others_bytes = 10 * MiB
     stats = {"bytes_in_use": 30 * MiB, "peak_bytes_reserved": 50 * MiB, "block_size": 2 * MiB,
              "groups": {"persistent": {"in_use": 12 * MiB, "reserved": 16 * MiB, "peak_reserved": 18 * MiB},

@@ -83,7 +83,7 @@ def test_weights_are_updated_in_place_under_the_callback(tmp_path):
                 allocator.stop_trace()
                 allocator.dump_trace(trace)
 
-    cb = dymem_tf.DymemCallback(verbose=0)
+    cb = dymem_tf.DymemCallback(memory_budget=None, verbose=0)
     model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[cb, TraceThirdStep()])
     notes = " ".join(cb.plan.notes)
     assert "variable updates ordered after the last use of their reads" in notes

@@ -81,7 +81,7 @@ def test_mixed_precision_keeps_dtypes_and_losses(policy):
     keras.mixed_precision.set_global_policy(policy)
     try:
         base, base_w, _ = fit(net, [], x, y)
-        cb = dymem_tf.DymemCallback(min_swap_bytes=0, verbose=0)
+        cb = dymem_tf.DymemCallback(memory_budget=None, min_swap_bytes=0, verbose=0)
         hist, weights, _ = fit(net, [cb], x, y)
     finally:
         keras.mixed_precision.set_global_policy("float32")
@@ -103,7 +103,7 @@ def test_mixed_precision_keeps_dtypes_and_losses(policy):
 def test_steps_per_execution_plans_the_nested_step_graph():
     x, y = data(40)  # 5 batches: two executions of 2 steps and one of 1 step
     base, base_w, _ = fit(net, [], x, y, compile_kwargs={"steps_per_execution": 2})
-    cb = dymem_tf.DymemCallback(min_swap_bytes=0, verbose=0)
+    cb = dymem_tf.DymemCallback(memory_budget=None, min_swap_bytes=0, verbose=0)
     hist, weights, _ = fit(net, [cb], x, y, compile_kwargs={"steps_per_execution": 2})
     assert hist["loss"] == base["loss"]
     assert_same_weights(weights, base_w)
@@ -161,7 +161,7 @@ def test_a_partly_built_model_and_an_eager_step(run_eagerly):
     x, y = data(16)
     kwargs = dict(compile_kwargs={"run_eagerly": run_eagerly})
     base, base_w, _ = fit(CounterModel, [], x, y, **kwargs)
-    cb = dymem_tf.DymemCallback(min_swap_bytes=0, verbose=0)
+    cb = dymem_tf.DymemCallback(memory_budget=None, min_swap_bytes=0, verbose=0)
     hist, weights, _ = fit(CounterModel, [cb], x, y, **kwargs)
     assert hist == base
     assert_same_weights(weights, base_w)
@@ -173,7 +173,7 @@ def test_validation_data_and_evaluate_predict_are_unaffected():
     x, y = data(24)
     vx, vy = data(16, seed=2)
     base, base_w, base_model = fit(net, [], x, y, validation_data=(vx, vy))
-    cb = dymem_tf.DymemCallback(min_swap_bytes=0, verbose=0)
+    cb = dymem_tf.DymemCallback(memory_budget=None, min_swap_bytes=0, verbose=0)
     hist, weights, model = fit(net, [cb], x, y, validation_data=(vx, vy))
     assert hist == base  # loss and val_loss
     assert_same_weights(weights, base_w)
@@ -197,7 +197,7 @@ def test_model_checkpoint_and_tensorboard_together(tmp_path):
     ckpt = tmp_path / "best.keras"
     logs = tmp_path / "logs"
     # the user gives both the same log dir (the callback never picks up the TensorBoard callback's on its own)
-    cb = dymem_tf.DymemCallback(min_swap_bytes=0, verbose=0, log_dir=str(logs))
+    cb = dymem_tf.DymemCallback(memory_budget=None, min_swap_bytes=0, verbose=0, log_dir=str(logs))
     callbacks = [keras.callbacks.ModelCheckpoint(str(ckpt), monitor="val_loss"),
                  keras.callbacks.TensorBoard(log_dir=str(logs)), cb]
     hist, weights, model = fit(net, callbacks, x, y, validation_data=(vx, vy), epochs=2)
@@ -214,7 +214,7 @@ def test_model_checkpoint_and_tensorboard_together(tmp_path):
 
 def test_save_reload_and_a_plain_second_fit(tmp_path):
     x, y = data(24)
-    cb = dymem_tf.DymemCallback(min_swap_bytes=0, verbose=0)
+    cb = dymem_tf.DymemCallback(memory_budget=None, min_swap_bytes=0, verbose=0)
     _, weights, model = fit(net, [cb], x, y)
     path = tmp_path / "trained.keras"
     model.save(path)
@@ -231,29 +231,38 @@ def test_save_reload_and_a_plain_second_fit(tmp_path):
     assert not getattr(model.train_function, "_dymem_wrapped", False)
 
     # the reloaded model (optimizer state included) trains on with Dymem exactly like the original without it
-    cb2 = dymem_tf.DymemCallback(min_swap_bytes=0, verbose=0)
+    cb2 = dymem_tf.DymemCallback(memory_budget=None, min_swap_bytes=0, verbose=0)
     again = loaded.fit(x, y, batch_size=8, shuffle=False, verbose=0, callbacks=[cb2])
     assert cb2.plan.swaps and host_pool.host_pool_stats()["num_swap_outs"] > swaps_before
     assert again.history["loss"] == plain.history["loss"]
     assert_same_weights([w.numpy() for w in loaded.weights], [w.numpy() for w in model.weights])
 
 
+def _unknown_batch_tensors(sg) -> list[str]:
+    """Tensors of the forward and backward passes the capture left without a size. The optimizer's update may keep
+    some: Keras 3.15's SGD computes a scalar from variable reads whose shape TF does not infer (``sgd/Sub_1``),
+    which never depends on the batch."""
+    unknown = [t for t in sg.tensors.values() if not t.shape_known and not t.bytes and not t.persistent
+               and t.alias_of is None]
+    return [t.name for t in unknown if sg.ops[t.producer].phase != "update"]
+
+
 def test_partial_last_batch_and_tf_data_plan_for_the_full_batch():
     x, y = data(10)  # batch 4: 4, 4, 2 -> Keras traces with an unknown batch dimension
     base, base_w, _ = fit(net, [], x, y, batch_size=4, epochs=2)
-    cb = dymem_tf.DymemCallback(min_swap_bytes=0, verbose=0)
+    cb = dymem_tf.DymemCallback(memory_budget=None, min_swap_bytes=0, verbose=0)
     hist, weights, _ = fit(net, [cb], x, y, batch_size=4, epochs=2)
     assert hist == base
     assert_same_weights(weights, base_w)
-    full = dymem_tf.DymemCallback(min_swap_bytes=0, verbose=0)
+    full = dymem_tf.DymemCallback(memory_budget=None, min_swap_bytes=0, verbose=0)
     fit(net, [full], *data(8), batch_size=4)  # static batch 4: the reference plan
     assert cb.records and not cb.skipped
     for record in cb.records:  # each trace got a plan, sized for the full batch of 4
-        assert record.batch_size == 4 and record.step_graph.meta["unknown_shape_tensors"] == 0
+        assert record.batch_size == 4 and _unknown_batch_tensors(record.step_graph) == []
         assert covers(record.plan, full.plan)
 
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(4)  # no drop_remainder: unknown batch dimension
-    cb_ds = dymem_tf.DymemCallback(min_swap_bytes=0, verbose=0)
+    cb_ds = dymem_tf.DymemCallback(memory_budget=None, min_swap_bytes=0, verbose=0)
     hist_ds, weights_ds, _ = fit(net, [cb_ds], ds, None, batch_size=None, epochs=2)
     assert hist_ds == base
     assert_same_weights(weights_ds, base_w)
@@ -272,7 +281,7 @@ def test_generator_data_is_planned_with_the_batch_size_of_its_first_batches():
     #                  reports no batch size; it peeked the first two batches (4 and 4) to build the signature
     kwargs = dict(batch_size=None, steps_per_epoch=3, epochs=2)
     base, base_w, _ = fit(net, [], batches(x, y, 4, epochs=2), None, **kwargs)
-    cb = dymem_tf.DymemCallback(min_swap_bytes=0, verbose=0)
+    cb = dymem_tf.DymemCallback(memory_budget=None, min_swap_bytes=0, verbose=0)
     swaps_before = host_pool.host_pool_stats()["num_swap_outs"]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -281,10 +290,10 @@ def test_generator_data_is_planned_with_the_batch_size_of_its_first_batches():
     assert_same_weights(weights, base_w)
     assert not dymem_warnings(caught) and cb.records and not cb.skipped
     assert host_pool.host_pool_stats()["num_swap_outs"] > swaps_before  # the swaps really ran
-    full = dymem_tf.DymemCallback(min_swap_bytes=0, verbose=0)
+    full = dymem_tf.DymemCallback(memory_budget=None, min_swap_bytes=0, verbose=0)
     fit(net, [full], *data(8), batch_size=4)  # static batch 4: the reference plan
     for record in cb.records:
-        assert record.batch_size == 4 and record.step_graph.meta["unknown_shape_tensors"] == 0
+        assert record.batch_size == 4 and _unknown_batch_tensors(record.step_graph) == []
         assert covers(record.plan, full.plan)
         assert any("as seen in the first batches of the data" in note for note in record.plan.notes)
 
@@ -341,7 +350,7 @@ def test_attention_with_a_partial_last_batch_is_planned_under_a_budget():
     hist, weights, _ = fit(attention_net, [cb], x, y, batch_size=8)
     assert not cb.skipped
     assert [r.plan.params.get("stage") for r in cb.records] == ["probe", "calibrated"]
-    assert all(r.batch_size == 8 and r.step_graph.meta["unknown_shape_tensors"] == 0 for r in cb.records)
+    assert all(r.batch_size == 8 and _unknown_batch_tensors(r.step_graph) == [] for r in cb.records)
     assert cb.records[0].plan.swaps
     assert hist == base
     assert_same_weights(weights, base_w)
@@ -365,7 +374,7 @@ def test_retrace_on_new_input_shape_gets_its_own_plan():
     keras.utils.set_random_seed(1)
     model = build()
     model.compile(optimizer="sgd", loss=LOSS)
-    cb = dymem_tf.DymemCallback(min_swap_bytes=0, verbose=0)
+    cb = dymem_tf.DymemCallback(memory_budget=None, min_swap_bytes=0, verbose=0)
     model.fit(*data(8, size=16), batch_size=8, verbose=0, callbacks=[cb])
     first = len(cb.records)
     model.fit(*data(8, size=24), batch_size=8, verbose=0, callbacks=[cb])
@@ -392,7 +401,7 @@ def test_retrace_on_new_input_shape_gets_its_own_plan():
     ({"memory_budget": 1.5}, TypeError, "memory_budget must be None"),
     ({"memory_budget": [1]}, TypeError, "memory_budget must be None"),
     ({"device": "tpu-v9"}, ValueError, "unknown device profile 'tpu-v9'; known profiles: a100"),
-    ({"device": 7}, TypeError, "device must be a profile name"),
+    ({"device": 7}, TypeError, "profile must be a profile name"),
     ({"swapin_ahead": 0}, ValueError, "swapin_ahead must be a positive integer"),
     ({"swapin_ahead": 1.5}, ValueError, "swapin_ahead must be a positive integer"),
     ({"min_swap_bytes": -1}, ValueError, "min_swap_bytes must be a non-negative integer"),
@@ -482,7 +491,7 @@ def test_unsupported_construct_is_left_unmodified_with_one_warning(case, build, 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Keras' own warnings (no trainable weights)
         base, base_w, _ = fit(build, [], x, y, batch_size=batch)
-    cb = dymem_tf.DymemCallback(min_swap_bytes=0, verbose=0)
+    cb = dymem_tf.DymemCallback(memory_budget=None, min_swap_bytes=0, verbose=0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         hist, weights, _ = fit(build, [cb], x, y, batch_size=batch)
@@ -548,7 +557,7 @@ def test_conditionals_and_nested_function_calls_are_planned():
 
     x, y = data(16)
     base, base_w, _ = fit(build, [], x, y)
-    cb = dymem_tf.DymemCallback(min_swap_bytes=0, verbose=0)
+    cb = dymem_tf.DymemCallback(memory_budget=None, min_swap_bytes=0, verbose=0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         hist, weights, _ = fit(build, [cb], x, y)
@@ -606,7 +615,8 @@ out = {"limit": allocator.get_memory_limit(), "in_use_before": allocator.memory_
 print("STARTED", flush=True)
 with warnings.catch_warnings(record=True) as caught:
     try:   # 2048 x 16 x 16 x 32 floats = 64 MiB per feature map: the first step cannot fit in 64 MiB
-        model.fit(x, y, batch_size=2048, epochs=1, verbose=0, callbacks=[dymem_tf.DymemCallback(verbose=0)])
+        model.fit(x, y, batch_size=2048, epochs=1, verbose=0,
+                  callbacks=[dymem_tf.DymemCallback(memory_budget=None, verbose=0)])
         out["raised"] = None
     except tf.errors.ResourceExhaustedError as err:
         out["raised"] = type(err).__name__
@@ -648,7 +658,7 @@ def settle():
             "mobile": s["groups"]["mobile"]["in_use"], "host": host_pool.host_pool_stats()["bytes_in_use"],
             "host_live": host_pool.host_pool_stats()["live_buffers"]}
 out = {"start": settle()}
-cb = dymem_tf.DymemCallback(min_swap_bytes=0, verbose=0)
+cb = dymem_tf.DymemCallback(memory_budget=None, min_swap_bytes=0, verbose=0)
 model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[cb])          # 8 steps
 out["fit1"] = settle()
 model.fit(x, y, batch_size=32, epochs=3, verbose=0, callbacks=[cb])          # 24 steps

@@ -106,9 +106,9 @@ def test_a_cpu_step_that_onednn_rewrites_after_the_plan_keeps_tfs_order_and_says
 
 
 def test_the_callback_stores_execution_order_as_given_and_refuses_unknown_values():
-    assert dymem_tf.DymemCallback(execution_order="free", verbose=0).execution_order == "free"
+    assert dymem_tf.DymemCallback(memory_budget=None, execution_order="free", verbose=0).execution_order == "free"
     with pytest.raises(ValueError, match="execution_order 'random'.*planned, free"):
-        dymem_tf.DymemCallback(execution_order="random")
+        dymem_tf.DymemCallback(memory_budget=None, execution_order="random")
 
 
 _PEAKS_SCRIPT = textwrap.dedent("""
@@ -138,7 +138,8 @@ _PEAKS_SCRIPT = textwrap.dedent("""
     x, y = np.random.rand(64, 16, 16, 3).astype("float32"), np.random.rand(64, 4).astype("float32")
     order = sys.argv[1]
     model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0,
-              callbacks=[dymem_tf.DymemCallback(verbose=0, min_swap_bytes=1024, execution_order=order), Peaks()])
+              callbacks=[dymem_tf.DymemCallback(memory_budget=None, verbose=0, min_swap_bytes=1024,
+                                                 execution_order=order), Peaks()])
     print("PEAKS" + json.dumps(peaks))
 """)
 

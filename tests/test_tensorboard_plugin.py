@@ -1,6 +1,7 @@
 """The TensorBoard "Dymem" plugin: HTTP routes (werkzeug test client) and the page in headless Chromium.
 
-The browser tests train a small CNN with ``DymemCallback(log_dir=..., trace_allocations=True)`` (and a ``policy="none"``
+The browser tests train a small CNN with ``DymemCallback(memory_budget=None, log_dir=..., trace_allocations=True)``
+(and a ``policy="none"``
 baseline), start ``tensorboard`` on the log dir, open the Dymem tab and check that every view draws the run's data.
 Screenshots go to ``artifacts/`` and the main one to ``docs/img/tensorboard_dymem.png``.
 """
@@ -162,7 +163,7 @@ def test_next_to_a_keras_tensorboard_callback(tmp_path):
     y = np.arange(16) % 10
     model.fit(x, y, batch_size=8, epochs=1, verbose=0,
               callbacks=[keras.callbacks.TensorBoard(str(tmp_path)),
-                         dymem_tf.DymemCallback(verbose=0, log_dir=str(tmp_path))])
+                         dymem_tf.DymemCallback(memory_budget=None, verbose=0, log_dir=str(tmp_path))])
     assert {"train", "dymem"} <= set(os.listdir(tmp_path))
     assert logdata.list_runs(str(tmp_path)) == ["dymem"]
     data = logdata.load_run(str(tmp_path), "dymem")
@@ -648,7 +649,7 @@ def test_empty_logdir_shows_a_message(browser, tmp_path):
         open_dymem(browser, url)
         assert wait_drawn(browser) == "empty"
         message = browser.find_element(By.CSS_SELECTOR, "#dymem-global-messages .dymem-message[data-kind=empty]")
-        assert "No Dymem data under" in message.text and "DymemCallback(log_dir=" in message.text
+        assert "No Dymem data under" in message.text and "DymemCallback(memory_budget=None, log_dir=" in message.text
         assert not browser.find_elements(By.CSS_SELECTOR, ".dymem-pane")
         screenshot(browser, "tensorboard_dymem_empty")
 

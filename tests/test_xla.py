@@ -3,7 +3,8 @@ swaps nothing; auto-clustering (``tf.config.optimizer.set_jit``) is turned off f
 
 By default Dymem's pass runs after XLA's clustering passes, which on TF 2.21's CPU auto-jit put the whole step into
 clusters (the pass then sees no gradient op; ``test_auto_clustering_is_off_for_the_rewritten_step_only`` shows it).
-``DymemCallback(xla="auto")`` moves the pass before them: the step is auto-clustered around its swap ops
+``DymemCallback(memory_budget=None, xla="auto")`` moves the pass before them:
+the step is auto-clustered around its swap ops
 (``test_xla_auto_clusters_the_step_around_its_swap_ops``).
 """
 from __future__ import annotations
@@ -57,7 +58,7 @@ def test_a_plan_that_swaps_nothing_gives_the_step_back_to_xla(capsys):
     model, x, y = model_and_data()
     per_batch = []
     watch = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: per_batch.append(xla_of(model)))
-    cb = dymem_tf.DymemCallback(policy="none", verbose=1)
+    cb = dymem_tf.DymemCallback(memory_budget=None, policy="none", verbose=1)
     hist = model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[cb, watch])
     out = capsys.readouterr().out
     assert cb.plan is not None and not cb.plan.swaps
@@ -75,7 +76,7 @@ def test_a_plan_that_swaps_keeps_xla_off():
     model, x, y = model_and_data()
     per_batch = []
     watch = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: per_batch.append(xla_of(model)))
-    cb = dymem_tf.DymemCallback(min_swap_bytes=0, verbose=0)
+    cb = dymem_tf.DymemCallback(memory_budget=None, min_swap_bytes=0, verbose=0)
     model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[cb, watch])
     assert cb.plan.swaps and per_batch == [False] * 4
 
@@ -126,9 +127,9 @@ def capture_in(key):
 
 run(capture=capture_in("off"), clustering=False)
 clustered_loss, clustered_peak = run(capture=capture_in("on"))
-cb = dymem_tf.DymemCallback(min_swap_bytes=0, verbose=0)
+cb = dymem_tf.DymemCallback(memory_budget=None, min_swap_bytes=0, verbose=0)
 swap_loss, swap_peak = run([cb])
-none = dymem_tf.DymemCallback(policy="none", verbose=1)
+none = dymem_tf.DymemCallback(memory_budget=None, policy="none", verbose=1)
 none_loss, _ = run([none])
 print("RESULT " + json.dumps({"seen": seen, "clustered": [clustered_loss, clustered_peak],
                               "swapped": [swap_loss, swap_peak, len(cb.plan.swaps)],
@@ -183,7 +184,7 @@ rng = np.random.default_rng(0)
 x, y = rng.uniform(size=(48, 32, 32, 3)).astype("float32"), rng.integers(0, 10, 48)
 callbacks = []
 if MODE == "auto":
-    callbacks = [dymem_tf.DymemCallback(xla="auto", min_swap_bytes=0, verbose=1)]
+    callbacks = [dymem_tf.DymemCallback(memory_budget=None, xla="auto", min_swap_bytes=0, verbose=1)]
 else:
     tf.config.optimizer.set_jit("autoclustering")
 allocator.reset_peak_stats()
@@ -221,11 +222,11 @@ def test_xla_auto_warns_on_the_cpu_without_cpu_auto_jit(monkeypatch):
     from dymem_tf.keras import callback
 
     monkeypatch.delenv("TF_XLA_FLAGS", raising=False)
-    cb = dymem_tf.DymemCallback(xla="auto", verbose=0)
+    cb = dymem_tf.DymemCallback(memory_budget=None, xla="auto", verbose=0)
     from dymem_tf.keras import xla
 
     with pytest.warns(RuntimeWarning, match="--tf_xla_cpu_global_jit"):
         xla.say_auto_clustering([], cb._say, cb._warn)
     assert callback.XLA_MODES == (None, "auto")
     with pytest.raises(ValueError, match="unknown xla 'on'"):
-        dymem_tf.DymemCallback(xla="on")
+        dymem_tf.DymemCallback(memory_budget=None, xla="on")

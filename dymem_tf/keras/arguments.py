@@ -35,10 +35,11 @@ def validate(*, policy, swapin_ahead, min_swap_bytes, log_dir, defer_updates, tr
         raise TypeError(f"defer_updates must be True or False, got {defer_updates!r}")
     if not isinstance(trace_allocations, bool):
         raise TypeError(f"trace_allocations must be True or False, got {trace_allocations!r}")
-    if not isinstance(offload_optimizer_state, bool):
-        raise TypeError(f"offload_optimizer_state must be True or False, got {offload_optimizer_state!r}")
-    if not isinstance(offload_weights, bool):
-        raise TypeError(f"offload_weights must be True or False, got {offload_weights!r}")
+    if offload_optimizer_state is not None and not isinstance(offload_optimizer_state, bool):
+        raise TypeError(f"offload_optimizer_state must be None (where supported), True or False, got "
+                        f"{offload_optimizer_state!r}")
+    if offload_weights is not None and not isinstance(offload_weights, bool):
+        raise TypeError(f"offload_weights must be None (where supported), True or False, got {offload_weights!r}")
     if not isinstance(calibrate, bool):
         raise TypeError(f"calibrate must be True or False, got {calibrate!r}")
     if xla not in XLA_MODES:
@@ -52,15 +53,40 @@ def validate(*, policy, swapin_ahead, min_swap_bytes, log_dir, defer_updates, tr
     if not isinstance(verbose, int) or verbose not in (0, 1, 2):
         raise ValueError(f"verbose must be 0 (silent), 1 or 2, got {verbose!r}")
     if device is not None and not isinstance(device, (str, device_profiles.DeviceProfile)):
-        raise TypeError(f"device must be a profile name such as 'a100' or a DeviceProfile, got "
+        raise TypeError(f"profile must be a profile name such as 'a100' or a DeviceProfile, got "
                         f"{type(device).__name__} (known profiles: {', '.join(device_profiles.known_profiles())})")
     return min_swap_bytes, log_dir, verbose
 
 
+_DEVICE_NAME_WARNED = []
+
+
+def profile_argument(profile, device):
+    """``DymemCallback``'s cost profile from ``profile=`` or its former name ``device=`` (warned about once per
+    process); both at once is an error."""
+    if device is None:
+        return profile
+    if profile is not None:
+        raise ValueError("pass the cost profile as profile=... only (device= is its former name)")
+    if not _DEVICE_NAME_WARNED:
+        _DEVICE_NAME_WARNED.append(True)
+        compat.warn_user("dymem_tf: DymemCallback(device=...) is now called profile=...: it names the cost "
+                         "profile the planner uses, not a device; device= still works.", FutureWarning)
+    return device
+
+
+def is_auto(memory_budget) -> bool:
+    """Whether ``memory_budget`` is ``"auto"`` (any case): the device's memory, swapping only when the step does
+    not fit it."""
+    return isinstance(memory_budget, str) and memory_budget.strip().lower() == "auto"
+
+
 def resolve_budget(memory_budget):
+    """Bytes of an explicit ``memory_budget`` (None for None; ``"auto"`` is the device's capacity, None when the
+    device has no limit)."""
     if memory_budget is None:
         return None
-    if isinstance(memory_budget, str) and memory_budget.strip().lower() == "auto":
+    if is_auto(memory_budget):
         return devices.device_memory_capacity()
     if isinstance(memory_budget, float) and memory_budget.is_integer():
         memory_budget = int(memory_budget)
@@ -103,7 +129,17 @@ def default_device_profile() -> str:
         if key in name:
             return key
     compat.warn_user(f"dymem_tf: no cost profile matches the GPU {shown!r}; planning with the 'a100' profile. Pass "
-                     "DymemCallback(device=...) with the closest of "
+                     "DymemCallback(profile=...) with the closest of "
                      f"{', '.join(p for p in device_profiles.known_profiles() if p != 'cpu')}, or a DeviceProfile "
                      "measured on this GPU (dymem_tf.planning.device_profiles).")
     return "a100"
+
+
+def options_off_here(cb) -> str | None:
+    """What to say about the options ``cb`` was given explicitly that do nothing on this device (optimizer-state
+    and weight offloading run on the CPU device only), or None."""
+    asked = [name for name in ("offload_optimizer_state", "offload_weights") if getattr(cb, name) is True]
+    if not asked or not devices.training_gpus():
+        return None
+    return (f"dymem_tf: {' and '.join(asked)}=True has no effect on GPUs yet (it is implemented for the CPU device "
+            "only): optimizer state and weights stay on the GPU.")

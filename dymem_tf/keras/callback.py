@@ -9,7 +9,7 @@ import keras
 import tensorflow as tf
 
 from dymem_tf import compat
-from dymem_tf.keras import arguments, errors, fit_batch, fit_guard, variables, xla
+from dymem_tf.keras import arguments, errors, fit_batch, fit_guard, fits_first, variables, xla
 from dymem_tf.memory import allocator, devices, placement
 from dymem_tf.passes import graph_pass, step_pass
 from dymem_tf.planning import device_profiles, first_step, memory_model, planner, simulator
@@ -21,68 +21,64 @@ _fmt = errors.fmt
 class DymemCallback(keras.callbacks.Callback):
     """Plans and inserts feature-map swapping into the model's train step, on the graph TensorFlow runs.
 
-    At the start of ``fit`` the callback makes a new train function; when TensorFlow instantiates it, Dymem's graph
-    pass (after Grappler) plans the swaps on the optimized graph and inserts them (see :mod:`dymem_tf.passes.step_pass`).
+    With the defaults, a step that fits the device trains exactly as without Dymem (its first step guarded, see
+    :mod:`dymem_tf.keras.fits_first`); one that does not is planned for the device: Dymem's graph pass (after
+    Grappler) plans the swaps on the optimized graph and inserts them (:mod:`dymem_tf.passes.step_pass`).
+    docs/configuration.md lists every argument with its default.
 
     Args:
-        memory_budget: device bytes the step may use: an int, a string such as ``"6GiB"`` or ``"512MiB"``,
-            ``"auto"`` (the GTBM budget on the CPU, or the GPU's capacity), or ``None`` (no budget: swap every
-            tensor worth swapping).
+        memory_budget: device bytes the step may use: ``"auto"`` (default: the device's memory; swap only when the
+            step does not fit it), an int, a string such as ``"6GiB"`` or ``"512MiB"`` (plan for that budget from
+            the first step on), or ``None`` (no budget: swap every tensor worth swapping, for the least memory).
+        profile: cost-model profile the planner times copies and kernels with (``"cpu"``, ``"v100"``,
+            ``"a100"``, ``"h100"``, ``"h200"``, ...) or a :class:`~dymem_tf.planning.device_profiles.DeviceProfile`;
+            default: this machine's (a GPU no profile matches gets ``"a100"``, with a warning naming it).
         policy: ``"dymem"`` (dependency-layer schedule), or a baseline: ``"vdnn"``, ``"tflms"``, ``"none"``.
-        device: cost-model profile used by the planner (``"cpu"``, ``"v100"``, ``"a100"``, ``"h100"``,
-            ``"h200"``, ...) or a :class:`~dymem_tf.planning.device_profiles.DeviceProfile`; default: this machine's.
-        swapin_ahead: for ``policy="tflms"``, how many topological levels ahead of its consumer a swap-in starts.
-        min_swap_bytes: tensors smaller than this are never swapped.
-        log_dir: where to write ``tf.summary`` scalars and the plan for TensorBoard's "Dymem" dashboard (the run
-            ``<log_dir>/dymem``); None writes nothing. Pass a Keras ``TensorBoard`` callback's log dir to have the
-            Dymem run next to its ``train`` and ``validation`` runs.
-        trace_allocations: with a log dir, record the GTBM allocator's allocations during ``fit`` and save them in
-            the run (the dashboard's pool map and tensors at the peak need them).
-        defer_updates: run optimizer arithmetic that needs no gradient next to its gradient (saves about one
-            weight-sized temporary per optimizer slot, see :mod:`dymem_tf.planning.update_deferral`), and run each
-            variable's update after the ops using its reads, so it writes in place instead of copying the variable
-            (:mod:`dymem_tf.planning.read_ordering`).
-        offload_optimizer_state: with a ``memory_budget``, let the planner keep optimizer state (Adam's ``m`` and
-            ``v``, momentum, ...) in host memory between its uses where the budget needs it: each such variable
-            comes to the device before its update and goes back after it (see :mod:`dymem_tf.planning.offload`;
-            CPU device only for now). Training is bit-identical; the copies cost a round trip per step.
-        offload_weights: with a ``memory_budget``, let the planner also keep weights in host memory between their
-            uses where the budget needs it: each such weight comes to the device for its forward users and again
-            for its backward users and its update (see :mod:`dymem_tf.planning.offload`; CPU device only for now).
-            Training is bit-identical; each costs three copies per step.
-        calibrate: with a ``memory_budget``, run the first step as a measured probe (least memory, variables
-            guarded) and plan again from what it measured (see :mod:`dymem_tf.planning.first_step`); on the CPU the GTBM
-            device is capped at the budget for the ``fit``. ``False`` plans for the budget from the model alone,
-            with the fixed default headroom.
-        xla: ``None`` (default): a step that swaps runs without XLA (an XLA cluster would swallow the swap ops); a
-            plan that swaps nothing gives the step back to the XLA settings you chose. ``"auto"``: the train step
-            runs with XLA auto-clustering *around* the swap ops: Dymem's pass plans and inserts them before XLA's
-            clustering passes (still after Grappler), the swap ops have no XLA kernel and stay outside, and clusters
-            form between them. ``jit_compile=True`` (one cluster for the whole step) still cannot be kept. On the
-            CPU, XLA clusters only with ``TF_XLA_FLAGS=--tf_xla_cpu_global_jit``. The planner does not model XLA's
-            own buffers; under a ``memory_budget`` the calibrated first step measures them. See docs/gpu.md.
         execution_order: ``"planned"`` (default, for the ``"dymem"`` policy): the step's ops run in the order the
             planner simulated them, chained by control edges, so every step's peak is the one predicted, whatever the
             executor's thread count (see :mod:`dymem_tf.planning.sequencing`; the values are unchanged).
             ``"free"``: TF's executor orders the ops as they become ready; steps then differ by a few % in memory.
+        xla: ``None`` (default): a step that swaps runs without XLA (an XLA cluster would swallow the swap ops); a
+            step that swaps nothing keeps your XLA settings. ``"auto"``: the pass plans before XLA's clustering and
+            the step is auto-clustered around the swap ops (on the CPU only with
+            ``TF_XLA_FLAGS=--tf_xla_cpu_global_jit``). See docs/gpu.md.
+        log_dir: where to write the data of TensorBoard's "Dymem" dashboard (the run ``<log_dir>/dymem``); None
+            writes nothing. A Keras ``TensorBoard`` callback's log dir puts it next to its runs.
+        trace_allocations: with a log dir, record the GTBM allocator's allocations during ``fit`` and save them in
+            the run (the dashboard's pool map and tensors at the peak need them).
         verbose: 0 silent, 1 prints the plan summary when the step is traced, 2 also the pass's time per stage.
+        offload_optimizer_state: under a budget, let the planner keep optimizer state (Adam's ``m`` and ``v``,
+            momentum) in host memory between its uses where the budget needs it, a round trip per step each
+            (:mod:`dymem_tf.planning.offload`). ``None`` (default): where implemented, the CPU device.
+        offload_weights: likewise for weights (three copies per step each). ``None`` (default): where implemented.
+        calibrate: under a budget, run the first planned step as a measured probe (least memory, variables
+            guarded) and plan again from what it measured (:mod:`dymem_tf.planning.first_step`). ``False`` plans
+            for the budget from the model alone, with the fixed default headroom.
+        defer_updates: run optimizer arithmetic that needs no gradient next to its gradient, and each variable's
+            update after the users of its reads (:mod:`dymem_tf.planning.update_deferral`, ``read_ordering``).
+        min_swap_bytes: tensors smaller than this are never swapped.
+        swapin_ahead: for ``policy="tflms"``, how many topological levels ahead of its consumer a swap-in starts.
+        device: the former name of ``profile``; still accepted, with a warning.
     """
 
-    def __init__(self, memory_budget=None, policy: str = "dymem", device=None, swapin_ahead: int = 1,
-                 min_swap_bytes: int = 1 << 16, log_dir: str | None = None, trace_allocations: bool = False,
-                 defer_updates: bool = True, calibrate: bool = True, offload_optimizer_state: bool = True,
-                 xla: str | None = None, verbose: int = 1, offload_weights: bool = True,
-                 execution_order: str = "planned"):
+    def __init__(self, memory_budget="auto", *, profile=None, policy: str = "dymem",
+                 execution_order: str = "planned", xla: str | None = None, log_dir: str | None = None,
+                 trace_allocations: bool = False, verbose: int = 1, offload_optimizer_state: bool | None = None,
+                 offload_weights: bool | None = None, calibrate: bool = True, defer_updates: bool = True,
+                 min_swap_bytes: int = 1 << 16, swapin_ahead: int = 1, device=None):
         super().__init__()
         compat.check_versions()  # a clear error now, not a missing attribute inside fit
+        profile = arguments.profile_argument(profile, device)
         min_swap_bytes, log_dir, verbose = arguments.validate(
             policy=policy, swapin_ahead=swapin_ahead, min_swap_bytes=min_swap_bytes, log_dir=log_dir,
             defer_updates=defer_updates, trace_allocations=trace_allocations,
             offload_optimizer_state=offload_optimizer_state, offload_weights=offload_weights, calibrate=calibrate,
-            xla=xla, execution_order=execution_order, verbose=verbose, device=device)
+            xla=xla, execution_order=execution_order, verbose=verbose, device=profile)
         self.memory_budget = memory_budget
-        self.budget_bytes = arguments.resolve_budget(memory_budget)
-        self.profile = device_profiles.get_profile(device or arguments.default_device_profile())
+        #: "auto": train as compiled while the step fits the device (see :meth:`_begin_fit`)
+        self.fits_first = arguments.is_auto(memory_budget)
+        self.budget_bytes = None if self.fits_first else arguments.resolve_budget(memory_budget)
+        self.profile = device_profiles.get_profile(profile or arguments.default_device_profile())
         self.policy = policy
         self.log_dir = log_dir
         self.trace_allocations = trace_allocations
@@ -94,8 +90,9 @@ class DymemCallback(keras.callbacks.Callback):
         self.verbose = verbose
         self.pass_ = step_pass.StepPass(step_pass.PassConfig(
             policy=policy, budget_bytes=self.budget_bytes, device=self.profile, swapin_ahead=swapin_ahead,
-            min_swap_bytes=min_swap_bytes, defer_updates=defer_updates, offload_variables=offload_optimizer_state,
-            offload_weights=offload_weights, execution_order=execution_order, verbose=verbose))
+            min_swap_bytes=min_swap_bytes, defer_updates=defer_updates,
+            offload_variables=offload_optimizer_state is not False, offload_weights=offload_weights is not False,
+            execution_order=execution_order, verbose=verbose))
         self._writer = None
         self._headroom = self.pass_.config.headroom
         self._exit_guard = None
@@ -113,7 +110,39 @@ class DymemCallback(keras.callbacks.Callback):
             raise
 
     def _begin_fit(self):
+        """Set up this ``fit``: with ``memory_budget="auto"`` the step first trains as compiled
+        (:func:`dymem_tf.keras.fits_first.begin`), else it is planned for the budget from its first step
+        (:meth:`_begin_planning`)."""
+        fit_locals = compat.fit_frame_locals(self.model)  # the running fit's locals: its data adapter, batch_size
+        self.pass_.default_batch_size = fit_batch.fit_batch_size(fit_locals)
+        self.pass_.last_skipped = None  # an earlier fit's step is not this one's
+        self.pass_.observed_batch_size = fit_batch.observed_batch_size(fit_locals)
+        self._say_options_off_here()
+        if self.fits_first:  # the step trains as compiled while it fits the device
+            fits_first.begin(self)
+        else:
+            self._begin_planning(self.budget_bytes)
+        log_dir = self.log_dir
+        if log_dir:
+            from dymem_tf.observe import summaries
+
+            self._writer = summaries.DymemSummaryWriter(log_dir, profile=self.profile)
+            self._plans_written = len(self.pass_.records)  # plans of an earlier fit are not this run's
+            if self.trace_allocations:
+                traced = devices.trace_device()
+                self._writer.start_allocator_trace(device=None if traced is False else traced)
+
+    def _plan_for_device(self, capacity: int) -> None:
+        """The step does not fit the device: plan it for ``capacity`` from the next call of the train function on
+        (and in later fits of this callback)."""
+        self._device_too_small = True
+        self._begin_planning(capacity)
+
+    def _begin_planning(self, budget_bytes: int | None):
+        """Plan the train step for ``budget_bytes`` (None: swap every tensor worth swapping) from its next call:
+        place the variables, and under a budget make that call the guarded probe."""
         model = self.model
+        self.budget_bytes = self.pass_.config.budget_bytes = budget_bytes
         offload = self._offloads_state()
         # what the device holds besides this model (other models of the process): not this fit's to budget; read
         # before the optimizer builds, since offloaded state is made in host memory (a device that holds the
@@ -127,27 +156,14 @@ class DymemCallback(keras.callbacks.Callback):
         if offload and self._offloads_weights():  # at least the largest weight, and those too small to move
             resident = variables.resident_weight_bytes(model, self.pass_.config.min_swap_bytes)
         if self.budget_bytes is not None and resident > self.budget_bytes:
-            what = ("the model's weights that must stay on the device (its largest weight and those smaller than "
-                    "min_swap_bytes)" if offload and self._offloads_weights()
-                    else "the model's weights alone" if offload else "the model's weights and optimizer state")
-            raise planner.BudgetTooSmallError(
-                f"memory_budget {_fmt(self.budget_bytes)} is smaller than {what} ({_fmt(resident)}); raise the "
-                "budget or use a smaller model.")
+            raise errors.weights_over_budget(self.budget_bytes, resident, offload, self._offloads_weights())
         # under a budget the first step is the probe (dymem_tf.planning.first_step): least memory, measured,
         # variables guarded, and the device capped at the budget (which cannot go below GTBM's pageblocks)
         guard = self.budget_bytes is not None and self.policy != "none" and self.calibrate
         floor = variables.pageblock_floor(stats, resident)
         if guard and floor > self.budget_bytes:
-            raise planner.BudgetTooSmallError(
-                f"memory_budget {_fmt(self.budget_bytes)} is smaller than the least GTBM can train in: "
-                f"{_fmt(floor)}, the pageblocks of the variables that stay on the device ({_fmt(resident)}) and one "
-                f"{_fmt(int(stats['block_size']))} pageblock each for the step's transient and mobile tensors; "
-                "raise the budget to at least that.")
+            raise errors.below_block_floor(self.budget_bytes, floor, resident, int(stats["block_size"]))
         errors.warn_onednn_out_of_memory_crash()
-        fit_locals = compat.fit_frame_locals(model)  # the running fit's locals: its data adapter, its batch_size
-        self.pass_.default_batch_size = fit_batch.fit_batch_size(fit_locals)
-        self.pass_.last_skipped = None  # an earlier fit's step is not this one's
-        self.pass_.observed_batch_size = fit_batch.observed_batch_size(fit_locals)
         self.pass_.persistent_bytes = weights
         if offload:  # the state starts in host memory: each plan brings back only what it needs, when it needs it
             variables.offload_optimizer_state(model, self.pass_.config.min_swap_bytes)
@@ -163,15 +179,13 @@ class DymemCallback(keras.callbacks.Callback):
         self.pass_.config.headroom = self._headroom
         self._xla_asked = xla.turn_off(model, self.xla, self._say, self._warn)
         model.train_function = self._wrap_train_function(model.train_function, guard=guard)
-        log_dir = self.log_dir
-        if log_dir:
-            from dymem_tf.observe import summaries
 
-            self._writer = summaries.DymemSummaryWriter(log_dir, profile=self.profile)
-            self._plans_written = len(self.pass_.records)  # plans of an earlier fit are not this run's
-            if self.trace_allocations:
-                traced = devices.trace_device()
-                self._writer.start_allocator_trace(device=None if traced is False else traced)
+    def _say_options_off_here(self) -> None:
+        """Say once per callback which options asked for explicitly do nothing on this device."""
+        off = arguments.options_off_here(self)
+        if off and not getattr(self, "_said_off_here", False):
+            self._said_off_here = True
+            self._warn(off)
 
     def on_train_batch_end(self, batch, logs=None):
         if self._writer is not None:
@@ -202,13 +216,13 @@ class DymemCallback(keras.callbacks.Callback):
     def _offloads_state(self) -> bool:
         """Whether this fit's plans may keep optimizer state in host memory between its uses: a budget, the dymem
         policy, ``offload_optimizer_state``, and the CPU device (see :mod:`dymem_tf.planning.offload`)."""
-        return (self.budget_bytes is not None and self.policy == "dymem" and self.offload_optimizer_state
-                and not devices.training_gpus())
+        return (self.budget_bytes is not None and self.policy == "dymem"
+                and self.offload_optimizer_state is not False and not devices.training_gpus())
 
     def _offloads_weights(self) -> bool:
         """Whether this fit's plans may keep weights in host memory between their uses (as for state, and
         ``offload_weights``)."""
-        return self._offloads_state() and self.offload_weights
+        return self._offloads_state() and self.offload_weights is not False
 
     def _wrap_train_function(self, train_function, guard: bool = False, fallback=None):
         """``train_function`` run with the graph pass armed (its instantiation is planned and rewritten after
@@ -440,27 +454,14 @@ class DymemCallback(keras.callbacks.Callback):
         self._say(f"dymem_tf: first step of the {stage + ' ' if stage else ''}plan: {plan.measured_summary()}")
 
     def _cap_device_at_budget(self) -> None:
-        """Cap the GTBM device at the budget for this ``fit`` (the budget is the device there), so that a probe that
-        needs more raises instead of succeeding over the budget; :meth:`_restore_device_limit` undoes it. That is the
-        CPU device, or every training GPU when GTBM serves them all (``DYMEM_GTBM_GPU=1``); GPUs on TF's allocator
-        keep its fixed limit. What the device held besides this model when ``fit`` began (other models of the
-        process) is added to the cap."""
-        self._saved_limit = {}
-        gpus = devices.training_gpus()
-        pools = devices.gtbm_gpus(gpus) if gpus else ([None] if allocator.is_active() else [])
-        if not pools:
-            return
-        cap = self.budget_bytes + self._others_bytes  # other models the process holds keep their memory
-        for device in pools:
-            limit = allocator.get_memory_limit(device=device)
-            if cap < limit:
-                allocator.set_memory_limit(cap, device=device)
-                self._saved_limit[device] = limit
+        """Cap the GTBM device at the budget for this ``fit`` (:func:`dymem_tf.memory.devices.cap_at`), so that a
+        probe that needs more raises instead of succeeding over the budget; :meth:`_restore_device_limit` undoes
+        it. Other models the process held when ``fit`` began keep their memory."""
+        self._saved_limit = devices.cap_at(self.budget_bytes + self._others_bytes)
 
     def _restore_device_limit(self) -> None:
         saved, self._saved_limit = getattr(self, "_saved_limit", None) or {}, {}
-        for device, limit in saved.items():
-            allocator.set_memory_limit(limit, device=device)
+        devices.restore_limits(saved)
 
     def _warn(self, text: str) -> None:
         compat.warn_user(text)

@@ -1,4 +1,5 @@
-"""Trace a model's train step without running it, and plan it under every policy (``python -m dymem_tf plan``)."""
+"""Plan a model's train step without running it: :func:`dry_run` for any compiled model, and the policies side by side
+for ``dymem plan``."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,8 +9,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from dymem_tf.keras import arguments
+from dymem_tf.memory import allocator, devices
 from dymem_tf.passes import graph_def_view, graph_pass, step_pass
-from dymem_tf.planning import pipeline, planner
+from dymem_tf.planning import device_profiles, pipeline, planner
 
 
 @dataclasses.dataclass
@@ -53,18 +56,63 @@ def build_model(model: str, image_size: int, classes: int = 10) -> keras.Model:
     return net
 
 
-def trace_train_step(model: keras.Model, batch_size: int) -> TracedStep:
+def sample_batch(model: keras.Model, batch_size: int):
+    """A batch of zeros ``(x, y)`` for ``model``: ``x`` in the structure of its inputs (a dict for dict inputs), ``y``
+    in that of its outputs, as integer class labels where the output's loss is a sparse one; ValueError for a model
+    without symbolic inputs (a subclassed model never called on ``keras.Input``: pass ``x`` and ``y``)."""
+    inputs, outputs = _symbolic(model, "input"), _symbolic(model, "output")
+
+    def zeros(tensor, sparse: bool = False):
+        shape = (batch_size,) + tuple(int(d or 1) for d in tensor.shape[1:])
+        if sparse:
+            return np.zeros(shape[:-1], np.int64)
+        return np.zeros(shape, np.dtype(tensor.dtype) if tensor.dtype != "string" else np.float32)
+
+    x = keras.tree.map_structure(zeros, inputs)
+    loss = getattr(model, "loss", None)
+    if isinstance(outputs, dict):
+        y = {name: zeros(out, _sparse(loss.get(name) if isinstance(loss, dict) else loss))
+             for name, out in outputs.items()}
+    elif isinstance(outputs, (list, tuple)):
+        losses = loss if isinstance(loss, (list, tuple)) else [loss] * len(outputs)
+        y = [zeros(out, _sparse(l)) for out, l in zip(outputs, losses)]
+    else:
+        y = zeros(outputs, _sparse(loss))
+    return x, y
+
+
+def _symbolic(model: keras.Model, which: str):
+    """The model's symbolic ``which`` ("input" or "output") in its structure: a functional model's as built (a
+    dict, a list or one tensor), a ``Sequential``'s one tensor."""
+    try:
+        return getattr(model, which)
+    except (AttributeError, ValueError):
+        pass
+    tensors = getattr(model, which + "s", None)  # Sequential: inputs and outputs, but no input before a call
+    if not tensors:
+        raise ValueError(f"this model has no symbolic {which}s to make a batch from (a subclassed model never "
+                         "called on keras.Input?): pass a batch as x=... and y=...")
+    return tensors[0] if len(tensors) == 1 else list(tensors)
+
+
+def _sparse(loss) -> bool:
+    """Whether ``loss`` (a name, a function or a ``Loss``) takes integer class labels."""
+    name = loss if isinstance(loss, str) else getattr(loss, "name", None) or getattr(loss, "__name__", "")
+    return "sparse" in str(name).lower() or "sparse" in type(loss).__name__.lower()
+
+
+def trace_train_step(model: keras.Model, batch_size: int, x=None, y=None) -> TracedStep:
     """The analysed train step of ``model`` at ``batch_size``, as the callback would plan it, without running it.
 
-    The step is instantiated by a ``fit`` on one batch of zeros; the graph pass captures the graph TensorFlow would
-    run (after Grappler, exactly what the callback plans) and cancels the instantiation, so the step never runs and
-    no variable changes. Differences from a run: the batch is one of zeros, and a step that the callback would see
-    with an unknown batch dimension (a partial last batch) is captured here with a full one.
+    The step is instantiated by a ``fit`` on one batch (``x`` and ``y``, or zeros shaped like the model's inputs and
+    outputs: :func:`sample_batch`); the graph pass captures the graph TensorFlow would run (after Grappler, exactly
+    what the callback plans) and cancels the instantiation, so the step never runs and no variable changes.
+    Differences from a run: the batch is this one, and a step that the callback would see with an unknown batch
+    dimension (a partial last batch) is captured here with a full one.
     """
-    x = np.zeros((batch_size,) + tuple(model.input_shape[1:]), np.float32)
-    out_shape = model.output_shape
-    y = np.zeros((batch_size,), np.int64) if len(out_shape) == 2 else np.zeros(
-        (batch_size,) + tuple(out_shape[1:]), np.float32)
+    if x is None:
+        x, sample_y = sample_batch(model, batch_size)
+        y = sample_y if y is None else y
     captured = {}
 
     def capture(call):
@@ -74,14 +122,17 @@ def trace_train_step(model: keras.Model, batch_size: int) -> TracedStep:
         captured["num_ops"] = len(ops)
         call.fail("dry run: the step's graph was captured and is not run")
 
+    history = getattr(model, "history", None)
     try:
         with graph_pass.armed(capture):
-            model.fit(x, y, batch_size=batch_size, epochs=1, verbose=0, shuffle=False)
+            model.fit(x, y, batch_size=batch_size, epochs=1, steps_per_epoch=1, verbose=0, shuffle=False)
     except tf.errors.CancelledError:
         if "graph" not in captured:
             raise
     finally:
         model.train_function = None  # the next fit instantiates the step afresh
+        if history is not None:
+            model.history = history
     if "graph" not in captured:
         captured["graph"], captured["num_ops"] = None, 0
         captured["problem"] = step_pass.Unsupported(step_pass.SkipKind.NO_GRADIENTS, "", step_pass.NO_GRADIENTS)
@@ -113,3 +164,62 @@ def plan_all(traced: TracedStep, policies, budget_bytes, device, headroom: float
         except ValueError as err:
             results[policy] = err
     return results
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """What a dry run plans for, resolved as ``DymemCallback`` resolves its arguments on this machine."""
+
+    budget_bytes: int | None  # None: no budget (or a device without a limit, see ``unlimited``)
+    profile: device_profiles.DeviceProfile
+    offload_state: bool  # optimizer state may leave the device under the budget (the CPU device only)
+    offload_weights: bool
+    unlimited: bool  # memory_budget="auto" on a device without a memory limit: nothing needs swapping
+
+    def offload(self, policy: str) -> dict:
+        """The planner's offloading switches for ``policy`` (the dymem policy offloads, under a budget)."""
+        on = policy == "dymem" and self.budget_bytes is not None
+        return {"offload_variables": on and self.offload_state, "offload_weights": on and self.offload_weights}
+
+
+def resolve_options(memory_budget, profile, offload_optimizer_state=None, offload_weights=None) -> Options:
+    """``memory_budget`` in bytes (``"auto"``: this machine's device), the cost profile (None: this machine's) and
+    whether the plan may offload variables, as the callback would decide them here."""
+    budget = arguments.resolve_budget(memory_budget)
+    state = (budget is not None and offload_optimizer_state is not False and not devices.training_gpus()
+             and allocator.is_active())
+    return Options(budget, device_profiles.get_profile(profile or arguments.default_device_profile()), state,
+                   state and offload_weights is not False, arguments.is_auto(memory_budget) and budget is None)
+
+
+def dry_run(model: keras.Model, batch_size: int, memory_budget="auto", *, profile=None, policy: str = "dymem",
+            x=None, y=None, offload_optimizer_state: bool | None = None, offload_weights: bool | None = None,
+            min_swap_bytes=1 << 16, execution_order: str = "planned"):
+    """The :class:`~dymem_tf.planning.plan.Plan` ``DymemCallback`` would make for ``model``'s train step at
+    ``batch_size``, without training: nothing runs and no variable changes (``plan.summary()`` prints it).
+
+    ``model`` is compiled (optimizer and loss); its batch is ``x`` and ``y`` when given, else zeros shaped like its
+    inputs and outputs (any structure: dicts of inputs too). The arguments mean what they mean for
+    ``DymemCallback``: ``memory_budget="auto"`` plans for this machine's device (a step that fits it swaps
+    nothing). What a dry run cannot do is measure: budgets are planned with the fixed headroom, as
+    ``DymemCallback(calibrate=False)`` does. Raises :class:`~dymem_tf.planning.planner.BudgetTooSmallError` when no
+    plan fits the budget, and :class:`StepLeftUnmodifiedError` for a step the callback would leave as it is.
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    if getattr(model, "optimizer", None) is None or not getattr(model, "compiled", True):
+        raise ValueError("compile the model first (model.compile(optimizer=..., loss=...)): the train step "
+                         "includes the optimizer's update")
+    min_swap_bytes, _, _ = arguments.validate(
+        policy=policy, swapin_ahead=1, min_swap_bytes=min_swap_bytes, log_dir=None, defer_updates=True,
+        trace_allocations=False, offload_optimizer_state=offload_optimizer_state, offload_weights=offload_weights,
+        calibrate=False, xla=None, execution_order=execution_order, verbose=0, device=profile)
+    options = resolve_options(memory_budget, profile, offload_optimizer_state, offload_weights)
+    if options.unlimited:
+        policy = "none"  # a device without a limit: every step fits, nothing is swapped
+    traced = trace_train_step(model, batch_size, x, y)
+    result = plan_all(traced, (policy,), options.budget_bytes, options.profile, min_swap_bytes=min_swap_bytes,
+                      execution_order=execution_order, **options.offload(policy))[policy]
+    if isinstance(result, Exception):
+        raise result
+    return result

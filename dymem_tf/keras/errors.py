@@ -10,6 +10,24 @@ from dymem_tf.memory import allocator, devices
 from dymem_tf.planning import first_step, planner
 
 
+def weights_over_budget(budget: int, resident: int, offload: bool, weights_too: bool) -> planner.BudgetTooSmallError:
+    """The refusal before training of a budget that cannot hold the variables that must stay on the device."""
+    what = ("the model's weights that must stay on the device (its largest weight and those smaller than "
+            "min_swap_bytes)" if offload and weights_too
+            else "the model's weights alone" if offload else "the model's weights and optimizer state")
+    return planner.BudgetTooSmallError(f"memory_budget {fmt(budget)} is smaller than {what} ({fmt(resident)}); raise "
+                                       "the budget or use a smaller model.", budget_bytes=budget)
+
+
+def below_block_floor(budget: int, floor: int, resident: int, block: int) -> planner.BudgetTooSmallError:
+    """The refusal before training of a budget under the least GTBM's groups can hold: the variables' blocks and
+    one block each for the step's other two groups."""
+    return planner.BudgetTooSmallError(
+        f"memory_budget {fmt(budget)} is smaller than the least GTBM can train in: {fmt(floor)}, the blocks of the "
+        f"variables that stay on the device ({fmt(resident)}) and one {fmt(block)} block each for the step's "
+        "short-lived and swapped tensors; raise the budget to at least that.", budget_bytes=budget)
+
+
 def too_close(cb, measured: int) -> planner.BudgetTooSmallError:
     """The refusal after the least-memory plan fitted with less than its step slack of the budget to spare."""
     batch = cb.plan.batch_size if cb.plan is not None else None
@@ -17,12 +35,11 @@ def too_close(cb, measured: int) -> planner.BudgetTooSmallError:
     suggested = planner.suggested_batch(batch, cb.budget_bytes, measured, cb.pass_.persistent_bytes,
                                         margin=2 * slack)
     hint = batch_hint(batch, suggested)
+    needed = int(measured / (1 - slack)) + 1
     return planner.BudgetTooSmallError(
-        f"memory_budget {fmt(cb.budget_bytes)} is too small to train reliably: the first step, planned for "
-        f"the least device memory, measured a peak of {fmt(measured)}, within "
-        f"{slack:.0%} of the budget, and later steps of a plan vary by a few % (at least "
-        f"{fmt(first_step.STEP_VARIATION_BYTES)}: whole pageblocks). The variables "
-        f"were restored. Raise the budget or {hint}.",
+        f"memory_budget {fmt(cb.budget_bytes)} is too small to train reliably: with every tensor that can leave "
+        f"the device swapped out, the first step used {fmt(measured)}, and later steps can use "
+        f"{slack:.0%} more. The variables were restored. Raise the budget to at least {fmt(needed)} or {hint}.",
         min_peak_bytes=measured, budget_bytes=cb.budget_bytes, suggested_batch=suggested)
 
 
@@ -46,11 +63,11 @@ def measured_too_small(cb, err) -> planner.BudgetTooSmallError:
             f"left it unmodified ({reasons}), so no swapping could help. No variable was changed. Raise the "
             "budget or reduce the batch size.", budget_bytes=cb.budget_bytes)
     error = planner.BudgetTooSmallError(
-        f"memory_budget {fmt(cb.budget_bytes)} is too small: the first step, planned for the least device "
-        f"memory (every eligible tensor swapped; predicted peak {fmt(predicted)}, of which "
-        f"{fmt(plan.persistent_bytes)} weights and optimizer state that stay on the device), ran out of memory "
-        f"({err.message.splitlines()[0] if err.message else ''})"
-        f". No variable was changed. Raise the budget or {hint}.",
+        f"memory_budget {fmt(cb.budget_bytes)} is too small: the first step ran out of memory even with every "
+        f"tensor that can leave the device swapped out (predicted peak {fmt(predicted)}, of which "
+        f"{fmt(plan.persistent_bytes)} weights and optimizer state that stay on the device; "
+        f"{err.message.splitlines()[0] if err.message else ''}). No variable was changed. Raise the budget or "
+        f"{hint}.",
         min_peak_bytes=predicted or None, budget_bytes=cb.budget_bytes, suggested_batch=suggested)
     return error
 

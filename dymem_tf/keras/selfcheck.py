@@ -279,7 +279,7 @@ def check_training(device: str) -> Result:
     tf.config.experimental.enable_op_determinism()
     base_loss, base_weights = _tiny_training([])
     swaps_before = host_pool.host_pool_stats()["num_swap_outs"]
-    cb = DymemCallback(min_swap_bytes=0, verbose=0)
+    cb = DymemCallback(memory_budget=None, min_swap_bytes=0, verbose=0)
     loss, weights = _tiny_training([cb])
     ran = host_pool.host_pool_stats()["num_swap_outs"] - swaps_before
     if _injected("training"):

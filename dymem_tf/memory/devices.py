@@ -83,6 +83,27 @@ def device_memory_capacity() -> int | None:
     return allocator.get_memory_limit() if allocator.is_active() else None
 
 
+def cap_at(cap: int) -> dict:
+    """Cap every GTBM pool serving training at ``cap`` bytes where its limit is higher: the CPU device, or the
+    training GPUs GTBM serves (``DYMEM_GTBM_GPU=1``; GPUs on TF's allocator keep its fixed limit). Returns the
+    limits it replaced, for :func:`restore_limits`."""
+    gpus = training_gpus()
+    pools = gtbm_gpus(gpus) if gpus else ([None] if allocator.is_active() else [])
+    saved = {}
+    for device in pools:
+        limit = allocator.get_memory_limit(device=device)
+        if cap < limit:
+            allocator.set_memory_limit(cap, device=device)
+            saved[device] = limit
+    return saved
+
+
+def restore_limits(saved: dict) -> None:
+    """Put back the limits :func:`cap_at` replaced."""
+    for device, limit in saved.items():
+        allocator.set_memory_limit(limit, device=device)
+
+
 def less_others(stats: dict | None, others: int) -> dict | None:
     """``stats`` less ``others`` bytes (what the device held besides the model when ``fit`` began) in use, at the
     peak and reserved, never below 0; GTBM's persistent group holds those bytes, and loses them too."""

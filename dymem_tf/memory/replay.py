@@ -218,9 +218,9 @@ def format_table(results: Sequence[ReplayResult]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "dymem-replay") -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m dymem_tf.memory.replay",
+        prog=prog,
         description="Replay allocation traces (CSV id,lower,upper,size[,group,...]) through GTBM and baselines.",
     )
     parser.add_argument("paths", nargs="+", help="CSV files (MiniMalloc format or recorded GTBM traces)")

@@ -241,10 +241,11 @@ def calibrated_headroom(budget_bytes: int, predicted_peak: int, measured_peak: i
 
 
 class VariableSnapshot:
-    """Host copies of a model's and its optimizer's variables, to put back after a failed step."""
+    """Host copies of a model's, its optimizer's and its metrics' variables, to put back after a failed step (the
+    metrics too: the loss a failed step added to the running mean must not count)."""
 
     def __init__(self, model):
-        variables = list(model.variables)
+        variables = list(model.variables) + list(getattr(model, "metrics_variables", []))
         optimizer = getattr(model, "optimizer", None)
         if optimizer is not None:
             variables += list(getattr(optimizer, "variables", []))

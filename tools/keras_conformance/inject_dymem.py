@@ -1,4 +1,5 @@
-"""pytest plugin: every ``TensorFlowTrainer.fit`` gets ``DymemCallback(min_swap_bytes=0, verbose=0)`` appended.
+"""pytest plugin: every ``TensorFlowTrainer.fit`` gets
+``DymemCallback(memory_budget=None, min_swap_bytes=0, verbose=0)`` appended.
 
 Enable it with ``-p tools.keras_conformance.inject_dymem`` (from the repository root). It imports ``dymem_tf`` right
 after TensorFlow (before any test allocates, so that the GTBM allocator serves the device as it would for a user),
@@ -83,7 +84,7 @@ def install() -> None:
 def _new_callback():
     import dymem_tf
 
-    return dymem_tf.DymemCallback(min_swap_bytes=0, verbose=0)
+    return dymem_tf.DymemCallback(memory_budget=None, min_swap_bytes=0, verbose=0)
 
 
 def _with_callback(callbacks, callback, model):

@@ -4,7 +4,8 @@
 
 Runs the chosen test modules that the keras wheel ships (``keras/src/**/*_test.py``) with ``KERAS_BACKEND=tensorflow``
 twice, one pytest process each way, one after the other: plain Keras, then with the plugin
-:mod:`tools.keras_conformance.inject_dymem` that appends ``DymemCallback(min_swap_bytes=0, verbose=0)`` to every
+:mod:`tools.keras_conformance.inject_dymem` that appends
+``DymemCallback(memory_budget=None, min_swap_bytes=0, verbose=0)`` to every
 ``fit``. Exits 1 when a test passes without the callback and fails with it (or when a run produces no results),
 else 0. Prints the counts: tests run and passed each way, injected fits, fits that swapped, the traces the pass
 left unmodified by reason (those without gradient ops, which have nothing to plan, apart), and those traces per test

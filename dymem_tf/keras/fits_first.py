@@ -1,0 +1,106 @@
+"""``memory_budget="auto"``: the train step runs as the user compiled it while it fits the device.
+
+Its first call runs guarded, on a copy of the first batch: the variables are saved to host memory first, and the
+batch is taken off ``fit``'s iterator and served from a one-element iterator of the same type, so that a step that
+runs out of memory can be planned for the device and run again on the same batch (no batch is lost). A step that
+fits with the slack later steps need (:func:`dymem_tf.planning.first_step.step_slack`) keeps the user's train
+function, untouched: no pass, no swap op, XLA as compiled.
+"""
+from __future__ import annotations
+
+import tensorflow as tf
+
+from dymem_tf.keras import errors, variables
+from dymem_tf.memory import devices
+from dymem_tf.passes import step_pass
+from dymem_tf.planning import first_step
+
+
+def begin(callback) -> None:
+    """Set up a ``fit`` of ``callback`` (``memory_budget="auto"``): the step trains as the user compiled it (XLA
+    included, no pass, nothing swapped) while it fits the device, its first call guarded
+    (:func:`first_call_function`). A device without a limit, or ``policy="none"``, needs not even that; a
+    callback whose step did not fit in an earlier ``fit`` plans it for the device at once."""
+    model = callback.model
+    stats = devices.device_memory_stats()
+    callback._others_bytes = max(int(stats["bytes_in_use"]) - step_pass.persistent_bytes(model), 0) \
+        if stats is not None else 0
+    callback.budget_bytes = callback.pass_.config.budget_bytes = None  # until the step does not fit
+    capacity = devices.device_memory_capacity()
+    if capacity is None or callback.policy == "none":
+        callback._say("dymem_tf: the train step runs as compiled: "
+                      + ("the device has no memory limit." if capacity is None else 'policy="none".'))
+        return
+    capacity = max(capacity - callback._others_bytes, 1)  # other models of the process keep their memory
+    if getattr(callback, "_device_too_small", False):
+        callback._begin_planning(capacity)
+        return
+    errors.warn_onednn_out_of_memory_crash()
+    variables.build_optimizer(model, in_host_memory=False)  # as Keras would build it
+    model.train_function = first_call_function(callback, model.train_function, capacity)
+
+
+def one_batch(iterator, steps_per_execution):
+    """The next batch of ``iterator`` as a maker of one-element iterators whose type is ``iterator``'s (so the
+    train function traced for one serves the other); None where that cannot be done (not a ``tf.data`` iterator,
+    several steps per call, a batch that is not dense tensors), and then nothing is taken off ``iterator``."""
+    if steps_per_execution != 1 or type(iterator).__name__ != "OwnedIterator":
+        return None
+    spec = iterator.element_spec
+    if not all(isinstance(s, tf.TensorSpec) for s in tf.nest.flatten(spec)):
+        return None
+    optional = iterator.get_next_as_optional()
+    if not optional.has_value():
+        return None
+    element = optional.get_value()
+
+    def relax(*args):  # the batch's static shapes relaxed to the iterator's (e.g. an unknown batch dimension)
+        value = args if isinstance(spec, tuple) else args[0]
+        return tf.nest.map_structure(lambda t, s: tf.compat.v1.placeholder_with_default(t, s.shape), value, spec)
+
+    dataset = tf.data.Dataset.from_tensors(element).map(relax)
+    if dataset.element_spec != spec:
+        raise RuntimeError(f"dymem_tf: the first batch cannot be served again as {spec} (got "
+                           f"{dataset.element_spec}); please report this.")
+    return lambda: iter(dataset)
+
+
+def first_call_function(callback, train_function, capacity: int):
+    """``train_function`` whose first call runs guarded on the first batch and decides: a step that fits
+    ``capacity`` with its slack to spare keeps ``train_function`` as the model's train function; one that runs
+    out of memory (its variables put back) or comes within the slack is planned for the device by
+    ``callback._plan_for_device``, and a step that ran out of memory is run again on the same batch."""
+
+    def first_call(iterator):
+        model = callback.model
+        batch = one_batch(iterator, getattr(model, "steps_per_execution", 1))
+        snapshot = first_step.VariableSnapshot(model)
+        devices.reset_device_peaks()
+        try:
+            outputs = train_function(batch() if batch else iterator)
+        except tf.errors.ResourceExhaustedError:
+            snapshot.restore()
+            lost = "" if batch else " (that batch was not trained)"
+            callback._say(f"dymem_tf: the train step ran out of the device's {errors.fmt(capacity)} in its first "
+                          f"step; the variables were put back{lost} and the step is planned for the device, "
+                          "swapping what does not fit.")
+            callback._plan_for_device(capacity)
+            return model.train_function(batch() if batch else iterator)
+        stats = callback._own(devices.device_memory_stats())
+        measured = stats["peak_bytes_reserved"] if stats is not None else None
+        slack = first_step.step_slack(capacity)
+        if measured is not None and measured > (1 - slack) * capacity:
+            callback._say(f"dymem_tf: the train step measured {errors.fmt(measured)} in its first step, within "
+                          f"{slack:.0%} of the device's {errors.fmt(capacity)}; from its next step on it is "
+                          "planned for the device, swapping what later steps could run out of.")
+            callback._plan_for_device(capacity)
+        else:
+            model.train_function = train_function
+            took = (f"{errors.fmt(measured)} of the device's {errors.fmt(capacity)}" if measured is not None
+                    else f"it did not run out of the device's {errors.fmt(capacity)}")
+            callback._say(f"dymem_tf: the train step fits the device ({took} in its first step): it trains as "
+                          "compiled, nothing swapped.")
+        return outputs
+
+    first_call._dymem_wrapped = True  # pylint: disable=protected-access
+    return first_call

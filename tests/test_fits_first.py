@@ -1,0 +1,130 @@
+"""``DymemCallback()``'s default, ``memory_budget="auto"``: a step that fits the device trains as compiled.
+
+A step that fits runs the user's own train function (XLA included): no pass, no swap op, no probe. One that does
+not fit is covered by ``tests/test_first_step.py`` (its first step runs out of the device, is planned for it and
+trains bit-identically to a run without Dymem on a larger device).
+"""
+import inspect
+import warnings
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import keras
+
+import dymem_tf
+from dymem_tf.keras import arguments, callback, fits_first
+
+from conftest import xla  # the tests folder is on sys.path (pytest's default import mode)
+
+
+def _cnn(jit: bool) -> keras.Model:
+    keras.backend.clear_session()
+    keras.utils.set_random_seed(3)
+    inp = keras.Input((16, 16, 3))
+    h = keras.layers.Conv2D(8, 3, padding="same", activation="relu")(inp)
+    h = keras.layers.Conv2D(16, 3, padding="same", activation="relu")(h)
+    model = keras.Model(inp, keras.layers.Dense(10)(keras.layers.GlobalAveragePooling2D()(h)))
+    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  jit_compile=jit)
+    return model
+
+
+def _fit(model, callbacks):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 16, 16, 3)).astype("float32")
+    return model.fit(x, np.arange(32) % 10, batch_size=8, epochs=2, shuffle=False, verbose=0,
+                     callbacks=callbacks).history["loss"]
+
+
+class _TrainFunctions(keras.callbacks.Callback):
+    """The train function each batch ran with (Keras reads ``model.train_function`` at every step)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen.append(self.model.train_function)
+
+
+@pytest.fixture
+def determinism(request):
+    """Op determinism on, except for ``jit_compile=True``: Keras turns XLA off while it is on."""
+    from tensorflow.python.framework import config as tf_config
+
+    was_on = tf_config.is_op_determinism_enabled()
+    if request.param:
+        tf_config.enable_op_determinism()
+    else:
+        tf_config.disable_op_determinism()
+    yield
+    if was_on:
+        tf_config.enable_op_determinism()
+    else:
+        tf_config.disable_op_determinism()
+
+
+@pytest.mark.parametrize("jit,determinism", [(False, True), (True, False)], indirect=["determinism"])
+def test_a_step_that_fits_trains_as_compiled_with_nothing_swapped(jit, determinism, capsys):
+    plain = _fit(_cnn(jit), [])
+    model, seen = _cnn(jit), _TrainFunctions()
+    cb = dymem_tf.DymemCallback()
+    losses = _fit(model, [cb, seen])
+    assert losses == plain  # with jit_compile=True too: the step ran through XLA as the plain run did
+    assert cb.records == [] and cb.plan is None and not cb.pass_.probe  # no pass, so no swap op and no probe
+    assert "the train step fits the device" in capsys.readouterr().out
+    # from the second step on the model's own train function runs, not a wrapper
+    assert not getattr(seen.seen[1], "_dymem_wrapped", False) and len({id(f) for f in seen.seen[1:4]}) == 1
+    assert xla(seen.seen[1]) == {jit}  # with the XLA setting the user compiled it with
+
+
+def test_one_batch_serves_the_first_batch_again_with_the_iterators_type():
+    data = tf.data.Dataset.from_tensor_slices((np.arange(10, dtype="float32").reshape(5, 2), np.arange(5))).batch(2)
+    iterator = iter(data)
+    batch = fits_first.one_batch(iterator, 1)
+    assert batch is not None
+    again = batch()
+    assert again.element_spec == iterator.element_spec  # the traced train function serves both
+    first = next(again)
+    assert np.array_equal(first[0], [[0, 1], [2, 3]]) and np.array_equal(batch().get_next()[1], [0, 1])
+    assert np.array_equal(next(iterator)[1], [2, 3])  # the batch was taken off fit's iterator
+    assert fits_first.one_batch(iterator, 2) is None and fits_first.one_batch([1, 2], 1) is None
+
+
+def test_the_signature_reads_as_documented():
+    params = inspect.signature(dymem_tf.DymemCallback).parameters
+    assert params["memory_budget"].default == "auto"
+    assert params["memory_budget"].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for name, p in params.items() if name != "memory_budget")
+    with pytest.raises(TypeError):
+        dymem_tf.DymemCallback("auto", "dymem")  # pylint: disable=too-many-function-args
+
+
+def test_device_is_the_former_name_of_profile(monkeypatch):
+    monkeypatch.setattr(arguments, "_DEVICE_NAME_WARNED", [])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = dymem_tf.DymemCallback(device="h200")
+        second = dymem_tf.DymemCallback(device="v100")
+    assert first.profile.name == "h200" and second.profile.name == "v100"
+    said = [w for w in caught if issubclass(w.category, FutureWarning) and "profile=" in str(w.message)]
+    assert len(said) == 1  # once per process
+    assert dymem_tf.DymemCallback(profile="a100").profile.name == "a100"
+    with pytest.raises(ValueError, match="profile=... only"):
+        dymem_tf.DymemCallback(profile="a100", device="h100")
+
+
+def test_offloading_asked_for_on_a_gpu_says_once_that_it_does_nothing_there(monkeypatch):
+    monkeypatch.setattr(callback.devices, "training_gpus", lambda: ["GPU:0"])
+    told = []
+    cb = dymem_tf.DymemCallback(offload_optimizer_state=True)
+    monkeypatch.setattr(cb, "_warn", told.append)
+    cb._say_options_off_here()
+    cb._say_options_off_here()
+    assert len(told) == 1 and "offload_optimizer_state=True has no effect on GPUs" in told[0]
+    quiet = dymem_tf.DymemCallback()  # the default (None) means "where implemented": nothing to say
+    monkeypatch.setattr(quiet, "_warn", told.append)
+    quiet._say_options_off_here()
+    assert len(told) == 1
+    assert not cb._offloads_state()  # and it is off there
