@@ -22,7 +22,7 @@ REGION_TEST := dymem_tf/cc/allocator/tests/region_allocator_test.cc
 TF_CFLAGS = $(shell $(PY) -c "import tensorflow as tf; print(' '.join('-isystem ' + f[2:] if f.startswith('-I') else f for f in tf.sysconfig.get_compile_flags()))" 2>/dev/null)
 TF_LFLAGS = $(shell $(PY) -c "import tensorflow as tf; fl = tf.sysconfig.get_link_flags(); print(' '.join(fl + ['-Wl,-rpath,' + f[2:] for f in fl if f.startswith('-L')]))" 2>/dev/null)
 
-.PHONY: all install demo test test-fast native-test asan ubsan region-test region-asan bench bench-quick browser-deps keras-conformance clean
+.PHONY: all install install-check demo test test-fast native-test asan ubsan region-test region-asan bench bench-quick browser-deps keras-conformance clean
 
 all: install
 
@@ -44,6 +44,10 @@ demo: install
 
 test: install browser-deps
 	$(PY) -m pytest -q -ra
+
+# The README's Install section followed in a fresh virtual environment (tests/test_install.py runs it too).
+install-check:
+	$(PYTHON) tools/readme_install.py
 
 # Without the browser and the slow model tests: the edit-compile-test loop.
 test-fast: install

@@ -95,14 +95,27 @@ def run_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
 def test_cli_help():
     proc = run_cli("--help")
     assert proc.returncode == 0, proc.stderr
-    assert "usage: python -m dymem_tf" in proc.stdout and "plan" in proc.stdout
+    assert "usage: dymem" in proc.stdout and "{plan,selfcheck,replay}" in proc.stdout
+    assert "examples:" in proc.stdout and ":mod:" not in proc.stdout and "``" not in proc.stdout  # no raw reST
+    replay = run_cli("replay", "--help")
+    assert replay.returncode == 0 and "usage: dymem replay" in replay.stdout
+
+
+def test_the_dymem_command_is_installed_and_says_its_version():
+    import dymem_tf
+
+    command = shutil.which("dymem", path=os.path.dirname(sys.executable))
+    assert command, "the dymem console script is missing next to this Python: reinstall (pip install -e .)"
+    proc = subprocess.run([command, "--version"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"dymem_tf {dymem_tf.__version__}", proc
 
 
 def test_cli_dry_run(tmp_path):
     from dymem_tf.planning import planner
 
     saved = tmp_path / "plan.json"
-    proc = run_cli("plan", "--model", "mobilenet", "--batch", "1", "--image-size", "32", "--save", str(saved))
+    proc = run_cli("plan", "--model", "mobilenet", "--batch", "1", "--image-size", "32", "--budget", "none",
+                   "--save", str(saved))
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "mobilenet: batch 1, 32x32" in out and "ops in the train step" in out
@@ -117,7 +130,7 @@ def test_cli_dry_run(tmp_path):
 
 def test_cli_dry_run_offloads_optimizer_state_where_the_budget_needs_it():
     proc = run_cli("plan", "--model", "mobilenet", "--batch", "1", "--image-size", "32", "--policy", "dymem",
-                   "--budget", "30MiB", "--device", "cpu", "--offload-state")
+                   "--budget", "30MiB", "--profile", "cpu", "--no-offload-weights")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "offloaded state :" in out and "optimizer variables" in out, out
@@ -127,7 +140,7 @@ def test_cli_dry_run_offloads_optimizer_state_where_the_budget_needs_it():
 
 def test_cli_dry_run_offloads_weights_where_the_budget_needs_it():
     proc = run_cli("plan", "--model", "mobilenet", "--batch", "1", "--image-size", "32", "--policy", "dymem",
-                   "--budget", "20MiB", "--device", "cpu", "--offload-state", "--offload-weights")
+                   "--budget", "20MiB", "--profile", "cpu")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "offloaded weights:" in out, out
@@ -137,9 +150,9 @@ def test_cli_dry_run_offloads_weights_where_the_budget_needs_it():
 
 @pytest.mark.parametrize("args, message", [
     (("plan",), "the following arguments are required: --model"),
-    (("plan", "--model", "mobilenet", "--offload-weights"), "error: --offload-weights needs a --budget"),
-    (("plan", "--model", "mobilenet", "--budget", "12 parsecs"), "error: invalid byte count '12 parsecs'"),
-    (("plan", "--model", "mobilenet", "--offload-state"), "error: --offload-state needs a --budget"),
+    (("plan", "--model", "mobilenet", "--profile", "cpu", "--device", "cpu"), "error: --device is the former name"),
+    (("plan", "--model", "mobilenet", "--budget", "12 parsecs"), "is not a valid budget"),
+    (("plan", "--model", "mobilenet", "--policy", "fastest"), "error: unknown policy 'fastest'"),
 ])
 def test_cli_bad_arguments(args, message):
     proc = run_cli(*args)
@@ -206,12 +219,11 @@ def test_the_readme_dry_run_plans_swaps():
 
     with open(os.path.join(REPO, "README.md"), encoding="utf-8") as fh:
         readme = fh.read()
-    (command,) = re.findall(r"`(python -m dymem_tf plan --[^`]*)`", readme)  # not the table's `plan ...`
+    (command,) = re.findall(r"`(dymem plan --[^`]*)`", readme)
     args = command.split()
-    assert args[:3] == ["python", "-m", "dymem_tf"]
-    assert args[3:] == ["plan", "--model", "resnet50", "--batch", "64", "--image-size", "224", "--budget", "5GiB",
-                        "--device", "h200"]
-    proc = run_cli(*args[3:], timeout=600)
+    assert args == ["dymem", "plan", "--model", "resnet50", "--batch", "64", "--image-size", "224", "--budget", "5GiB",
+                    "--profile", "h200"]
+    proc = run_cli(*args[1:], timeout=600)  # python -m dymem_tf is the dymem command
     assert proc.returncode == 0, proc.stderr
     header = re.search(r"^policy\s+swaps", proc.stdout, re.MULTILINE)  # tabulate's column spacing varies
     assert header, proc.stdout

@@ -1,4 +1,4 @@
-"""The import rule of README's "How it works", enforced: which sub-package may import what.
+"""The import rule of CONTRIBUTING.md ("Sub-packages and the import rule"), enforced: which sub-package may import what.
 
 ``planning`` is the TensorFlow-free core (it must import and plan without TensorFlow installed); ``memory`` loads
 TensorFlow only inside the functions that need it, so the replay tool runs in any process; the TensorBoard plugin
