@@ -56,7 +56,8 @@ def readme_commands(readme: str) -> tuple[list[str], list[str]]:
 
 def run(command: str, cwd: str, env: dict) -> None:
     started = time.perf_counter()
-    print(f"$ {command}", flush=True)
+    lines = command.splitlines()
+    print(f"$ {lines[0]}" + (" ..." if len(lines) > 1 else ""), flush=True)
     proc = subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True)
     print(f"  ({time.perf_counter() - started:.0f} s, exit {proc.returncode})", flush=True)
     if proc.returncode != 0:

@@ -349,16 +349,34 @@ class Simulator:
 
     def run(self, swaps: Sequence[SwapDecision], persistent_bytes: int = 0, timeline: bool = True,
             validate: bool = True) -> SimResult:
-        """Simulate the step with ``swaps``."""
+        """Simulate the step with ``swaps``: its timing, its memory curve by group, and with ``timeline`` the
+        dashboard's rows, the buffers live at the peak and the allocations for placement."""
         if validate:
             self._validate(swaps)
+        sched = self._schedule(swaps)
+        mem = self._memory_events(swaps, sched)
+        curve = _MemoryCurve.of(mem, int(persistent_bytes))
+        rows, live, allocations = self._timeline(swaps, sched, mem, curve) if timeline else ([], [], None)
+        sw_events = [SwapEvent(swaps[i].tensor, k, nbytes, sched.out_start[i], sched.out_end[i], sched.in_start[j],
+                               sched.in_end[j], sched.cons_start[j], sched.stall_of[j])
+                     for j, (i, k, nbytes, _tp, _c0, _c1) in enumerate(sched.swap_ins)]
+        compute = float(self.dur.sum())
+        step = float(sched.end[-1]) if len(sched.end) else 0.0
+        step = max([step] + [sched.out_end[i] for i in range(len(swaps)) if sched.variable[i]])  # copies back
+        return SimResult(curve.peak, curve.by_group, curve.group_peaks, step, compute, float(sum(sched.stall_of)),
+                         curve.peak_time, self.order[curve.peak_key] if curve.peak_key >= 0 else "", rows, sw_events,
+                         self.order, sched.start, sched.end, live, allocations,
+                         (curve.times, curve.total + curve.persistent))
+
+    def _schedule(self, swaps: Sequence[SwapDecision]) -> _Schedule:
+        """The step's timing with ``swaps``: the copy channels, the stalls they cause and the shifted op times."""
         cost = self.cost
         # Events on the op sequence: 0 = wait before op start, 1 = producer end (swap-out), 2 = trigger end.
         # The last field orders swap-ins sharing a trigger by their first consumer (earliest deadline first).
         events: list[tuple[int, int, int, int]] = []
-        swap_ins = []  # (swap index, k, bytes, trigger pos, first consumer pos, last consumer pos)
-        variable = [self.sg.tensors[s.tensor].variable for s in swaps]
-        recomputed = [s.kind == "recompute" for s in swaps]
+        sched = _Schedule(variable=[self.sg.tensors[s.tensor].variable for s in swaps],
+                          recomputed=[s.kind == "recompute" for s in swaps])
+        variable, recomputed, swap_ins = sched.variable, sched.recomputed, sched.swap_ins
         for i, s in enumerate(swaps):
             # a variable goes back to host memory after its last use (it comes from there: no swap-out before)
             out_pos = max(self.pos[c] for si in s.swap_ins for c in si.consumers) if variable[i] else \
@@ -374,12 +392,12 @@ class Simulator:
                 events.append((min(cpos), 0, j, j))
         events.sort()
         n_in = len(swap_ins)
-        out_start = [0.0] * len(swaps)
-        out_end = [0.0] * len(swaps)
-        in_start = [0.0] * n_in
-        in_end = [0.0] * n_in
-        stall_of = [0.0] * n_in
-        cons_start = [0.0] * n_in
+        out_start, out_end = sched.out_start, sched.out_end
+        out_start += [0.0] * len(swaps)
+        out_end += [0.0] * len(swaps)
+        in_start, in_end, stall_of, cons_start = sched.in_start, sched.in_end, sched.stall_of, sched.cons_start
+        for values in (in_start, in_end, stall_of, cons_start):
+            values += [0.0] * n_in
         offset = 0.0
         stall_pos: list[int] = []
         stall_cum: list[float] = []
@@ -416,24 +434,28 @@ class Simulator:
             shift[p] += cum - prev
             prev = cum
         shift = np.cumsum(shift)[:-1]
-        start = self.base_start + shift
-        end = self.base_end + shift
+        sched.start = self.base_start + shift
+        sched.end = self.base_end + shift
+        return sched
 
-        # ---------------------------------------------------------------------------------------- memory
-        swapped = np.zeros(len(self.t_names), dtype=bool)
+    def _memory_events(self, swaps: Sequence[SwapDecision], sched: _Schedule) -> _MemoryEvents:
+        """Every allocation and free of the step with ``swaps``, in (allocations, frees) pairs of parts: kept
+        tensors, swapped tensors' originals, kernel temporaries, swap-in buffers."""
+        start, end, out_end, recomputed, variable = sched.start, sched.end, sched.out_end, sched.recomputed, \
+            sched.variable
+        mem = _MemoryEvents(keep=np.ones(len(self.t_names), dtype=bool))
         rel_time, rel_key = [], []
-        mob_idx, mob_group = [], []
         t_last = self._leaves_extended(swaps, recomputed)
         for i, s in enumerate(swaps):
             owner = self.buffer_root.get(s.tensor, s.tensor)
             ti = self.t_index.get(owner)
             if ti is None:  # zero-byte tensor: nothing to account
                 continue
-            swapped[ti] = True
+            mem.keep[ti] = False
             if variable[i]:
                 continue  # in host memory from the step's start: no device buffer before its swap-in
-            mob_idx.append(ti)
-            mob_group.append(_TRANSIENT if recomputed[i] else _MOBILE)
+            mem.mob_idx.append(ti)
+            mem.mob_group.append(_TRANSIENT if recomputed[i] else _MOBILE)
             # The original serves every consumer that no swap-in feeds (forward_consumers in a consistent plan);
             # a forwarded buffer lives on for the consumers of every tensor written into it.
             fed = {c for si in s.swap_ins for c in si.consumers}
@@ -446,99 +468,143 @@ class Simulator:
             lf = max([int(self.t_prod[ti])] + [self.pos[c] for c in users if c not in fed])
             rel_time.append(max(out_end[i], end[lf]))
             rel_key.append(lf)
-        keep = ~swapped
+        keep = mem.keep
         tp, tl, tb = self.t_prod[keep], t_last[keep], self.t_bytes[keep]
-        mi = np.array(mob_idx, dtype=np.int64)
-        parts_t = [start[tp], end[tl]]
-        parts_k1 = [tp, tl]
-        parts_k2 = [np.full(len(tp), 1), np.full(len(tl), 2)]
-        parts_d = [tb, -tb]
-        parts_g = [np.full(len(tp), _TRANSIENT), np.full(len(tl), _TRANSIENT)]
-        if len(mi):
-            mp = self.t_prod[mi]
-            parts_t += [start[mp], np.array(rel_time)]
-            parts_k1 += [mp, np.array(rel_key, dtype=np.int64)]
-            parts_k2 += [np.full(len(mi), 1), np.full(len(mi), 2)]
-            parts_d += [self.t_bytes[mi], -self.t_bytes[mi]]
-            parts_g += [np.array(mob_group, dtype=np.int64)] * 2
+        mem.add(start[tp], end[tl], tp, tl, 1, tb, _TRANSIENT)
+        if mem.mob_idx:
+            mi = np.array(mem.mob_idx, dtype=np.int64)
+            mem.add(start[self.t_prod[mi]], np.array(rel_time), self.t_prod[mi], np.array(rel_key, dtype=np.int64),
+                    1, self.t_bytes[mi], np.array(mem.mob_group, dtype=np.int64))
         if len(self.tmp_pos):  # kernel temporaries: held from the op's start to its end
-            parts_t += [start[self.tmp_pos], end[self.tmp_pos]]
-            parts_k1 += [self.tmp_pos, self.tmp_pos]
-            parts_k2 += [np.full(len(self.tmp_pos), 1), np.full(len(self.tmp_pos), 2)]
-            parts_d += [self.tmp_bytes, -self.tmp_bytes]
-            parts_g += [np.full(len(self.tmp_pos), _TRANSIENT)] * 2
-        if n_in:
+            mem.add(start[self.tmp_pos], end[self.tmp_pos], self.tmp_pos, self.tmp_pos, 1, self.tmp_bytes,
+                    _TRANSIENT)
+        swap_ins = sched.swap_ins
+        if swap_ins:
             sw = np.array([(x[3], x[5], x[2]) for x in swap_ins], dtype=np.int64)
             # a variable's (last) swap-in lives until its swap-out after the last use has copied it back; a weight's
             # first stay ends with its forward users (it goes back without a copy)
             last_in = [variable[x[0]] and x[1] == len(swaps[x[0]].swap_ins) - 1 for x in swap_ins]
             in_free = np.array([max(end[x[5]], out_end[x[0]]) if last else end[x[5]]
                                 for x, last in zip(swap_ins, last_in)])
-            parts_t += [np.array(in_start), in_free]
-            parts_k1 += [sw[:, 0], sw[:, 1]]
-            parts_k2 += [np.full(n_in, 3), np.full(n_in, 2)]
-            parts_d += [sw[:, 2], -sw[:, 2]]
-            parts_g += [np.array([_TRANSIENT if recomputed[x[0]] else _MOBILE for x in swap_ins], dtype=np.int64)] * 2
-        ev_t = np.concatenate(parts_t) if parts_t else np.zeros(0)
-        ev_k1 = np.concatenate(parts_k1)
-        ev_k2 = np.concatenate(parts_k2)
-        ev_d = np.concatenate(parts_d).astype(np.int64)
-        ev_g = np.concatenate(parts_g)
+            mem.add(np.array(sched.in_start), in_free, sw[:, 0], sw[:, 1], 3, sw[:, 2],
+                    np.array([_TRANSIENT if recomputed[x[0]] else _MOBILE for x in swap_ins], dtype=np.int64))
+        return mem
+
+    def _timeline(self, swaps, sched: _Schedule, mem: _MemoryEvents, curve: _MemoryCurve):
+        """The dashboard's memory rows, the buffers live at the peak, and the allocations (allocation event, free
+        event, bytes, GTBM group) that :mod:`dymem_tf.memory.placement` replays."""
+        persistent = curve.persistent
+        rows = [(0.0, persistent, 0, 0)]
+        rows += list(zip(curve.times.tolist(), [persistent] * len(curve.times), curve.trans.tolist(),
+                         curve.mob.tolist()))
+        if not len(curve.total):
+            return rows, [], None
+        keep = mem.keep
+        # the buffers allocated by the events up to the peak's and freed by a later one
+        buffers = [PeakBuffer(n, int(b), "transient") for n, b in
+                   zip(np.array(self.t_names, dtype=object)[keep].tolist(), self.t_bytes[keep].tolist())]
+        buffers += [PeakBuffer(self.t_names[i], int(self.t_bytes[i]), "mobile" if g == _MOBILE else "transient")
+                    for i, g in zip(mem.mob_idx, mem.mob_group)]
+        buffers += [PeakBuffer(f"{self.order[p]} (temporaries)", int(b), "transient")
+                    for p, b in zip(self.tmp_pos.tolist(), self.tmp_bytes.tolist())]
+        buffers += [PeakBuffer(swaps[i].tensor, int(nbytes), "transient" if sched.recomputed[i] else "mobile", k)
+                    for i, k, nbytes, _tp, _c0, _c1 in sched.swap_ins]
+        idx, pk, parts_d, parts_g = curve.order, curve.peak_index, mem.d, mem.g
+        rank = np.empty(len(idx), dtype=np.int64)
+        rank[idx] = np.arange(len(idx))
+        bounds = np.cumsum([0] + [len(p) for p in parts_d])  # parts come in (allocations, frees) pairs
+        alloc = np.concatenate([rank[bounds[j]:bounds[j + 1]] for j in range(0, len(parts_d), 2)])
+        free = np.concatenate([rank[bounds[j]:bounds[j + 1]] for j in range(1, len(parts_d), 2)])
+        live = [buffers[b] for b in np.flatnonzero((alloc <= pk) & (free > pk)).tolist()]
+        groups = np.where(np.concatenate(parts_g[0::2]) == _MOBILE, 2, 1)
+        kept = groups[:int(keep.sum())]
+        kept[self.t_resident[keep]] = 0  # a kept variable: GTBM's persistent group
+        offloaded = {s.tensor for s in swaps}
+        adopts = np.array([v is not None and v not in offloaded for v in self.t_adopts], dtype=bool)
+        kept[adopts[keep]] = ADOPTED  # the next buffer of a variable the device keeps
+        allocations = np.stack([alloc, free, np.concatenate(parts_d[0::2]), groups], axis=1).astype(np.int64)
+        return rows, live, allocations
+
+
+@dataclass
+class _Schedule:
+    """The step's timing under one set of swaps (:meth:`Simulator._schedule`)."""
+
+    variable: list[bool]  # per swap: an offloaded variable (it starts in host memory)
+    recomputed: list[bool]  # per swap: a recomputation (no copies)
+    #: per swap-in: (swap index, swap-in index, bytes, trigger position, first and last consumer positions)
+    swap_ins: list[tuple[int, int, int, int, int, int]] = field(default_factory=list)
+    out_start: list[float] = field(default_factory=list)  # per swap
+    out_end: list[float] = field(default_factory=list)
+    in_start: list[float] = field(default_factory=list)  # per swap-in
+    in_end: list[float] = field(default_factory=list)
+    stall_of: list[float] = field(default_factory=list)
+    cons_start: list[float] = field(default_factory=list)
+    start: np.ndarray | None = None  # per op in execution order, stalls included
+    end: np.ndarray | None = None
+
+
+@dataclass
+class _MemoryEvents:
+    """The step's allocations and frees, as parallel arrays in (allocations, frees) pairs of parts: time, sort
+    keys (op position, then kind: 1 allocate, 2 free, 3 swap-in allocate), byte delta and group."""
+
+    keep: np.ndarray  # per tensor: not swapped (its buffer lives from producer to last use)
+    mob_idx: list[int] = field(default_factory=list)  # tensors swapped or recomputed, with their group
+    mob_group: list[int] = field(default_factory=list)
+    t: list[np.ndarray] = field(default_factory=list)
+    k1: list[np.ndarray] = field(default_factory=list)
+    k2: list[np.ndarray] = field(default_factory=list)
+    d: list[np.ndarray] = field(default_factory=list)
+    g: list[np.ndarray] = field(default_factory=list)
+
+    def add(self, t_alloc, t_free, key_alloc, key_free, kind_alloc: int, nbytes, group) -> None:
+        """One part pair: allocations at ``t_alloc`` and frees at ``t_free`` of ``nbytes`` in ``group``."""
+        n = len(key_alloc)
+        groups = np.full(n, group) if np.isscalar(group) else group
+        self.t += [t_alloc, t_free]
+        self.k1 += [key_alloc, key_free]
+        self.k2 += [np.full(n, kind_alloc), np.full(n, 2)]
+        self.d += [nbytes, -nbytes]
+        self.g += [groups, groups]
+
+
+@dataclass
+class _MemoryCurve:
+    """Bytes in use after each memory event, by group, and the peak."""
+
+    persistent: int
+    order: np.ndarray  # the events' sort order (indices into the concatenated parts)
+    times: np.ndarray
+    trans: np.ndarray
+    mob: np.ndarray
+    total: np.ndarray  # transient + mobile
+    peak: int
+    peak_index: int  # position of the peak in the sorted events (-1 without events)
+    peak_key: int  # op position of the peak's event (-1 without events)
+    peak_time: float
+    by_group: dict
+    group_peaks: dict
+
+    @classmethod
+    def of(cls, mem: _MemoryEvents, persistent: int) -> _MemoryCurve:
+        """Sort ``mem``'s events (time, op position, kind) and sum them by group."""
+        ev_t = np.concatenate(mem.t) if mem.t else np.zeros(0)
+        ev_k1, ev_k2 = np.concatenate(mem.k1), np.concatenate(mem.k2)
+        ev_d, ev_g = np.concatenate(mem.d).astype(np.int64), np.concatenate(mem.g)
         idx = np.lexsort((ev_k2, ev_k1, ev_t))
         ev_t, ev_k1, ev_d, ev_g = ev_t[idx], ev_k1[idx], ev_d[idx], ev_g[idx]
         trans = np.cumsum(np.where(ev_g == _TRANSIENT, ev_d, 0))
         mob = np.cumsum(np.where(ev_g == _MOBILE, ev_d, 0))
         total = trans + mob
-        persistent_bytes = int(persistent_bytes)
-        if len(total):
-            pk = int(np.argmax(total))
-            peak = int(total[pk]) + persistent_bytes
-            by_group = {"persistent": persistent_bytes, "transient": int(trans[pk]), "mobile": int(mob[pk])}
-            group_peaks = {"persistent": persistent_bytes, "transient": int(trans.max()), "mobile": int(mob.max())}
-            peak_time, peak_op = float(ev_t[pk]), self.order[int(ev_k1[pk])]
-        else:
-            peak, peak_time, peak_op = persistent_bytes, 0.0, ""
-            by_group = {"persistent": persistent_bytes, "transient": 0, "mobile": 0}
-            group_peaks = dict(by_group)
-        rows: list[tuple[float, int, int, int]] = []
-        live: list[PeakBuffer] = []
-        allocations = None
-        if timeline:
-            rows = [(0.0, persistent_bytes, 0, 0)]
-            rows += list(zip(ev_t.tolist(), [persistent_bytes] * len(ev_t), trans.tolist(), mob.tolist()))
-            if len(total):
-                # the buffers allocated by the events up to the peak's and freed by a later one
-                buffers = [PeakBuffer(n, int(b), "transient") for n, b in
-                           zip(np.array(self.t_names, dtype=object)[keep].tolist(), tb.tolist())]
-                buffers += [PeakBuffer(self.t_names[i], int(self.t_bytes[i]), "mobile" if g == _MOBILE else "transient")
-                            for i, g in zip(mob_idx, mob_group)]
-                buffers += [PeakBuffer(f"{self.order[p]} (temporaries)", int(b), "transient")
-                            for p, b in zip(self.tmp_pos.tolist(), self.tmp_bytes.tolist())]
-                buffers += [PeakBuffer(swaps[i].tensor, int(nbytes), "transient" if recomputed[i] else "mobile", k)
-                            for i, k, nbytes, _tp, _c0, _c1 in swap_ins]
-                rank = np.empty(len(idx), dtype=np.int64)
-                rank[idx] = np.arange(len(idx))
-                bounds = np.cumsum([0] + [len(p) for p in parts_d])  # parts come in (allocations, frees) pairs
-                alloc = np.concatenate([rank[bounds[j]:bounds[j + 1]] for j in range(0, len(parts_d), 2)])
-                free = np.concatenate([rank[bounds[j]:bounds[j + 1]] for j in range(1, len(parts_d), 2)])
-                live = [buffers[b] for b in np.flatnonzero((alloc <= pk) & (free > pk)).tolist()]
-                groups = np.where(np.concatenate(parts_g[0::2]) == _MOBILE, 2, 1)
-                kept = groups[:int(keep.sum())]
-                kept[self.t_resident[keep]] = 0  # a kept variable: GTBM's persistent group
-                offloaded = {s.tensor for s in swaps}
-                adopts = np.array([v is not None and v not in offloaded for v in self.t_adopts], dtype=bool)
-                kept[adopts[keep]] = ADOPTED  # the next buffer of a variable the device keeps
-                allocations = np.stack([alloc, free, np.concatenate(parts_d[0::2]), groups], axis=1).astype(np.int64)
-
-        sw_events = []
-        for j, (i, k, nbytes, _tp, _c0, _c1) in enumerate(swap_ins):
-            sw_events.append(SwapEvent(swaps[i].tensor, k, nbytes, out_start[i], out_end[i], in_start[j],
-                                       in_end[j], cons_start[j], stall_of[j]))
-        compute = float(self.dur.sum())
-        step = float(end[-1]) if len(end) else 0.0
-        step = max([step] + [out_end[i] for i in range(len(swaps)) if variable[i]])  # copies back after updates
-        return SimResult(peak, by_group, group_peaks, step, compute, float(sum(stall_of)), peak_time, peak_op,
-                         rows, sw_events, self.order, start, end, live, allocations, (ev_t, total + persistent_bytes))
+        if not len(total):
+            by_group = {"persistent": persistent, "transient": 0, "mobile": 0}
+            return cls(persistent, idx, ev_t, trans, mob, total, persistent, -1, -1, 0.0, by_group, dict(by_group))
+        pk = int(np.argmax(total))
+        by_group = {"persistent": persistent, "transient": int(trans[pk]), "mobile": int(mob[pk])}
+        group_peaks = {"persistent": persistent, "transient": int(trans.max()), "mobile": int(mob.max())}
+        return cls(persistent, idx, ev_t, trans, mob, total, int(total[pk]) + persistent, pk, int(ev_k1[pk]),
+                   float(ev_t[pk]), by_group, group_peaks)
 
 
 @no_autograph
