@@ -59,7 +59,9 @@ def run(command: str, cwd: str, env: dict) -> None:
     lines = command.splitlines()
     print(f"$ {lines[0]}" + (" ..." if len(lines) > 1 else ""), flush=True)
     proc = subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True)
-    print(f"  ({time.perf_counter() - started:.0f} s, exit {proc.returncode})", flush=True)
+    said = proc.stdout.strip().splitlines()
+    print(f"  ({time.perf_counter() - started:.0f} s, exit {proc.returncode})" + (f": {said[-1]}" if said else ""),
+          flush=True)
     if proc.returncode != 0:
         print(proc.stdout[-4000:], proc.stderr[-6000:], sep="\n", file=sys.stderr)
         raise SystemExit(f"failed: {command}")

@@ -388,7 +388,7 @@ class DymemCallback(keras.callbacks.Callback):
             self._say(said + "planning again, calibrated on that step.")
             self._install_calibrated(measured, fallback=fallback, in_use=in_use, source="calibrated")
             return
-        self._say(said + "training goes on with the first step's least-memory plan, which leaves that slack.")
+        self._say(said + "training goes on with the first step's least-memory plan, which leaves that room.")
         self.model.train_function = fallback
 
     def _install_calibrated(self, measured: int | None, fallback, in_use: int | None = None,
@@ -457,7 +457,7 @@ class DymemCallback(keras.callbacks.Callback):
         """Cap the GTBM device at the budget for this ``fit`` (:func:`dymem_tf.memory.devices.cap_at`), so that a
         probe that needs more raises instead of succeeding over the budget; :meth:`_restore_device_limit` undoes
         it. Other models the process held when ``fit`` began keep their memory."""
-        self._saved_limit = devices.cap_at(self.budget_bytes + self._others_bytes)
+        self._saved_limit = devices.cap_at(self.budget_bytes + getattr(self, "_others_bytes", 0))
 
     def _restore_device_limit(self) -> None:
         saved, self._saved_limit = getattr(self, "_saved_limit", None) or {}, {}

@@ -80,7 +80,7 @@ def first_call_function(callback, train_function, capacity: int):
             outputs = train_function(batch() if batch else iterator)
         except tf.errors.ResourceExhaustedError:
             snapshot.restore()
-            lost = "" if batch else " (that batch was not trained)"
+            lost = "" if batch else " (the batches of that call were not trained)"
             callback._say(f"dymem_tf: the train step ran out of the device's {errors.fmt(capacity)} in its first "
                           f"step; the variables were put back{lost} and the step is planned for the device, "
                           "swapping what does not fit.")
