@@ -202,8 +202,8 @@ def test_adam_slots_count_as_persistent_before_the_first_step():
     cb = dymem_tf.DymemCallback(memory_budget=None, min_swap_bytes=0, verbose=0)
     model.fit(np.zeros((16, 64), "float32"), np.zeros(16), batch_size=8, verbose=0, callbacks=[cb])
     weights = sum(w.numpy().nbytes for w in model.trainable_weights)
-    assert cb.pass_.persistent_bytes >= 3 * weights
-    assert cb.plan.persistent_bytes == cb.pass_.persistent_bytes
+    assert cb.plan_request.persistent_bytes >= 3 * weights
+    assert cb.plan.persistent_bytes == cb.plan_request.persistent_bytes
 
 
 _DASHBOARD_ONCE_SCRIPT = r"""
@@ -268,7 +268,7 @@ def test_a_budget_is_this_fits_when_the_process_holds_other_models(tmp_path):
     steps = [json.loads(line) for line in
              (tmp_path / "dymem" / "plugins" / "dymem" / "steps.jsonl").read_text().splitlines()]
     assert steps and all(0 < s["peak_bytes_reserved"] <= 64 << 20 for s in steps), steps
-    calibration = cb.pass_.calibration
+    calibration = cb.plan_request.calibration
     assert calibration is not None and calibration.measured_peak_bytes < 64 << 20
     assert allocator.get_memory_limit() == limit  # restored after fit
     del other

@@ -72,7 +72,7 @@ def test_a_step_that_fits_trains_as_compiled_with_nothing_swapped(jit, determini
     cb = dymem_tf.DymemCallback()
     losses = _fit(model, [cb, seen])
     assert losses == plain  # with jit_compile=True too: the step ran through XLA as the plain run did
-    assert cb.records == [] and cb.plan is None and not cb.pass_.probe  # no pass, so no swap op and no probe
+    assert cb.records == [] and cb.plan is None and not cb.plan_request.probe  # no pass, so no swap op and no probe
     assert "the train step fits the device" in capsys.readouterr().out
     # from the second step on the model's own train function runs, not a wrapper
     assert not getattr(seen.seen[1], "_dymem_wrapped", False) and len({id(f) for f in seen.seen[1:4]}) == 1
@@ -128,3 +128,18 @@ def test_offloading_asked_for_on_a_gpu_says_once_that_it_does_nothing_there(monk
     quiet._say_options_off_here()
     assert len(told) == 1
     assert not cb._offloads_state()  # and it is off there
+
+
+def test_the_pass_is_armed_with_an_immutable_request_and_holds_no_callback_state():
+    import dataclasses
+
+    cb = dymem_tf.DymemCallback("64MiB")
+    assert cb.plan_request.budget_bytes == 64 << 20 and not cb.plan_request.probe
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cb.plan_request.probe = True  # the callback replaces its request whole, per state of the first step
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cb.pass_.config.min_swap_bytes = 0
+    # what changes during a fit lives in the request only: neither the pass nor its fixed config holds it
+    for name in ("probe", "calibration", "memory", "persistent_bytes", "default_batch_size", "budget_bytes",
+                 "headroom"):
+        assert not hasattr(cb.pass_, name) and not hasattr(cb.pass_.config, name), name

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import os
 import tempfile
 
@@ -89,12 +90,13 @@ class DymemCallback(keras.callbacks.Callback):
         self.execution_order = execution_order
         self.verbose = verbose
         self.pass_ = step_pass.StepPass(step_pass.PassConfig(
-            policy=policy, budget_bytes=self.budget_bytes, device=self.profile, swapin_ahead=swapin_ahead,
+            policy=policy, device=self.profile, swapin_ahead=swapin_ahead,
             min_swap_bytes=min_swap_bytes, defer_updates=defer_updates,
             offload_variables=offload_optimizer_state is not False, offload_weights=offload_weights is not False,
             execution_order=execution_order, verbose=verbose))
         self._writer = None
-        self._headroom = self.pass_.config.headroom
+        #: what the next instantiation of the train step is planned for (replaced whole, never changed)
+        self.plan_request = step_pass.PlanRequest(budget_bytes=self.budget_bytes)
         self._exit_guard = None
         self._plans_written = 0  # how many of pass_.records the summary writer has seen
         self._xla_asked = []  # the XLA settings the user asked for, off while the step swaps
@@ -114,9 +116,9 @@ class DymemCallback(keras.callbacks.Callback):
         (:func:`dymem_tf.keras.fits_first.begin`), else it is planned for the budget from its first step
         (:meth:`_begin_planning`)."""
         fit_locals = compat.fit_frame_locals(self.model)  # the running fit's locals: its data adapter, batch_size
-        self.pass_.default_batch_size = fit_batch.fit_batch_size(fit_locals)
         self.pass_.last_skipped = None  # an earlier fit's step is not this one's
-        self.pass_.observed_batch_size = fit_batch.observed_batch_size(fit_locals)
+        self.plan_request = step_pass.PlanRequest(default_batch_size=fit_batch.fit_batch_size(fit_locals),
+                                                  observed_batch_size=fit_batch.observed_batch_size(fit_locals))
         self._say_options_off_here()
         if self.fits_first:  # the step trains as compiled while it fits the device
             fits_first.begin(self)
@@ -142,7 +144,7 @@ class DymemCallback(keras.callbacks.Callback):
         """Plan the train step for ``budget_bytes`` (None: swap every tensor worth swapping) from its next call:
         place the variables, and under a budget make that call the guarded probe."""
         model = self.model
-        self.budget_bytes = self.pass_.config.budget_bytes = budget_bytes
+        self.budget_bytes = budget_bytes
         offload = self._offloads_state()
         # what the device holds besides this model (other models of the process): not this fit's to budget; read
         # before the optimizer builds, since offloaded state is made in host memory (a device that holds the
@@ -164,7 +166,6 @@ class DymemCallback(keras.callbacks.Callback):
         if guard and floor > self.budget_bytes:
             raise errors.below_block_floor(self.budget_bytes, floor, resident, int(stats["block_size"]))
         errors.warn_onednn_out_of_memory_crash()
-        self.pass_.persistent_bytes = weights
         if offload:  # the state starts in host memory: each plan brings back only what it needs, when it needs it
             variables.offload_optimizer_state(model, self.pass_.config.min_swap_bytes)
             if self._offloads_weights():  # so do the weights: the first step (the probe) finds them there
@@ -172,11 +173,12 @@ class DymemCallback(keras.callbacks.Callback):
             variables.compact_weights(model)  # what stays (and state made in the host arena) is packed on the device
         # A new train function: its first call instantiates it, and the graph pass plans that instantiation (the
         # probe under a guarded budget, see above).
-        self.pass_.probe, self.pass_.calibration, self.pass_.memory = guard, None, None
+        self.plan_request = dataclasses.replace(self.plan_request, budget_bytes=budget_bytes, probe=guard,
+                                                calibration=None, memory=None, persistent_bytes=weights,
+                                                headroom=planner.DEFAULT_HEADROOM)
         self._refined = False  # a budgeted plan calibrated again from its own first step (at most once)
         if guard:
             self._cap_device_at_budget()
-        self.pass_.config.headroom = self._headroom
         self._xla_asked = xla.turn_off(model, self.xla, self._say, self._warn)
         model.train_function = self._wrap_train_function(model.train_function, guard=guard)
 
@@ -194,7 +196,8 @@ class DymemCallback(keras.callbacks.Callback):
             while len(self.pass_.records) > self._plans_written:
                 self._plans_written += 1
                 self._writer.write_plan(self.pass_.records[self._plans_written - 1])
-            self._writer.write_step(self._global_step(batch), devices.step_stats(self.pass_.last_plan, self._own))
+            self._steps = getattr(self, "_steps", -1) + 1  # the dashboard's step: every batch of every fit
+            self._writer.write_step(self._steps, devices.step_stats(self.pass_.last_plan, self._own))
 
     def on_train_end(self, logs=None):
         self._end_fit()
@@ -244,7 +247,7 @@ class DymemCallback(keras.callbacks.Callback):
             before = callback._peak_stats(reset=first)
             clustering = xla.step_clustering(callback.xla)
             try:
-                with graph_pass.armed(callback.pass_, stage=callback._pass_stage(),
+                with graph_pass.armed(callback.pass_.listener(callback.plan_request), stage=callback._pass_stage(),
                                       batch_size=callback._replica_batch_size()), clustering:
                     outputs = train_function(iterator)
             except tf.errors.ResourceExhaustedError:
@@ -258,9 +261,10 @@ class DymemCallback(keras.callbacks.Callback):
                 callback.pass_.skip(getattr(train_function, "__name__", "train_function"),
                                     step_pass.Unsupported(step_pass.SkipKind.NO_GRADIENTS, "", step_pass.NO_GRADIENTS),
                                     None)
-            if first and callback._xla_asked and not callback.pass_.probe and not any(
+            if first and callback._xla_asked and not callback.plan_request.probe and not any(
                     record.plan.swaps for record in callback.pass_.records[seen_records:]):
-                callback._give_back_xla()
+                xla.restore(callback.model, callback._xla_asked, callback._say)
+                callback._xla_asked = []
             return outputs
 
         def dymem_train_function(iterator):
@@ -299,7 +303,7 @@ class DymemCallback(keras.callbacks.Callback):
         """The batch size of one replica's step in the running ``fit`` (None when unknown): what an unknown batch
         dimension of the step's input stands for when the pass infers its shapes."""
         strategy = getattr(self.model, "distribute_strategy", None)
-        return step_pass.replica_batch(self.pass_.default_batch_size,
+        return step_pass.replica_batch(self.plan_request.default_batch_size,
                                        getattr(strategy, "num_replicas_in_sync", 1) or 1)
 
     def _guarded_first_call(self, run, iterator, fallback):
@@ -307,7 +311,7 @@ class DymemCallback(keras.callbacks.Callback):
         install the budgeted train function; after a budgeted plan that fails, go back to the probe's."""
         snapshot = first_step.VariableSnapshot(self.model)
         devices.reset_device_peaks()
-        probe = self.pass_.probe
+        probe = self.plan_request.probe
         if probe:  # the persistent group the probe finds: the calibration predicts each plan's placement from it
             self._probe_group = self._persistent_group()
         try:
@@ -335,7 +339,7 @@ class DymemCallback(keras.callbacks.Callback):
             if measured is not None and measured > (1 - first_step.step_slack(self.budget_bytes)) * self.budget_bytes:
                 snapshot.restore()
                 raise errors.too_close(self, measured)
-            self.pass_.probe = False
+            self.plan_request = dataclasses.replace(self.plan_request, probe=False)
             self._install_calibrated(measured, fallback=self.model.train_function,
                                      in_use=stats["peak_bytes_in_use"] if stats is not None else None)
         elif fallback is not None:
@@ -350,7 +354,7 @@ class DymemCallback(keras.callbacks.Callback):
 
     def _traced_probe(self, run, iterator):
         """Run the probe step with GTBM's trace on and keep the kernel temporaries it measured in the pass
-        (``pass_.memory``, for the budgeted plan and the calibration); without GTBM serving the training device
+        (``plan_request.memory``, for the budgeted plan and the calibration); without GTBM serving the training device
         (the CPU, or the one training GPU) just run it."""
         traced = devices.trace_device()
         if traced is False:
@@ -363,8 +367,9 @@ class DymemCallback(keras.callbacks.Callback):
             new = self.pass_.records[planned:]
             if len(new) == 1 and not trace["dropped"]:  # one plan (not one per replica), whole trace
                 with open(path, newline="") as f:
-                    self.pass_.memory = memory_model.from_trace(csv.DictReader(f), new[0].step_graph,
-                                                                first_event=trace["first_event"])
+                    memory = memory_model.from_trace(csv.DictReader(f), new[0].step_graph,
+                                                     first_event=trace["first_event"])
+                self.plan_request = dataclasses.replace(self.plan_request, memory=memory)
         return outputs
 
     def _keep_calibrated_if_it_leaves_slack(self, fallback) -> None:
@@ -399,10 +404,11 @@ class DymemCallback(keras.callbacks.Callback):
         record = self.pass_.records[-1] if self.pass_.records else None
         predicted = record.plan.predicted.get("peak_bytes") if record is not None else None
         group, placed = getattr(self, "_probe_group", None), None
-        if record is not None and self.pass_.memory is not None:
+        memory = self.plan_request.memory
+        if record is not None and memory is not None:
             # the step again, with its kernels' temporaries (a calibrated plan was made with them), and placed
             sim = simulator.simulate(record.step_graph, record.plan, self.pass_.config.device,
-                                     temporaries=self.pass_.memory.held_during(record.step_graph))
+                                     temporaries=memory.held_during(record.step_graph))
             predicted = sim.peak_bytes if source == "probe" else predicted
             if group is not None and source == "probe":  # the group held the variables the probe kept
                 group = self._probe_group = group.without(placement.resident_bytes(sim.allocations))
@@ -414,8 +420,8 @@ class DymemCallback(keras.callbacks.Callback):
             calibration = first_step.Calibration.from_probe(self.budget_bytes, int(predicted), int(measured),
                                                             persistent, int(in_use or 0), source=source,
                                                             placed=placed, group=group)
-            self.pass_.calibration = calibration
-            self.pass_.config.headroom = calibration.headroom
+            self.plan_request = dataclasses.replace(self.plan_request, calibration=calibration,
+                                                    headroom=calibration.headroom)
         xla.make_train_function_without_xla(self.model)
         self.model.train_function = self._wrap_train_function(self.model.train_function, guard=True,
                                                                fallback=fallback)
@@ -470,10 +476,6 @@ class DymemCallback(keras.callbacks.Callback):
         """What the out-of-memory error of a train step under this callback adds: the budget, and what to change."""
         return errors.out_of_memory_hint(self)
 
-    def _give_back_xla(self) -> None:
-        xla.restore(self.model, self._xla_asked, self._say)
-        self._xla_asked = []
-
     # -- results -------------------------------------------------------------------------------------------------
     @property
     def plan(self):
@@ -490,10 +492,6 @@ class DymemCallback(keras.callbacks.Callback):
         """Every instantiated graph the pass rewrote: function name, batch size, step graph, plan, rewrite report and
         the rewritten graph (``record.graph``)."""
         return list(self.pass_.records)
-
-    def _global_step(self, batch: int) -> int:
-        self._steps = getattr(self, "_steps", -1) + 1
-        return self._steps
 
     def _say(self, text: str) -> None:
         if self.verbose:

@@ -32,7 +32,7 @@ def too_close(cb, measured: int) -> planner.BudgetTooSmallError:
     """The refusal after the least-memory plan fitted with less than its step slack of the budget to spare."""
     batch = cb.plan.batch_size if cb.plan is not None else None
     slack = first_step.step_slack(cb.budget_bytes)
-    suggested = planner.suggested_batch(batch, cb.budget_bytes, measured, cb.pass_.persistent_bytes,
+    suggested = planner.suggested_batch(batch, cb.budget_bytes, measured, cb.plan_request.persistent_bytes,
                                         margin=2 * slack)
     hint = batch_hint(batch, suggested)
     needed = int(measured / (1 - slack)) + 1
@@ -47,7 +47,7 @@ def measured_too_small(cb, err) -> planner.BudgetTooSmallError:
     """The refusal after the least-memory plan ran out of memory in its first step (variables restored)."""
     plan = cb.plan
     predicted = int(plan.predicted.get("peak_bytes", 0)) if plan is not None else 0
-    persistent = cb.pass_.persistent_bytes
+    persistent = cb.plan_request.persistent_bytes
     batch = plan.batch_size if plan is not None else None
     # the simulator underestimated this plan by an unknown amount: scale from the prediction with a margin,
     # and by at least one sample

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import functools
 import gc
 import hashlib
 import logging
@@ -39,12 +40,12 @@ from dymem_tf.planning.device_profiles import DeviceProfile
 logger = logging.getLogger("dymem_tf")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class PassConfig:
-    """Settings of the pass, validated by :class:`dymem_tf.DymemCallback`."""
+    """The callback's arguments as the pass uses them: fixed for the callback's life (validated by
+    :class:`dymem_tf.DymemCallback`)."""
 
     policy: str = "dymem"
-    budget_bytes: int | None = None
     device: DeviceProfile | str = "cpu"  # cost-model profile (or its name)
     swapin_ahead: int = 1
     min_swap_bytes: int = 1 << 16
@@ -52,8 +53,31 @@ class PassConfig:
     offload_weights: bool = True  # weights in host memory between their uses, under a budget (CPU only)
     defer_updates: bool = True  # see dymem_tf.planning.update_deferral and DymemCallback(defer_updates=...)
     execution_order: str = "planned"  # see dymem_tf.planning.sequencing and DymemCallback(execution_order=...)
-    headroom: float = planner.DEFAULT_HEADROOM  # share of the budget the planner leaves free
     verbose: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanRequest:
+    """What the next instantiation of the train step is planned for. The callback makes one per state of its
+    first step (:mod:`dymem_tf.planning.first_step`) and arms the pass with it; the pass only reads it."""
+
+    budget_bytes: int | None = None  # None: no budget (swap every tensor worth swapping)
+    headroom: float = planner.DEFAULT_HEADROOM  # share of the budget the planner leaves free
+    #: plan for the least device memory (the first step under a budget, measured to calibrate the next plan)
+    probe: bool = False
+    calibration: first_step.Calibration | None = None  # what the probe measured, for the budgeted plan
+    memory: object = None  # kernel temporaries measured in the probe (a planning.memory_model.MeasuredMemory)
+    persistent_bytes: int = 0  # bytes of weights and optimizer slots
+    #: batch size to plan with when the graph's batch dimension is unknown (from ``fit``)
+    default_batch_size: int | None = None
+    #: batch size seen in the first batches of data whose adapter reports none (a Python generator): not a bound
+    #: on later batches, so it is planned with only without a budget
+    observed_batch_size: int | None = None
+
+    def plans_again(self) -> bool:
+        """Whether this instantiation's graph is likely planned again: under a budget the probe's step is
+        instantiated anew for the calibrated plan, with the same graph."""
+        return self.budget_bytes is not None
 
 
 @dataclasses.dataclass
@@ -174,22 +198,8 @@ class StepPass:
         self.config = config
         self.records: list[TraceRecord] = []
         self.skipped: list[SkippedTrace] = []
-        #: batch size to plan with when the graph's batch dimension is unknown (set by the callback from ``fit``)
-        self.default_batch_size: int | None = None
-        #: batch size seen in the first batches of data whose adapter reports none (a Python generator): not a
-        #: bound on later batches, so it is planned with only without a budget (set by the callback from ``fit``)
-        self.observed_batch_size: int | None = None
-        #: bytes of weights and optimizer slots (set by the callback)
-        self.persistent_bytes: int = 0
         #: the error that made the pass cancel the last instantiation (the callback raises it)
         self.refusal: BaseException | None = None
-        #: plan the next instantiation for the least device memory (the callback's probe step, see
-        #: :mod:`dymem_tf.planning.first_step`) instead of for the budget
-        self.probe: bool = False
-        #: the calibration the next budgeted plan was made with (noted in the plan)
-        self.calibration = None
-        #: kernel temporaries measured in the probe step (a planning.memory_model.MeasuredMemory), or None
-        self.memory = None
         #: the most recent instantiation, when the pass left it unmodified (None once a later one is planned)
         self.last_skipped: SkippedTrace | None = None
         self._print = print_fn
@@ -197,27 +207,29 @@ class StepPass:
         self._warned: set[str] = set()
         self._mobility: dict = {}
 
-    def _plans_again(self) -> bool:
-        """Whether the graph of this instantiation is likely planned again: under a budget the probe's step is
-        instantiated anew for the calibrated plan, with the same graph."""
-        return self.config.budget_bytes is not None
+    def listener(self, request: PlanRequest):
+        """The listener to arm the graph pass with (:func:`dymem_tf.passes.graph_pass.armed`): plans each graph
+        offered while armed for ``request``."""
+        return functools.partial(self.__call__, request=request)
 
     @property
     def last_plan(self):
         return self.records[-1].plan if self.records else None
 
-    def __call__(self, call: graph_pass.PassCall) -> None:
-        """Plan and rewrite one instantiated graph (the :func:`dymem_tf.passes.graph_pass.armed` listener)."""
+    def __call__(self, call: graph_pass.PassCall, request: PlanRequest | None = None) -> None:
+        """Plan and rewrite one instantiated graph for ``request`` (None: no budget, nothing measured)."""
+        request = PlanRequest() if request is None else request
         start = time.perf_counter()
         clock = stages.StageClock()
         with clock.active(), _collector_paused():
             with stages.stage("read"):
-                groups = self._captures.read(call.graph_def_bytes, call.outputs_bytes, keep=self._plans_again())
+                groups = self._captures.read(call.graph_def_bytes, call.outputs_bytes, keep=request.plans_again())
             planned = []
             onednn_later = call.stage != "after_partitioning" and bool(compat.onednn_enabled())
             for replica, ops in groups:
                 try:
-                    result = self.plan_ops(call.function_name, ops, replica, len(groups), onednn_later=onednn_later)
+                    result = self.plan_ops(call.function_name, ops, replica, len(groups), onednn_later=onednn_later,
+                                           request=request)
                 except planner.BudgetTooSmallError as err:
                     self.refusal = err
                     call.fail(str(err))
@@ -228,16 +240,17 @@ class StepPass:
                 self._apply(call, planned, start, clock)
 
     def plan_ops(self, function_name: str, ops: list, replica: int | None, replicas: int = 1,
-                 onednn_later: bool = False):
-        """The planned step for one device's ops, or None when they are left unmodified. ``onednn_later``: oneDNN's
-        layout pass rewrites the graph after this plan (see ``PlanSettings.onednn_later``)."""
-        batch = graph_batch_size(ops) or replica_batch(self.default_batch_size, replicas)
+                 onednn_later: bool = False, request: PlanRequest | None = None):
+        """The planned step for one device's ops for ``request``, or None when they are left unmodified.
+        ``onednn_later``: oneDNN's layout pass rewrites the graph after this plan (``PlanSettings.onednn_later``)."""
+        req = PlanRequest() if request is None else request
+        batch = graph_batch_size(ops) or replica_batch(req.default_batch_size, replicas)
         observed = None
-        if batch is None and self.observed_batch_size:
-            observed = replica_batch(self.observed_batch_size, replicas)
+        if batch is None and req.observed_batch_size:
+            observed = replica_batch(req.observed_batch_size, replicas)
             # Without a budget the batch size only scales the model of the step (sizes, times): the swaps compute
             # the same values for any batch. A budget needs the largest batch, which the first ones do not bound.
-            if self.config.budget_bytes is None and not self.probe:
+            if req.budget_bytes is None and not req.probe:
                 batch = observed
         with stages.stage("capture"):
             step_graph, problem = self._captures.capture(replica, ops, batch, observed if batch is None else None)
@@ -245,43 +258,44 @@ class StepPass:
             self.skip(function_name, problem, replica)
             return None
         cfg = self.config
-        shared = self._plans_again()  # the graph stays in the cache for the next plan: plan on copies of it
+        shared = req.plans_again()  # the graph stays in the cache for the next plan: plan on copies of it
         prepared: list = []  # the graph prepared once (its edges and marks do not depend on the headroom)
 
         def plan_with(headroom: float, copy: bool = False):
             # copy: another plan of the same graph follows (the preparation adds its deferral edges in place, and
             # would find none to insert on a graph that has them)
             settings = pipeline.PlanSettings(
-                policy=cfg.policy, budget_bytes=None if self.probe else cfg.budget_bytes,
-                persistent_bytes=self.persistent_bytes, profile=cfg.device, batch_size=batch,
+                policy=cfg.policy, budget_bytes=None if req.probe else req.budget_bytes,
+                persistent_bytes=req.persistent_bytes, profile=cfg.device, batch_size=batch,
                 min_swap_bytes=cfg.min_swap_bytes, swapin_ahead=cfg.swapin_ahead,
-                headroom=0.0 if self.probe else headroom, defer_updates=cfg.defer_updates,
-                execution_order=cfg.execution_order, offload_variables=self._may_offload(ops, cfg.offload_variables),
-                offload_weights=self._may_offload(ops, cfg.offload_weights), least_memory=self.probe,
-                memory=None if self.probe else self.memory, onednn_later=onednn_later)
+                headroom=0.0 if req.probe else headroom, defer_updates=cfg.defer_updates,
+                execution_order=cfg.execution_order,
+                offload_variables=_may_offload(ops, cfg.offload_variables, req),
+                offload_weights=_may_offload(ops, cfg.offload_weights, req), least_memory=req.probe,
+                memory=None if req.probe else req.memory, onednn_later=onednn_later)
             if not prepared:
                 key = (replica, batch, observed, pipeline.preparation_key(settings))
                 prepared.append(self._captures.prepared(
                     key, lambda: pipeline.prepare_step(step_graph, settings, copy=copy or shared)))
             return pipeline.finish_plan(prepared[0], settings)
 
-        if self.probe or self.calibration is None or not self.calibration.persistent_group:
-            planned = plan_with(cfg.headroom)
+        if req.probe or req.calibration is None or not req.calibration.persistent_group:
+            planned = plan_with(req.headroom)
         else:
-            planned = self._placed_plan(plan_with)
+            planned = self._placed_plan(plan_with, req)
         plan = planned.plan
-        if self.probe:
+        if req.probe:
             plan.params["stage"] = "probe"
             plan.notes.append("first step under the budget: the least-memory plan, measured to calibrate the next")
-        elif self.calibration is not None:
-            plan.params["stage"] = self.calibration.stage
-            plan.predicted["calibration"] = dataclasses.asdict(self.calibration)
-            plan.notes.append(self.calibration.summary())
+        elif req.calibration is not None:
+            plan.params["stage"] = req.calibration.stage
+            plan.predicted["calibration"] = dataclasses.asdict(req.calibration)
+            plan.notes.append(req.calibration.summary())
         if batch is not None and batch == observed:
             plan.notes.append(OBSERVED_NOTE.format(observed))
         return planned
 
-    def _placed_plan(self, plan_with):
+    def _placed_plan(self, plan_with, req: PlanRequest):
         """The calibrated plan, its device peak predicted by its placement
         (:func:`~dymem_tf.planning.first_step.placed_prediction`, kept as ``predicted["calibrated_peak_bytes"]``):
         planned with the calibration's headroom and, while that prediction is over the calibration's limit, again
@@ -290,7 +304,7 @@ class StepPass:
         fits, and its first step is guarded). The headroom is never lowered: the simulator's bytes in use are
         calibrated on the probe, which swaps everything, and a plan that swaps much less than it measured up to 12%
         more than simulated (DenseNet-121 32px + SGD, no swaps: 136 MiB simulated, 152 measured)."""
-        cal = self.calibration
+        cal = req.calibration
         budget = int(cal.budget_bytes)
         limit = (1.0 - cal.margin) * budget
         headroom, best, tries = cal.headroom, None, 0
@@ -301,7 +315,7 @@ class StepPass:
                 if best is None:
                     raise
                 break
-            peak = self._placed_peak(planned)
+            peak = self._placed_peak(planned, req)
             if best is None or peak < best[0]:
                 best = (peak, planned)
             raised = min(headroom + (peak - limit) / budget, first_step.MAX_HEADROOM)
@@ -316,21 +330,13 @@ class StepPass:
         return planned
 
     @stages.timed("placement")
-    def _placed_peak(self, planned) -> int:
+    def _placed_peak(self, planned, req: PlanRequest) -> int:
         """The calibrated device peak that the placement of ``planned``'s simulated step predicts."""
         res = simulator.simulate(planned.step_graph, planned.plan, self.config.device,
-                                 temporaries=self.memory.held_during(planned.step_graph) if self.memory else None)
-        group = placement.PersistentGroup(**self.calibration.persistent_group)
+                                 temporaries=req.memory.held_during(planned.step_graph) if req.memory else None)
+        group = placement.PersistentGroup(**req.calibration.persistent_group)
         placed = placement.place(res.allocations, group)
-        return first_step.placed_prediction(dataclasses.asdict(self.calibration), placed)
-
-    def _may_offload(self, ops, asked: bool) -> bool:
-        """Whether this step's plan may offload optimizer state (or weights): when ``asked``, under a budget (or for
-        the probe), and on the CPU device, where the variable kernels run and a read between steps sees host
-        memory."""
-        if not asked or not (self.probe or self.config.budget_bytes is not None):
-            return False
-        return all("GPU" not in (op.device or "").upper() for op in ops)
+        return first_step.placed_prediction(dataclasses.asdict(req.calibration), placed)
 
     def _apply(self, call: graph_pass.PassCall, planned: list, start: float, clock: stages.StageClock) -> None:
         """Hand every replica's plan to the C++ pass at once and record what it inserted (and the pass's seconds
@@ -433,6 +439,14 @@ class CaptureCache:
                 return result
             self._prepared[key] = result
         return self._prepared[key]
+
+
+def _may_offload(ops, asked: bool, req: PlanRequest) -> bool:
+    """Whether this step's plan may offload optimizer state (or weights): when ``asked``, under a budget (or for the
+    probe), and on the CPU device, where the variable kernels run and a read between steps sees host memory."""
+    if not asked or not (req.probe or req.budget_bytes is not None):
+        return False
+    return all("GPU" not in (op.device or "").upper() for op in ops)
 
 
 @contextlib.contextmanager
