@@ -244,7 +244,14 @@ def test_each_plan_reaches_the_dashboard_once(tmp_path, steps_per_execution):
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.rsplit("RESULT", 1)[1])
-    assert out == {"stages": ["probe", "calibrated"], "written": True, "on_disk": True}
+    assert out["written"] is True and out["on_disk"] is True
+    if steps_per_execution == 1:
+        assert out["stages"] == ["probe", "calibrated"]
+    else:
+        # inside Keras's loop the ops keep TF's order (no chain), so the probe's measured peak, and with it the
+        # calibration, follows the threads' timing: a calibrated plan that cannot fit leaves the probe's in place
+        # (seen in two full-suite runs on a loaded machine); either way each plan is written once
+        assert out["stages"] in (["probe"], ["probe", "calibrated"])
 
 
 def test_a_budget_is_this_fits_when_the_process_holds_other_models(tmp_path):
