@@ -143,3 +143,12 @@ def test_the_pass_is_armed_with_an_immutable_request_and_holds_no_callback_state
     for name in ("probe", "calibration", "memory", "persistent_bytes", "default_batch_size", "budget_bytes",
                  "headroom"):
         assert not hasattr(cb.pass_, name) and not hasattr(cb.pass_.config, name), name
+
+
+def test_an_option_that_does_nothing_without_another_says_so():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dymem_tf.DymemCallback(trace_allocations=True)
+        dymem_tf.DymemCallback(trace_allocations=True, log_dir="logs/x")
+    said = [str(w.message) for w in caught if "trace_allocations" in str(w.message)]
+    assert len(said) == 1 and "no log_dir was given" in said[0]

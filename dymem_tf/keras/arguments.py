@@ -35,6 +35,9 @@ def validate(*, policy, swapin_ahead, min_swap_bytes, log_dir, defer_updates, tr
         raise TypeError(f"defer_updates must be True or False, got {defer_updates!r}")
     if not isinstance(trace_allocations, bool):
         raise TypeError(f"trace_allocations must be True or False, got {trace_allocations!r}")
+    if trace_allocations and log_dir is None:
+        compat.warn_user("dymem_tf: trace_allocations=True records into the log_dir's run, and no log_dir was "
+                         "given: nothing is recorded. Pass log_dir=... as well.")
     if offload_optimizer_state is not None and not isinstance(offload_optimizer_state, bool):
         raise TypeError(f"offload_optimizer_state must be None (where supported), True or False, got "
                         f"{offload_optimizer_state!r}")
