@@ -149,7 +149,7 @@ def machine_info() -> dict:
 
 def _run_args(model_cfg: dict, steps: int, budget=None) -> types.SimpleNamespace:
     return types.SimpleNamespace(batch=model_cfg["batch"], image_size=model_cfg["image_size"], steps=steps,
-                                 classes=10, seed=0, budget=budget, device=None, deterministic=False)
+                                 classes=10, seed=0, budget=budget, profile=None, deterministic=False)
 
 
 def _quietly(fn, *args, **kwargs):
@@ -326,7 +326,7 @@ def run_max_batch(cfg: dict, matrix: dict | None, progress: Progress, save) -> d
         for policy in mb["policies"]:
             trials.clear()
             ns = types.SimpleNamespace(image_size=mb["image_size"], steps=mb["steps"], budget=mb["budget"],
-                                       device=None, policy=policy)
+                                       profile=None, policy=policy)
             model_sum = summary.get(mb["model"], {}).get(policy)
             same_size = model_sum and model_sum.get("image_size") == mb["image_size"]
             est = estimate_max_batch(model_sum if same_size else None, budget_bytes)
