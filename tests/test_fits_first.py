@@ -127,7 +127,7 @@ def test_offloading_asked_for_on_a_gpu_says_once_that_it_does_nothing_there(monk
     monkeypatch.setattr(quiet, "_warn", told.append)
     quiet._say_options_off_here()
     assert len(told) == 1
-    assert not cb._offloads_state()  # and it is off there
+    assert cb._offloading() == (False, False)  # and it is off there
 
 
 def test_the_pass_is_armed_with_an_immutable_request_and_holds_no_callback_state():

@@ -138,6 +138,14 @@ def default_device_profile() -> str:
     return "a100"
 
 
+def offloading(budget_bytes: int | None, policy: str, state, weights) -> tuple[bool, bool]:
+    """Whether plans may keep optimizer state, and weights, in host memory between their uses: under a budget, for
+    the dymem policy, not turned off (``state``/``weights`` False), and on the CPU device, where it is
+    implemented (:mod:`dymem_tf.planning.offload`)."""
+    on = budget_bytes is not None and policy == "dymem" and state is not False and not devices.training_gpus()
+    return on, on and weights is not False
+
+
 def options_off_here(cb) -> str | None:
     """What to say about the options ``cb`` was given explicitly that do nothing on this device (optimizer-state
     and weight offloading run on the CPU device only), or None."""

@@ -78,7 +78,7 @@ class DymemCallback(keras.callbacks.Callback):
         self.memory_budget = memory_budget
         #: "auto": train as compiled while the step fits the device (see :meth:`_begin_fit`)
         self.fits_first = arguments.is_auto(memory_budget)
-        self.budget_bytes = None if self.fits_first else arguments.resolve_budget(memory_budget)
+        asked = None if self.fits_first else arguments.resolve_budget(memory_budget)
         self.profile = device_profiles.get_profile(profile or arguments.default_device_profile())
         self.policy = policy
         self.log_dir = log_dir
@@ -96,7 +96,8 @@ class DymemCallback(keras.callbacks.Callback):
             execution_order=execution_order, verbose=verbose))
         self._writer = None
         #: what the next instantiation of the train step is planned for (replaced whole, never changed)
-        self.plan_request = step_pass.PlanRequest(budget_bytes=self.budget_bytes)
+        self.plan_request = step_pass.PlanRequest(budget_bytes=asked)
+        self._asked_budget = asked  # the budget every fit plans for from its first step (None with "auto")
         self._exit_guard = None
         self._plans_written = 0  # how many of pass_.records the summary writer has seen
         self._xla_asked = []  # the XLA settings the user asked for, off while the step swaps
@@ -123,7 +124,7 @@ class DymemCallback(keras.callbacks.Callback):
         if self.fits_first:  # the step trains as compiled while it fits the device
             fits_first.begin(self)
         else:
-            self._begin_planning(self.budget_bytes)
+            self._begin_planning(self._asked_budget)
         log_dir = self.log_dir
         if log_dir:
             from dymem_tf.observe import summaries
@@ -144,8 +145,8 @@ class DymemCallback(keras.callbacks.Callback):
         """Plan the train step for ``budget_bytes`` (None: swap every tensor worth swapping) from its next call:
         place the variables, and under a budget make that call the guarded probe."""
         model = self.model
-        self.budget_bytes = budget_bytes
-        offload = self._offloads_state()
+        self.plan_request = dataclasses.replace(self.plan_request, budget_bytes=budget_bytes)
+        offload, offload_weights = self._offloading()
         # what the device holds besides this model (other models of the process): not this fit's to budget; read
         # before the optimizer builds, since offloaded state is made in host memory (a device that holds the
         # weights need not hold it all at once)
@@ -155,10 +156,10 @@ class DymemCallback(keras.callbacks.Callback):
         variables.build_optimizer(model, in_host_memory=offload and allocator.is_active())
         weights = step_pass.persistent_bytes(model)
         resident = step_pass.persistent_bytes(model, optimizer=not offload)  # what must stay on the device
-        if offload and self._offloads_weights():  # at least the largest weight, and those too small to move
+        if offload_weights:  # at least the largest weight, and those too small to move
             resident = variables.resident_weight_bytes(model, self.pass_.config.min_swap_bytes)
         if self.budget_bytes is not None and resident > self.budget_bytes:
-            raise errors.weights_over_budget(self.budget_bytes, resident, offload, self._offloads_weights())
+            raise errors.weights_over_budget(self.budget_bytes, resident, offload, offload_weights)
         # under a budget the first step is the probe (dymem_tf.planning.first_step): least memory, measured,
         # variables guarded, and the device capped at the budget (which cannot go below GTBM's pageblocks)
         guard = self.budget_bytes is not None and self.policy != "none" and self.calibrate
@@ -168,14 +169,13 @@ class DymemCallback(keras.callbacks.Callback):
         errors.warn_onednn_out_of_memory_crash()
         if offload:  # the state starts in host memory: each plan brings back only what it needs, when it needs it
             variables.offload_optimizer_state(model, self.pass_.config.min_swap_bytes)
-            if self._offloads_weights():  # so do the weights: the first step (the probe) finds them there
+            if offload_weights:  # so do the weights: the first step (the probe) finds them there
                 variables.offload_weights(model, self.pass_.config.min_swap_bytes)
             variables.compact_weights(model)  # what stays (and state made in the host arena) is packed on the device
         # A new train function: its first call instantiates it, and the graph pass plans that instantiation (the
         # probe under a guarded budget, see above).
-        self.plan_request = dataclasses.replace(self.plan_request, budget_bytes=budget_bytes, probe=guard,
-                                                calibration=None, memory=None, persistent_bytes=weights,
-                                                headroom=planner.DEFAULT_HEADROOM)
+        self.plan_request = dataclasses.replace(self.plan_request, probe=guard, calibration=None, memory=None,
+                                                persistent_bytes=weights, headroom=planner.DEFAULT_HEADROOM)
         self._refined = False  # a budgeted plan calibrated again from its own first step (at most once)
         if guard:
             self._cap_device_at_budget()
@@ -208,24 +208,20 @@ class DymemCallback(keras.callbacks.Callback):
             self._exit_guard.release()
             self._exit_guard = None
         self._restore_device_limit()
-        if self._offloads_state():  # the device holds the whole optimizer state (and every weight) again after fit
-            variables.bring_back_offloaded(self.model, weights=self._offloads_weights())
+        offload, offload_weights = self._offloading()
+        if offload:  # the device holds the whole optimizer state (and every weight) again after fit
+            variables.bring_back_offloaded(self.model, weights=offload_weights)
         # Later fit() calls without this callback must trace the plain step again.
         self.model.train_function = None
         if self._writer is not None:
             writer, self._writer = self._writer, None
             writer.close()  # also stops and saves an allocator trace
 
-    def _offloads_state(self) -> bool:
-        """Whether this fit's plans may keep optimizer state in host memory between its uses: a budget, the dymem
-        policy, ``offload_optimizer_state``, and the CPU device (see :mod:`dymem_tf.planning.offload`)."""
-        return (self.budget_bytes is not None and self.policy == "dymem"
-                and self.offload_optimizer_state is not False and not devices.training_gpus())
-
-    def _offloads_weights(self) -> bool:
-        """Whether this fit's plans may keep weights in host memory between their uses (as for state, and
-        ``offload_weights``)."""
-        return self._offloads_state() and self.offload_weights is not False
+    def _offloading(self) -> tuple[bool, bool]:
+        """Whether this fit's plans may keep optimizer state, and weights, in host memory between their uses
+        (:func:`dymem_tf.keras.arguments.offloading`)."""
+        return arguments.offloading(self.budget_bytes, self.policy, self.offload_optimizer_state,
+                                    self.offload_weights)
 
     def _wrap_train_function(self, train_function, guard: bool = False, fallback=None):
         """``train_function`` run with the graph pass armed (its instantiation is planned and rewritten after
@@ -344,7 +340,7 @@ class DymemCallback(keras.callbacks.Callback):
                                      in_use=stats["peak_bytes_in_use"] if stats is not None else None)
         elif fallback is not None:
             self._keep_calibrated_if_it_leaves_slack(fallback)
-            if self._offloads_state() and self.model.train_function is not fallback:
+            if self._offloading()[0] and self.model.train_function is not fallback:
                 # the variables this plan keeps came back one by one during its first step (into the persistent
                 # group, between the holes of those that went to host memory); packed, later steps reserve less
                 # (ResNet-50 32px + SGD under 237 MiB, calibrated prediction 199 MiB: later peaks 208-212 MiB
@@ -477,6 +473,12 @@ class DymemCallback(keras.callbacks.Callback):
         return errors.out_of_memory_hint(self)
 
     # -- results -------------------------------------------------------------------------------------------------
+    @property
+    def budget_bytes(self) -> int | None:
+        """The budget in force: the one asked for, the device's with ``"auto"`` once the step did not fit it, or
+        None (no budget)."""
+        return self.plan_request.budget_bytes
+
     @property
     def plan(self):
         """The plan of the most recent trace of the train step (None before the first step)."""

@@ -10,7 +10,6 @@ import numpy as np
 import tensorflow as tf
 
 from dymem_tf.keras import arguments
-from dymem_tf.memory import allocator, devices
 from dymem_tf.passes import graph_def_view, graph_pass, step_pass
 from dymem_tf.planning import device_profiles, pipeline, planner
 
@@ -172,24 +171,24 @@ class Options:
 
     budget_bytes: int | None  # None: no budget (or a device without a limit, see ``unlimited``)
     profile: device_profiles.DeviceProfile
-    offload_state: bool  # optimizer state may leave the device under the budget (the CPU device only)
-    offload_weights: bool
+    offload_optimizer_state: bool | None  # as given to DymemCallback (None: where implemented)
+    offload_weights: bool | None
     unlimited: bool  # memory_budget="auto" on a device without a memory limit: nothing needs swapping
 
     def offload(self, policy: str) -> dict:
-        """The planner's offloading switches for ``policy`` (the dymem policy offloads, under a budget)."""
-        on = policy == "dymem" and self.budget_bytes is not None
-        return {"offload_variables": on and self.offload_state, "offload_weights": on and self.offload_weights}
+        """The planner's offloading switches for ``policy``, as the callback decides them
+        (:func:`dymem_tf.keras.arguments.offloading`)."""
+        state, weights = arguments.offloading(self.budget_bytes, policy, self.offload_optimizer_state,
+                                              self.offload_weights)
+        return {"offload_variables": state, "offload_weights": weights}
 
 
 def resolve_options(memory_budget, profile, offload_optimizer_state=None, offload_weights=None) -> Options:
-    """``memory_budget`` in bytes (``"auto"``: this machine's device), the cost profile (None: this machine's) and
-    whether the plan may offload variables, as the callback would decide them here."""
+    """``memory_budget`` in bytes (``"auto"``: this machine's device) and the cost profile (None: this machine's),
+    as the callback would resolve them here."""
     budget = arguments.resolve_budget(memory_budget)
-    state = (budget is not None and offload_optimizer_state is not False and not devices.training_gpus()
-             and allocator.is_active())
-    return Options(budget, device_profiles.get_profile(profile or arguments.default_device_profile()), state,
-                   state and offload_weights is not False, arguments.is_auto(memory_budget) and budget is None)
+    return Options(budget, device_profiles.get_profile(profile or arguments.default_device_profile()),
+                   offload_optimizer_state, offload_weights, arguments.is_auto(memory_budget) and budget is None)
 
 
 def dry_run(model: keras.Model, batch_size: int, memory_budget="auto", *, profile=None, policy: str = "dymem",

@@ -25,7 +25,6 @@ def begin(callback) -> None:
     stats = devices.device_memory_stats()
     callback._others_bytes = max(int(stats["bytes_in_use"]) - step_pass.persistent_bytes(model), 0) \
         if stats is not None else 0
-    callback.budget_bytes = None  # until the step does not fit
     capacity = devices.device_memory_capacity()
     if capacity is None or callback.policy == "none":
         callback._say("dymem_tf: the train step runs as compiled: "

@@ -228,8 +228,7 @@ class StepPass:
             onednn_later = call.stage != "after_partitioning" and bool(compat.onednn_enabled())
             for replica, ops in groups:
                 try:
-                    result = self.plan_ops(call.function_name, ops, replica, len(groups), onednn_later=onednn_later,
-                                           request=request)
+                    result = self.plan_ops(call.function_name, ops, replica, len(groups), onednn_later, request)
                 except planner.BudgetTooSmallError as err:
                     self.refusal = err
                     call.fail(str(err))
@@ -239,11 +238,10 @@ class StepPass:
             if planned:
                 self._apply(call, planned, start, clock)
 
-    def plan_ops(self, function_name: str, ops: list, replica: int | None, replicas: int = 1,
-                 onednn_later: bool = False, request: PlanRequest | None = None):
-        """The planned step for one device's ops for ``request``, or None when they are left unmodified.
+    def plan_ops(self, function_name: str, ops: list, replica: int | None, replicas: int, onednn_later: bool,
+                 req: PlanRequest):
+        """The planned step for one device's ops for ``req``, or None when they are left unmodified.
         ``onednn_later``: oneDNN's layout pass rewrites the graph after this plan (``PlanSettings.onednn_later``)."""
-        req = PlanRequest() if request is None else request
         batch = graph_batch_size(ops) or replica_batch(req.default_batch_size, replicas)
         observed = None
         if batch is None and req.observed_batch_size:
