@@ -12,6 +12,10 @@ MB = 1 << 20
 
 
 def _step(weight_read_in_forward: bool = False) -> StepGraph:
+    return StepGraph.from_spec(_spec(weight_read_in_forward))
+
+
+def _spec(weight_read_in_forward: bool = False) -> dict:
     """A forward pass with two 40 MB activations (not kept for the backward pass: nothing to swap but ``m``), its
     backward pass, and an update that reads and writes an 8 MB optimizer variable ``m`` (and, optionally, ``m`` read
     in the forward pass too, like a weight)."""
@@ -33,7 +37,7 @@ def _step(weight_read_in_forward: bool = False) -> StepGraph:
         spec["read_m_fwd"] = {"inputs": ["m"], "bytes": 8 * MB, "shape": (2 * MB,), "type": "ReadVariableOp",
                               "persistent": True}
         spec["f1"]["inputs"] = ["x", "read_m_fwd"]
-    return StepGraph.from_spec(spec)
+    return spec
 
 
 def test_only_variables_used_after_the_gradients_are_offloadable():
@@ -89,6 +93,36 @@ def test_a_variable_swap_must_serve_every_use():
     decision.kind = "tensor"
     with pytest.raises(ValueError, match="as a tensor, but it is a variable"):
         simulator.simulate(plan.step_graph, plan.plan, "cpu")
+
+
+def _update_before_the_peak() -> StepGraph:
+    """:func:`_spec` with ``m``'s update early in the backward pass (its read deferred to its gradient, as the
+    pass does): the step's peak (``g1`` and ``g0``, 104 MB) comes after, when an offloaded ``m`` is back in host
+    memory."""
+    spec = _spec()
+    spec["read_m"] = {**spec["read_m"], "control": ["grad"]}
+    spec["grad"] = {**spec["grad"], "inputs": ["g2"]}
+    spec["g1"] = {**spec["g1"], "control": ["assign_m"]}
+    spec["g0"] = {"inputs": ["g1"], "bytes": 64 * MB, "backward": True, "flops": 4e9}
+    return StepGraph.from_spec(spec)
+
+
+def test_the_greedy_search_offloads_state_whose_last_use_precedes_the_peak():
+    # an offloaded variable is off the device again once its last use is copied back: the greedy search, which adds
+    # the candidates absent at the peak, must see it there (it used to count only the time before its swap-in)
+    from dymem_tf.planning.cost_model import as_cost_model
+
+    sg = _update_before_the_peak()
+    offload.mark(sg, offload.find_offloadable(sg))
+    pl = planner._Planner(sg, as_cost_model("cpu"), 1, None, 3)
+    m = [c for c in pl.candidates("dymem", relaxed=True) if c.tensor == "m:0"]
+    base = pl.run([], 0)
+    assert len(m) == 1 and base.peak_op == "g0"
+    windows = pl.absent_windows("dymem", "queue", m[0], base)
+    assert any(a <= base.peak_time_s < b for a, b in windows)
+    chosen, res = pl.fit_budget("dymem", "queue", m, [], base.peak_bytes - 4 * MB, 0)
+    assert [c.tensor for c in chosen] == ["m:0"]
+    assert res.peak_bytes == base.peak_bytes - 8 * MB
 
 
 def test_encode_plan_writes_one_var_record():

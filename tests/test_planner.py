@@ -182,6 +182,23 @@ def test_tight_budget_trades_stalls_for_memory():
     assert validate_plan(sg, tight) == [] and validate_plan(sg, lowest) == []
 
 
+def test_a_greedy_plan_within_the_stall_tolerance_ends_the_search(monkeypatch):
+    # pruning and exchanging simulate the whole step per trial: not worth it for a stall the cost model cannot
+    # resolve; a stall above the tolerance is searched as before
+    from dymem_tf.planning import planner as planner_mod
+
+    sg = train_chain()
+    slow = get_profile(TOY, h2d_bytes_per_s=0.5e9)
+    budget = make_plan(sg, "dymem", profile=slow, min_swap_bytes=1).predicted["peak_bytes"] - MB // 2
+    searched = make_plan(sg, "dymem", profile=slow, min_swap_bytes=1, budget_bytes=budget)
+    stall = searched.predicted["step_time_s"] / searched.predicted["no_swap_step_time_s"] - 1
+    assert stall > 0 and not any("not searched further" in n for n in searched.notes)
+    monkeypatch.setattr(planner_mod, "SEARCH_STALL_TOLERANCE", 1.0)
+    greedy = make_plan(sg, "dymem", profile=slow, min_swap_bytes=1, budget_bytes=budget)
+    assert greedy.predicted["peak_bytes"] <= budget and validate_plan(sg, greedy) == []
+    assert any("not searched further" in n for n in greedy.notes)
+
+
 def test_headroom_plans_below_the_budget_and_errors_name_the_budget():
     sg = train_chain()
     full = make_plan(sg, "dymem", profile=TOY, min_swap_bytes=1).predicted

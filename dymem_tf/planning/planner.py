@@ -65,6 +65,11 @@ CONV_LIKE_OP_TYPES = frozenset({
 
 DEFAULT_MIN_SWAP_BYTES = 64 * 1024
 
+#: A greedy plan whose modelled step is at most this share slower than the step without swaps ends the search
+#: under a budget: pruning and exchanging (each trial a simulation of the whole step) would chase stalls smaller
+#: than the cost model's own error.
+SEARCH_STALL_TOLERANCE = 0.005
+
 
 #: Share of the budget the planner leaves free when nothing was measured: ``DymemCallback(calibrate=False)``, a
 #: process without GTBM to measure the first step with, and the dry run. It is a default, not a bound on the
@@ -521,21 +526,27 @@ class _Planner:
         assert end is not None
         out = self.d2h(cand.bytes) if cand.copies and not cand.from_host else 0.0
         decision = self._decision_alone(policy, mode, cand)
+        home = end[self.pos[cand.groups[-1][-1]]] + self.d2h(cand.bytes) if cand.from_host else None
         return self._off_device(cand, end, self._released(cand, end, end[cand.prod_pos] + out),
-                                [end[self.pos[si.trigger_op]] for si in decision.swap_ins])
+                                [end[self.pos[si.trigger_op]] for si in decision.swap_ins], home)
 
     def _released(self, cand: _Candidate, end, out_end: float) -> float:
         """When the tensor's original buffer can go: its swap-out done at ``out_end`` and every op that reads the
         original (``end``: each op's end time, by position) done."""
         return max([out_end] + [end[self.pos[c]] for c in cand.orig + cand.keepers])
 
-    def _off_device(self, cand: _Candidate, end, release: float, returns: list) -> list[tuple]:
+    def _off_device(self, cand: _Candidate, end, release: float, returns: list, home: float | None = None
+                    ) -> list[tuple]:
         """The intervals the tensor is off the device: from ``release`` to its first swap-in group's return, then
-        from each group's last consumer to the next group's return (``returns``: one time per group, in order)."""
+        from each group's last consumer to the next group's return (``returns``: one time per group, in order),
+        and for state and weights (``from_host``) from ``home``, when the last group's buffer is freed (its copy
+        back done), to the step's end."""
         wins = []
         for group, back in zip(cand.groups, returns):
             wins.append((release, back))
             release = end[self.pos[group[-1]]]
+        if home is not None:
+            wins.append((max(home, release), math.inf))
         return wins
 
     def _decision_alone(self, policy: str, mode: TriggerMode, cand: _Candidate) -> SwapDecision:
@@ -614,7 +625,8 @@ class _Planner:
         """Whether the plan simulated in ``res`` needs ``cand``'s swap to fit ``budget``: while the plan has the
         tensor off the device, its bytes on top of the plan's would exceed the budget. Ignores how dropping the
         copies moves the others (an estimate; a wrong one only keeps a swap the prune could have dropped). Weights
-        and optimizer state are off the device from the step's start until their first swap-in."""
+        and optimizer state are off the device from the step's start until their first swap-in, and again once their
+        last use is done and copied back."""
         if cand.kind == "recompute" or res.memory_curve is None or res.op_end_s is None:
             return False
         events = {e.swap_in: e for e in res.swap_events if e.tensor == cand.tensor}
@@ -624,7 +636,8 @@ class _Planner:
         end = res.op_end_s
         release = 0.0 if cand.from_host else self._released(cand, end, events[0].out_end)
         returns = [events[k].in_start if k in events else None for k in range(len(cand.groups))]
-        for gone, back in self._off_device(cand, end, release, returns):
+        home = events[0].out_end if cand.from_host else None  # the copy back after the last use
+        for gone, back in self._off_device(cand, end, release, returns, home):
             first = max(int(np.searchsorted(times, gone, "right")) - 1, 0)
             last = int(np.searchsorted(times, gone if back is None else back, "left"))
             if last > first and int(in_use[first:last].max()) + cand.bytes > budget:
@@ -785,8 +798,11 @@ def _choose(pl: _Planner, policy: str, budget: int | None, persistent: int, base
             best = _Choice(res.step_time_s, chosen, mode, "greedy")
             break
     no_swap_time = base.step_time_s * (1 + 1e-9)  # a plan this fast stalls nowhere
-    if best is not None and best.step_time_s <= no_swap_time:
-        return best.swaps, best.mode  # nothing to gain
+    if best is not None and best.step_time_s <= base.step_time_s * (1 + SEARCH_STALL_TOLERANCE):
+        if best.step_time_s > no_swap_time:
+            notes.append(f"the greedy swap set stalls {best.step_time_s / base.step_time_s - 1:.2%} of the step "
+                         "(modelled); not searched further")
+        return best.swaps, best.mode  # nothing (worth searching) to gain
     # Adding tensors greedily can fall short or overshoot when the D2H channel is the bottleneck (a tensor added at
     # the peak only queues behind the others). Also start from the first whole pool that fits and drop what the
     # budget does not need; keep whichever plan is faster.
