@@ -147,6 +147,10 @@ def test_feature_maps_after_a_cond_are_swapped_bit_identically():
     swapped = [s.tensor for s in cb.plan.feature_maps]
     for k in (1, 2):  # gates after the first one: both branch kinds
         assert any(re.search(rf"/gate_{k}(_\d+)?/cond/output", t) for t in swapped), swapped
+        # the ReLU output that cond's gradient keeps in an Optional, swapped through it: its swap ops run on gate 2's
+        # taken branch and are dead on gate 1's untaken one
+        assert any(re.search(rf"/gate_{k}(_\d+)?/cond/then/.*Relu", s.tensor) and s.optional_wrap
+                   for s in cb.plan.feature_maps), swapped
     assert cb.records[-1].report.swapped_tensors == len(cb.plan.swaps)
     assert loss == base_loss
     for a, b in zip(weights, base_weights):

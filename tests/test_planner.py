@@ -114,6 +114,63 @@ def test_tensors_made_in_a_conditional_branch_are_not_swapped():
     assert make_plan(branch, "dymem", profile=TOY, min_swap_bytes=1).swap_for("a:0") is None
 
 
+def _gated_step(other_reader: bool = False) -> StepGraph:
+    """A lowered ``cond`` as the pass sees it: ``relu`` (the taken branch's value) is returned by the ``Merge``
+    ``out`` and kept for the gradient's branch in an optional (``wrap`` -> ``merge_opt`` -> the gradient's
+    ``Switch`` -> ``get``), which ``rgrad`` reads late in the backward pass; the step peaks at ``w3`` (5 MB).
+    ``other_reader``: ``w0`` reads the optional too."""
+    chain = {f"w{i}": {"inputs": [f"w{i - 1}" if i else "out"], "bytes": 5 * MB if i == 3 else KB, "flops": MS}
+             for i in range(6)}
+    if other_reader:
+        chain["w0"]["inputs"] = ["out", "merge_opt"]
+    sg = StepGraph.from_spec({
+        "x": {"bytes": KB, "type": "IteratorGetNext"}, "pred": {"inputs": ["x"], "bytes": 1, "flops": MS},
+        "a": {"inputs": ["x"], "bytes": MB, "flops": MS, "shape": (250, 1000)},
+        "sw": {"type": "Switch", "inputs": ["a", "pred"], "bytes": [MB, MB]},
+        "relu": {"inputs": ["sw:1"], "bytes": MB, "flops": MS, "shape": (250, 1000)},
+        "half": {"inputs": ["sw:0"], "bytes": MB, "flops": MS},
+        "wrap": {"type": "OptionalFromValue", "inputs": ["relu"], "bytes": 0, "dtype": "variant"},
+        "none": {"type": "OptionalNone", "bytes": 0, "dtype": "variant"},
+        "out": {"type": "Merge", "inputs": ["relu", "half"], "bytes": MB, "flops": MS},
+        "merge_opt": {"type": "Merge", "inputs": ["wrap", "none"], "bytes": 0, "alias": True, "dtype": "variant"},
+        **chain,
+        "gin": {"inputs": ["w5"], "backward": True, "bytes": MB, "flops": MS},
+        "bsw": {"type": "Switch", "inputs": ["merge_opt", "pred"], "bytes": [0, 0], "backward": True},
+        "get": {"type": "OptionalGetValue", "inputs": ["bsw:1"], "bytes": MB, "backward": True},
+        "rgrad": {"type": "ReluGrad", "inputs": ["gin", "get"], "backward": True, "bytes": MB, "flops": MS},
+    })
+    for name in ("relu", "half", "wrap", "none", "get", "rgrad"):
+        sg.ops[name].conditional = True
+    return sg
+
+
+def test_a_branch_value_kept_in_an_optional_is_swapped_through_it():
+    # cond's gradient keeps the taken branch's ReLU output in an optional until its ReluGrad: the swap-out's host
+    # copy goes into the optional and ReluGrad reads the swap-in, both inside their branches
+    sg = _gated_step()
+    assert sg.optional_readers("relu:0") == ("wrap", {"rgrad": "get"})
+    assert sg.optional_chain("wrap") == {"wrap", "merge_opt", "bsw", "get"}
+    plan = make_plan(sg, "dymem", profile=TOY, min_swap_bytes=1)
+    s = plan.swap_for("relu:0")
+    assert s is not None and s.optional_wrap == "wrap" and s.alias_reads == [["rgrad", "get"]]
+    assert s.forward_consumers == ["out"] and [si.consumers for si in s.swap_ins] == [["rgrad"]]
+    assert validate_plan(sg, plan) == []
+    kept = simulate(sg, [d for d in plan.swaps if d.tensor != "relu:0"], TOY, timeline=False)
+    assert simulate(sg, plan, TOY, timeline=False).peak_bytes <= kept.peak_bytes - MB
+    from dymem_tf.passes.graph_pass import encode_plan, swap_in_name, swap_out_name
+
+    records = encode_plan([s]).splitlines()
+    out, swap_in = swap_out_name("relu:0"), swap_in_name("relu:0", 0)
+    assert records[:2] == [f"out\trelu\t0\t{out}", f"reroute\twrap\trelu\t0\t{out}"]
+    assert records[-1] == f"reroute\trgrad\tget\t0\t{swap_in}"
+    s.optional_wrap = ""  # without the optional's reroute nothing serves rgrad
+    assert validate_plan(sg, plan)
+    # another reader of the optional: it keeps the value on the device, no candidate
+    other = _gated_step(other_reader=True)
+    assert other.optional_readers("relu:0") is None
+    assert make_plan(other, "dymem", profile=TOY, min_swap_bytes=1).swap_for("relu:0") is None
+
+
 def test_alias_consumers_keep_the_buffer():
     chain = {f"w{i}": {"inputs": [f"w{i - 1}" if i else "b"], "bytes": KB, "flops": MS} for i in range(6)}
     # a late backward read through an alias op (Reshape) reads a copy of it on the swap-in

@@ -221,13 +221,20 @@ def encode_plan(swaps, control_edges=(), resident=(), sequences=()) -> str:
             continue
         out = swap_out_name(decision.tensor)
         lines.append(f"out\t{producer}\t{port}\t{out}")
+        wrap = getattr(decision, "optional_wrap", "")
+        if wrap:  # a conditional's optional keeps the host copy for the gradient's branch
+            lines.append(f"reroute\t{wrap}\t{producer}\t{port}\t{out}")
         via = dict(getattr(decision, "alias_reads", None) or ())
         for i, swap_in in enumerate(decision.swap_ins):
             if swap_in.consumers:
                 name = swap_in_name(decision.tensor, i)
                 lines.append(f"in\t{out}\t{name}\t{swap_in.trigger_op or ''}\t"
                              + ",".join(c for c in swap_in.consumers if c not in via))
-                lines += _alias_copy_records(name, [(c, via[c]) for c in swap_in.consumers if c in via])
+                reads = [(c, via[c]) for c in swap_in.consumers if c in via]
+                if wrap:  # they read the optional's value: now the swap-in
+                    lines += [f"reroute\t{c}\t{unwrap}\t0\t{name}" for c, unwrap in reads]
+                else:
+                    lines += _alias_copy_records(name, reads)
     for resource, users in resident:  # kept variables: back on the device before their users, if they were not
         producer, port = split_tensor_name(resource)
         name = resident_op_name(resource)

@@ -32,6 +32,10 @@ ALIAS_OP_TYPES = frozenset({"Identity", "IdentityN", "StopGradient", "PreventGra
 #: ``OptionalGetValue`` (returns it).
 FORWARDING_OP_TYPES = frozenset({"Switch", "OptionalFromValue", "OptionalGetValue"})
 
+#: Ops that pass a lowered conditional's optional (a branch's intermediate kept for the gradient) on unchanged, from
+#: the ``OptionalFromValue`` in the branch to the ``OptionalGetValue`` in the gradient's branch.
+OPTIONAL_CHAIN_OP_TYPES = frozenset({"OptionalFromValue", "Merge", "Switch", "Identity", "OptionalGetValue"})
+
 
 def aliased_input(op_type: str, k: int, num_inputs: int) -> int | None:
     """The input whose buffer output ``k`` of an ``op_type`` op shares, or None when the output has its own."""
@@ -321,6 +325,47 @@ class StepGraph:
                 return None
             out.update((u, c) for u in readers if self.is_data_consumer(u))
         return out
+
+    def optional_readers(self, tensor: str) -> tuple[str, dict[str, str]] | None:
+        """A branch's intermediate that a lowered ``cond`` keeps for its gradient in an optional: ``(wrap,
+        readers)``, the ``OptionalFromValue`` op holding ``tensor`` and the backward data consumers of the
+        optional's value, each mapped to the ``OptionalGetValue`` op it reads. A swap can put the host copy in the
+        optional and feed those readers from its swap-in. None when no optional holds the tensor alone, the
+        optional reaches another op than :data:`OPTIONAL_CHAIN_OP_TYPES`, or a backward op reads the buffer
+        otherwise."""
+        wraps = [c for c in self.tensors[tensor].consumers if self.ops[c].type == "OptionalFromValue"]
+        if len(wraps) != 1 or self.ops[wraps[0]].inputs != [tensor]:
+            return None
+        chain = self.optional_chain(wraps[0])
+        readers: dict[str, str] = {}
+        for name in chain:
+            op = self.ops[name]
+            if op.type == "OptionalGetValue":
+                for c in self.tensors[op.outputs[0]].consumers:
+                    if not self.ops[c].is_backward or self.ops[c].type in ALIAS_OP_TYPES:
+                        return None
+                    readers[c] = name
+            elif op.type not in OPTIONAL_CHAIN_OP_TYPES:
+                return None
+        others = set(self.buffer_consumers(tensor)) - chain - set(readers)
+        if not readers or any(self.ops[c].is_backward for c in others):
+            return None
+        return wraps[0], readers
+
+    def optional_chain(self, wrap: str) -> set[str]:
+        """``wrap`` (an ``OptionalFromValue``) and the ops its optional reaches through the tensors aliasing it: the
+        ``Merge`` and ``Switch`` of lowered conditionals and the ``OptionalGetValue`` that returns the value."""
+        head = self.ops[wrap].outputs[0]
+        chain, todo = {wrap}, [head]
+        while todo:
+            t = todo.pop()
+            for c in self.tensors[t].consumers:
+                if c in chain:
+                    continue
+                chain.add(c)
+                if self.ops[c].type != "OptionalGetValue":  # its value is the reader's, not the optional
+                    todo.extend(o for o in self.ops[c].outputs if self.tensors[o].alias_of == t)
+        return chain
 
     def is_data_consumer(self, op: str) -> bool:
         """False for ops that only read metadata (``Shape`` ...)."""

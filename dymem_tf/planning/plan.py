@@ -93,6 +93,10 @@ class SwapDecision:
     #: kind "tensor": ``(consumer, alias op)`` pairs, the swap-in consumers that read the tensor through a forward
     #: alias op (a ``Reshape`` ...): the rewrite copies the alias op onto their swap-in and reroutes them to it
     alias_reads: list[list[str]] = field(default_factory=list)
+    #: kind "tensor", a lowered ``cond``'s intermediate kept for its gradient in an optional: the
+    #: ``OptionalFromValue`` op that holds the swap-out's host copy instead; ``alias_reads`` then name the
+    #: ``OptionalGetValue`` each swap-in consumer read the value from, and the rewrite feeds them the swap-in itself
+    optional_wrap: str = ""
 
 
 @dataclass

@@ -111,6 +111,9 @@ class _Candidate:
     #: per swap-in group, the earliest trigger layer where it differs from min_trigger_layer (a weight's second
     #: stay starts after its forward users)
     group_min_layers: list[int] | None = None
+    #: a branch's intermediate kept for the gradient in an optional: the ``OptionalFromValue`` that takes the host
+    #: copy instead (:meth:`~dymem_tf.planning.analysis.StepGraph.optional_readers`)
+    wrap: str = ""
 
     @property
     def from_host(self) -> bool:
@@ -191,8 +194,11 @@ class _Planner:
                 continue
             if sg.ops[t.producer].is_backward and not t.variable:
                 continue
-            if sg.ops[t.producer].conditional:
-                continue  # made in a lowered branch: its swap ops would be dead when the branch is not taken
+            wrap, chain = self.optional_wrap(t.name), set()
+            if wrap:
+                chain = sg.optional_chain(wrap)
+            elif sg.ops[t.producer].conditional:
+                continue  # made in a lowered branch and read in the gradient's: no swap-in can serve it there
             frame = sg.ops[t.producer].frame
             if any(sg.ops[c].frame != frame for c in t.consumers):
                 continue  # read across a loop frame's boundary: swap ops cannot sit there
@@ -200,20 +206,35 @@ class _Planner:
             for c in t.consumers:
                 if sg.ops[c].is_backward and sg.is_data_consumer(c):
                     bwd.append(c)
-                else:
+                elif c != wrap:  # the optional takes the swap-out's host copy
                     orig.append(c)
             # Backward ops reading the tensor through a forward alias op (a Reshape ...) read a copy of that op on
-            # the swap-in; other consumers of aliases read the original buffer: they keep it alive.
+            # the swap-in (through an optional: the swap-in itself); other consumers of aliases read the original
+            # buffer: they keep it alive.
             via = self.via_alias(t.name)
             bwd += via
-            keepers = [c for c in sg.buffer_consumers(t.name) if c not in t.consumers and c not in via]
+            keepers = [c for c in sg.buffer_consumers(t.name) if c not in t.consumers and c not in via
+                       and c not in chain]
             if bwd:
                 bwd.sort(key=self.pos.__getitem__)
                 yield t, orig, bwd, keepers
 
     def via_alias(self, tensor: str) -> dict[str, str]:
-        """:meth:`StepGraph.alias_readers` of ``tensor``, empty where none can be served by a copy."""
+        """:meth:`StepGraph.alias_readers` of ``tensor`` (or, for a branch's intermediate kept in an optional, its
+        :meth:`StepGraph.optional_readers`), empty where none can be served by a swap-in."""
+        if self.optional_wrap(tensor):
+            return self.sg.optional_readers(tensor)[1]
         return self.sg.alias_readers(tensor) or {}
+
+    def optional_wrap(self, tensor: str) -> str:
+        """The ``OptionalFromValue`` of a branch's intermediate that a swap can serve
+        (:meth:`StepGraph.optional_readers`), or "". Not on a GPU, where the optional ops take device memory:
+        TensorFlow would copy the host copy back to the device to put it in the optional."""
+        t = self.sg.tensors[tensor]
+        if not self.sg.ops[t.producer].conditional or "GPU" in self.sg.ops[t.producer].device.upper():
+            return ""
+        found = self.sg.optional_readers(tensor)
+        return found[0] if found else ""
 
     def _split(self, t, orig: list[str], bwd: list[str], keepers: list[str], timed: bool
                ) -> tuple[list[str], list[str], list[str], int] | None:
@@ -296,7 +317,7 @@ class _Planner:
             kind = "variable" if t.variable else "tensor"
             cost = (0.0 if t.variable else self.d2h(t.bytes)) + len(groups) * self.h2d(t.bytes)
             out.append(_Candidate(t.name, t.producer, t.bytes, p, self.layer[p], orig2, keepers, groups, min_trig,
-                                  kind, cost_s=cost))
+                                  kind, cost_s=cost, wrap=self.optional_wrap(t.name)))
         if policy == "dymem":
             out += [c for w in self.weights if (c := self._weight_candidate(w, relaxed)) is not None]
         if policy == "dymem" and relaxed:  # no copy to hide: offered once the hidden round trips fall short
@@ -443,7 +464,7 @@ class _Planner:
             via = self.via_alias(cand.tensor) if cand.kind == "tensor" else {}
             out.append(SwapDecision(cand.tensor, cand.producer, cand.bytes, cand.prod_layer, list(cand.orig), bwd, sis,
                                     cand.kind, cand.route, cand.recompute,
-                                    alias_reads=[[c, via[c]] for c in bwd if c in via]))
+                                    alias_reads=[[c, via[c]] for c in bwd if c in via], optional_wrap=cand.wrap))
         return out
 
     def _latest_hiding_layer(self, consumer_pos: int, nbytes: int, slot_end: float = math.inf) -> int:
@@ -910,6 +931,11 @@ def validate_plan(step_graph: StepGraph, plan: Plan) -> list[str]:
                 errs.append(f"{s.tensor}: users {sorted(missing)} not served by a stay on the device")
         else:  # the original or a swap-in serves each consumer; readers through an alias get a copy of it
             readers = step_graph.alias_readers(s.tensor) or {}
+            if s.optional_wrap:  # its optional serves the gradient's branch, which reads the swap-in
+                wrap, readers = step_graph.optional_readers(s.tensor) or ("", {})
+                if wrap != s.optional_wrap:
+                    errs.append(f"{s.tensor}: {s.optional_wrap} is not the optional that holds it")
+                served.add(s.optional_wrap)
             via = {c: a for c, a in s.alias_reads}
             wrong = set(t.consumers) - served
             wrong |= {c for c in served - set(t.consumers) if c not in readers}

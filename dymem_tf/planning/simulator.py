@@ -300,8 +300,9 @@ class Simulator:
                     raise ValueError(f"swap-in of {s.tensor!r} is triggered by {si.trigger_op!r}, "
                                      f"which does not run after the producer {t.producer!r}")
                 via = {c: a for c, a in s.alias_reads}
+                readable = set(t.consumers) | (self.sg.optional_chain(s.optional_wrap) if s.optional_wrap else set())
                 for c in si.consumers:
-                    if c not in t.consumers and (c not in via or via[c] not in t.consumers):
+                    if c not in t.consumers and (c not in via or via[c] not in readable):
                         raise ValueError(f"{c!r} is not a consumer of {s.tensor!r} nor of an alias op of it")
                     if self.pos[c] <= tp:
                         raise ValueError(f"swap-in of {s.tensor!r}: trigger {si.trigger_op!r} does not run "
@@ -465,6 +466,8 @@ class Simulator:
                     break  # written by an op that now reads the swap-in: not in the original buffer any more
                 chain.append(name)
             users = [c for name in chain for c in self._buffer_users(name)]
+            if s.optional_wrap:  # the optional holds the host copy: its ops no longer keep the original
+                fed |= self.sg.optional_chain(s.optional_wrap)
             lf = max([int(self.t_prod[ti])] + [self.pos[c] for c in users if c not in fed])
             rel_time.append(max(out_end[i], end[lf]))
             rel_key.append(lf)
