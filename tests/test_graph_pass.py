@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 import dymem_tf  # noqa: F401  (loads the libraries)
-from dymem_tf.passes import graph_def_view, graph_pass
+from dymem_tf.passes import graph_def_view, graph_pass, plan_message
 
 
 def _step_function():
@@ -92,6 +92,11 @@ def test_the_batch_size_hint_gives_shapes_computed_from_the_input_batch_and_chan
     assert _dynamic_reshape_shapes(None)[0] == [None, 8]  # not left set after the armed block
 
 
+def _versioned(records: str) -> str:
+    """``records`` (record lines) as a plan message: after its version line."""
+    return plan_message.message([]) + records
+
+
 def _relu_swap_plan(view, consumers=None, trigger=""):
     relu = [op for op in view.get_operations() if op.type == "Relu"][0]
     readers = consumers or [op.name for op in relu.outputs[0].consumers() if "gradient_tape/" in op.name]
@@ -106,7 +111,7 @@ def test_a_plan_inserts_swap_ops_and_the_step_computes_the_same_values():
 
     def apply(call):
         view = call.graph()
-        rewritten.append(call.apply(_relu_swap_plan(view)).view())
+        rewritten.append(call.apply(_versioned(_relu_swap_plan(view))).view())
 
     out = _offered(apply)
     for a, b in zip(out, base):
@@ -118,13 +123,14 @@ def test_a_plan_inserts_swap_ops_and_the_step_computes_the_same_values():
 
 
 @pytest.mark.parametrize("plan, fragment", [
-    ("bogus line\n", "malformed"),
+    ("bogus line\n", "unknown record kind 'bogus line'"),
     ("out\tno_such_node\t0\tx/dymem_swap_out_0\n", "no_such_node"),
     ("in\tmissing_out\tx/in\t\tconsumer\n", "unknown swap-out"),
     ("seq\t0\tno_such_node\n", "no_such_node"),
     ("seq\tnot_a_chain\tx\n", "malformed"),
     ("seq\t-1\tx\n", "malformed"),
-    ("seqadded\n", "malformed"),
+    ("seqadded\n", "a 'seqadded' record has 1 fields (chain), not 0"),
+    ("out\tx\t0\n", "a 'out' record has 3 fields (producer, port, swap_out), not 2"),
 ])
 def test_a_plan_that_does_not_fit_is_refused_and_the_graph_is_unchanged(plan, fragment):
     base = _offered(lambda call: None)
@@ -132,7 +138,7 @@ def test_a_plan_that_does_not_fit_is_refused_and_the_graph_is_unchanged(plan, fr
 
     def apply(call):
         try:
-            call.apply(plan)
+            call.apply(_versioned(plan))
         except graph_pass.PlanApplyError as err:
             errors.append(str(err))
         sizes.append(len(call.graph().get_operations()))
@@ -156,11 +162,11 @@ def test_a_plan_that_would_close_a_cycle_is_undone_completely():
         plan = _relu_swap_plan(view, [consumer.name], trigger=late)
         cycle_nodes.add(late)
         try:
-            call.apply(plan)
+            call.apply(_versioned(plan))
         except graph_pass.PlanApplyError as err:
             errors.append(str(err))
         # nothing of the plan stays: applying a good plan afterwards still works
-        rewritten.append(call.apply(_relu_swap_plan(view)))
+        rewritten.append(call.apply(_versioned(_relu_swap_plan(view))))
 
     base = _offered(lambda call: None)
     out = _offered(apply)
@@ -193,10 +199,10 @@ def test_a_second_plan_on_one_call_returns_the_graph_with_both_plans():
 
     def apply(call):
         view = call.graph()
-        first = call.apply(_relu_swap_plan(view)).view()
+        first = call.apply(_versioned(_relu_swap_plan(view))).view()
         g = _dag(view)
         a, b = [n for n in nx.topological_sort(g) if g.in_degree(n) > 0][-2:]
-        second = call.apply(f"ctrl\t{a}\t{b}\n").view()
+        second = call.apply(_versioned(f"ctrl\t{a}\t{b}\n")).view()
         seen["types"] = [sorted(op.type for op in v.get_operations() if op.type.startswith("DymemSwap"))
                          for v in (first, second)]
         seen["readers"] = [sorted(c.name for op in v.get_operations() if op.type == "DymemSwapIn"
@@ -226,9 +232,9 @@ def test_seq_records_chain_independent_ops_in_the_listed_order_and_bend_to_the_g
         a, b = next((a, b) for i, a in enumerate(ops) for b in ops[i + 1:]
                     if not nx.has_path(g, a, b) and not nx.has_path(g, b, a))
         text = "".join(f"seq\t0\t{n}\n" for n in ops[::-1])
-        rewritten = call.apply("".join(f"seq\t0\t{n}\n" for n in [b, a])).view()
+        rewritten = call.apply(_versioned("".join(f"seq\t0\t{n}\n" for n in [b, a]))).view()
         seen["pair"] = (a, b, _control_inputs(rewritten, a))
-        seen["backwards"] = _dag(call.apply(text).view())
+        seen["backwards"] = _dag(call.apply(_versioned(text)).view())
 
     out = _offered(apply)
     a, b, controls = seen["pair"]
@@ -247,7 +253,7 @@ def test_a_seqadded_record_chains_the_plans_own_ops_as_soon_as_they_are_ready():
             g = _dag(view)
             chain = "".join(f"seq\t0\t{n}\n" for n in nx.topological_sort(g) if g.in_degree(n) > 0)
             text = _relu_swap_plan(view, trigger="MatMul_1") + chain + ("seqadded\t0\n" if added else "")
-            rewritten = _dag(call.apply(text).view())
+            rewritten = _dag(call.apply(_versioned(text)).view())
             swaps = [n for n in rewritten if "/dymem_swap_" in n]
             seen[added] = {(a, b) for a in swaps for b in rewritten.successors(a)}
         return apply
@@ -295,7 +301,7 @@ def test_seqadded_leaves_swap_ops_on_an_untaken_branch_out_of_the_chain():
                  and types[n] not in ("_Retval", "Switch", "Merge")]
         text = (_relu_swap_plan(view, consumers=[consumer]) + "".join(f"seq\t0\t{n}\n" for n in chain)
                 + "seqadded\t0\n")
-        seen["graph"] = _dag(call.apply(text).view())
+        seen["graph"] = _dag(call.apply(_versioned(text)).view())
         seen["swaps"] = {n for n in seen["graph"] if "/dymem_swap_" in n}
         seen["consumer"] = consumer
 
@@ -334,7 +340,8 @@ def test_encode_plan_names_the_swap_ops():
 
     decision = SwapDecision("a/Relu:1", "a/Relu", 64, 1, [], ["g"], [SwapIn("t", 3, ["g"], 4)])
     text = graph_pass.encode_plan([decision], [("x", "y")])
-    assert text.splitlines() == ["out\ta/Relu\t1\ta/Relu/dymem_swap_out_1",
+    assert text.splitlines() == [f"dymem-plan\t{plan_message.schema().version}",
+                                 "out\ta/Relu\t1\ta/Relu/dymem_swap_out_1",
                                  "in\ta/Relu/dymem_swap_out_1\ta/Relu/dymem_swap_in_1_0\tt\tg", "ctrl\tx\ty"]
 
 
@@ -420,7 +427,7 @@ def test_a_var_record_keeps_the_state_in_host_memory_between_its_uses():
         n = arg.name
         plan = (f"var\t{n}\t0\t{n}/dymem_var_evict_0\t{n}/dymem_var_swap_in_0\t{n}/dymem_var_swap_out_0\t\t"
                 + ",".join(users) + "\n")
-        rewritten.append(call.apply(plan).view())
+        rewritten.append(call.apply(_versioned(plan)).view())
 
     losses, w, m, offloaded = _run_momentum(apply)
     assert losses == base[0]
@@ -444,7 +451,7 @@ def test_records_may_name_the_nodes_a_var_record_adds():
         n = arg.name
         plan = (f"var\t{n}\t0\t{n}/e\t{n}/i\t{n}/o\t\t{','.join(users)}\n"
                 f"ctrl\t{n}/e\t{users[0]}\n")
-        rewritten.append((call.apply(plan).view(), f"{n}/e", users[0]))
+        rewritten.append((call.apply(_versioned(plan)).view(), f"{n}/e", users[0]))
 
     losses, w, m, offloaded = _run_momentum(apply, steps=2)
     assert losses == base[0] and offloaded == [True, True]
@@ -457,7 +464,7 @@ def test_records_may_name_the_nodes_a_var_record_adds():
     ("var\t{x}\t0\ta\tb\tc\t\t{users}\n", "is not a resource"),
     ("var\t{arg}\t0\ta\tb\tc\t\t{x}\n", "does not read"),
     ("var\t{arg}\t0\ta\ta\tc\t\t{users}\n", "already taken"),
-    ("var\t{arg}\t0\ta\tb\tc\n", "malformed"),
+    ("var\t{arg}\t0\ta\tb\tc\n", "a 'var' record has 7 fields"),
 ])
 def test_a_var_record_that_does_not_fit_is_refused(record, fragment):
     errors = []
@@ -467,7 +474,7 @@ def test_a_var_record_that_does_not_fit_is_refused(record, fragment):
         arg, users = _state_arg(view)
         x = [op.name for op in view.get_operations() if op.type == "MatMul"][0]
         try:
-            call.apply(record.format(arg=arg.name, users=",".join(users), x=x))
+            call.apply(_versioned(record.format(arg=arg.name, users=",".join(users), x=x)))
         except graph_pass.PlanApplyError as err:
             errors.append(str(err))
 
@@ -487,7 +494,7 @@ def test_a_var_record_that_does_not_fit_is_refused(record, fragment):
     ("reroute\t{x}\t{arg}\t0\t{x}\n", "does not read"),
     ("vin\t{arg}\t0\tw_in\t0\nvin\t{arg}\t0\tw_in\t0\n", "already taken"),
     ("vkeep\t{x}\t0\tw_keep\t0\n", "is not a resource"),
-    ("vkeep\t{arg}\t0\tw_keep\n", "malformed"),
+    ("vkeep\t{arg}\t0\tw_keep\n", "a 'vkeep' record has 4 fields"),
 ])
 def test_a_weight_or_recompute_record_that_does_not_fit_is_refused(record, fragment):
     """The records that offload weights and recompute tensors (vin, vout, vread, clone, reroute) are checked like
@@ -499,13 +506,77 @@ def test_a_weight_or_recompute_record_that_does_not_fit_is_refused(record, fragm
         arg, _ = _state_arg(view)
         x = [op.name for op in view.get_operations() if op.type == "MatMul"][0]
         try:
-            call.apply(record.format(arg=arg.name, x=x))
+            call.apply(_versioned(record.format(arg=arg.name, x=x)))
         except graph_pass.PlanApplyError as err:
             errors.append(str(err))
 
     losses, *_ = _run_momentum(apply, steps=1)
     assert len(errors) == 1 and fragment in errors[0], errors
     assert losses == _run_momentum(lambda call: None, steps=1)[0]
+
+
+def test_a_plan_of_every_record_kind_applies_and_trains_the_same():
+    """One message with a record of each kind plan_schema.h defines, on the momentum step: swap a ReLU (out, in),
+    offload the state (var), move the weight out and back (vout, vin), keep it (vkeep), read it (vread), compute the
+    ReLU's forward reader from a copy (clone, reroute), order ops (ctrl, seq, seqadded). The step adds every op
+    and computes the plain step's values."""
+    from dymem_tf.passes.plan_message import record, schema
+
+    rewritten, kinds = [], set()
+
+    def apply(call):
+        view = call.graph()
+        m, m_users = _state_arg(view)
+        w = [op for op in view.get_operations() if op.type == "_Arg" and op.outputs[0].dtype == tf.resource
+             and op is not m][0]
+        w_users = [u.name for u in w.outputs[0].consumers()]
+        w_read = [u for u in w_users if view.op(u).type == "ReadVariableOp"][0]
+        relu = [op for op in view.get_operations() if op.type == "Relu"][0]
+        matmul = relu.inputs[0].op.name
+        reader = [c.name for c in relu.outputs[0].consumers() if "gradient_tape/" not in c.name][0]
+        lines = _relu_swap_plan(view).splitlines() + [
+            record("var", m.name, 0, "m/e", "m/i", "m/o", "", ",".join(m_users)),
+            record("vout", w.name, 0, "w/out", 0), record("vin", w.name, 0, "w/in", 0),
+            record("vkeep", w.name, 0, "w/keep", 0), record("vread", w.name, 0, "w/read", w_read),
+            record("ctrl", "w/out", "w/in"), record("ctrl", "w/in", "w/keep"), record("ctrl", "w/in", "w/read"),
+            *[record("ctrl", "w/keep", u) for u in w_users],
+            record("clone", relu.name, "relu/copy", ""), record("reroute", reader, relu.name, 0, "relu/copy"),
+            record("seq", 0, matmul), record("seq", 0, relu.name), record("seqadded", 0)]
+        kinds.update(line.split("\t")[0] for line in lines)
+        rewritten.append(call.apply(plan_message.message(lines)).view())
+
+    base = _run_momentum(lambda call: None, steps=2)
+    losses, w, m, offloaded = _run_momentum(apply, steps=2)
+    assert kinds == set(schema().records)  # a new record kind needs a place here
+    assert losses == base[0] and offloaded == [True, True]
+    np.testing.assert_array_equal(w, base[1])
+    np.testing.assert_array_equal(m, base[2])
+    types = [op.type for op in rewritten[0].get_operations()]
+    assert {"DymemSwapOut", "DymemSwapIn", "DymemVariableSwapOut", "DymemVariableSwapIn",
+            "DymemVariableRead"} <= set(types)
+    assert "relu/copy" in [op.name for op in rewritten[0].get_operations()]
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("out\tx\t0\tx/out\n", "does not start with its version line (dymem-plan 2)"),
+    ("dymem-plan\t1\nout\tx\t0\tx/out\n", "version 1 and this graph pass reads version 2"),
+    ("", "needs at least its version line"),
+])
+def test_a_message_of_another_version_is_refused_and_the_graph_is_unchanged(text, fragment):
+    errors = []
+
+    def apply(call):
+        try:
+            call.apply(text)
+        except graph_pass.PlanApplyError as err:
+            errors.append(str(err))
+
+    assert plan_message.schema().version == 2
+    base = _offered(lambda call: None)
+    out = _offered(apply)
+    assert len(errors) == 1 and fragment in errors[0], errors
+    for a, b in zip(out, base):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_host_memory_outputs_of_other_dtypes_are_never_swapped_on_a_gpu():
@@ -572,7 +643,7 @@ def test_the_pass_offers_and_rewrites_the_partitioned_graph_after_onednn():
 
     def apply(call):
         seen.append((call.stage, call.function_name))
-        call.apply(_relu_swap_plan(call.graph()))
+        call.apply(_versioned(_relu_swap_plan(call.graph())))
 
     step = _step_function()
     with graph_pass.armed(apply, stage="after_partitioning"):

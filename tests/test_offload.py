@@ -126,11 +126,10 @@ def test_the_greedy_search_offloads_state_whose_last_use_precedes_the_peak():
 
 
 def test_encode_plan_writes_one_var_record():
-    from dymem_tf.passes import graph_pass
+    from dymem_tf.passes import graph_pass, plan_message
 
     plan = pipeline.plan_step(_step(), pipeline.PlanSettings(offload_variables=True, least_memory=True))
-    text = graph_pass.encode_plan(plan.plan.swaps)
-    fields = text.strip().split("\t")
+    (fields,) = plan_message.records_of(graph_pass.encode_plan(plan.plan.swaps))
     assert fields[:6] == ["var", "m", "0", "m/dymem_var_evict_0", "m/dymem_var_swap_in_0", "m/dymem_var_swap_out_0"]
     assert set(fields[7].split(",")) == {"read_m", "assign_m"}
 

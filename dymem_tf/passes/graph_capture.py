@@ -22,11 +22,12 @@ from typing import Iterable, Sequence
 
 import tensorflow as tf
 
+from dymem_tf import op_sets
 from dymem_tf.passes import host_memory
 from dymem_tf.planning.analysis import (ALIAS_OP_TYPES, FORWARDING_OP_TYPES, METADATA_OP_TYPES, CycleError, OpInfo,
                                        StepGraph, TensorInfo, aliased_input, analyse, descendants)
 
-_GRAD_PREFIX = "gradient_tape/"
+(_GRAD_PREFIX,) = op_sets.GRADIENT_SCOPES
 #: Ops whose outputs alias variable storage (persistent memory): never swapped, counted in persistent bytes.
 _VARIABLE_READ_TYPES = frozenset({"ReadVariableOp", "VarHandleOp", "VariableV2"})
 #: Ops whose outputs live as long as the function (constants, folded by Grappler or not): never swapped.

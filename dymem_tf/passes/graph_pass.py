@@ -21,6 +21,8 @@ import threading
 import warnings
 from typing import Callable
 
+from dymem_tf.passes.plan_message import message, record
+
 logger = logging.getLogger("dymem_tf")
 
 _HANDLER_TYPE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t)
@@ -216,34 +218,34 @@ def encode_plan(swaps, control_edges=(), resident=(), sequences=()) -> str:
         if getattr(decision, "kind", "tensor") == "variable":
             swap_in = decision.swap_ins[0]
             evict, in_name, out_name = variable_op_names(decision.tensor)
-            lines.append(f"var\t{producer}\t{port}\t{evict}\t{in_name}\t{out_name}\t{swap_in.trigger_op or ''}\t"
-                         + ",".join(swap_in.consumers))
+            lines.append(record("var", producer, port, evict, in_name, out_name, swap_in.trigger_op or "",
+                                ",".join(swap_in.consumers)))
             continue
         out = swap_out_name(decision.tensor)
-        lines.append(f"out\t{producer}\t{port}\t{out}")
+        lines.append(record("out", producer, port, out))
         wrap = getattr(decision, "optional_wrap", "")
         if wrap:  # a conditional's optional keeps the host copy for the gradient's branch
-            lines.append(f"reroute\t{wrap}\t{producer}\t{port}\t{out}")
+            lines.append(record("reroute", wrap, producer, port, out))
         via = dict(getattr(decision, "alias_reads", None) or ())
         for i, swap_in in enumerate(decision.swap_ins):
             if swap_in.consumers:
                 name = swap_in_name(decision.tensor, i)
-                lines.append(f"in\t{out}\t{name}\t{swap_in.trigger_op or ''}\t"
-                             + ",".join(c for c in swap_in.consumers if c not in via))
+                lines.append(record("in", out, name, swap_in.trigger_op or "",
+                                    ",".join(c for c in swap_in.consumers if c not in via)))
                 reads = [(c, via[c]) for c in swap_in.consumers if c in via]
                 if wrap:  # they read the optional's value: now the swap-in
-                    lines += [f"reroute\t{c}\t{unwrap}\t0\t{name}" for c, unwrap in reads]
+                    lines += [record("reroute", c, unwrap, 0, name) for c, unwrap in reads]
                 else:
                     lines += _alias_copy_records(name, reads)
     for resource, users in resident:  # kept variables: back on the device before their users, if they were not
         producer, port = split_tensor_name(resource)
         name = resident_op_name(resource)
-        lines.append(f"vkeep\t{producer}\t{port}\t{name}\t0")  # a vin into GTBM's persistent group
-        lines += [f"ctrl\t{name}\t{user}" for user in users]
-    lines += [f"ctrl\t{a}\t{b}" for a, b in control_edges]
+        lines.append(record("vkeep", producer, port, name, 0))  # a vin into GTBM's persistent group
+        lines += [record("ctrl", name, user) for user in users]
+    lines += [record("ctrl", a, b) for a, b in control_edges]
     for k, (sequence, with_added) in enumerate(sequences):
-        lines += [f"seq\t{k}\t{name}" for name in sequence] + ([f"seqadded\t{k}"] if with_added else [])
-    return "\n".join(lines) + "\n"
+        lines += [record("seq", k, name) for name in sequence] + ([record("seqadded", k)] if with_added else [])
+    return message(lines)
 
 
 def _alias_copy_records(swap_in: str, reads: list[tuple[str, str]]) -> list[str]:
@@ -253,8 +255,8 @@ def _alias_copy_records(swap_in: str, reads: list[tuple[str, str]]) -> list[str]
     for consumer, alias in reads:
         if alias not in copies:
             copies[alias] = f"{alias}/dymem_alias_of_{swap_in.rpartition('/')[2]}"
-            lines.append(f"clone\t{alias}\t{copies[alias]}\t0:{swap_in}")
-        lines.append(f"reroute\t{consumer}\t{alias}\t0\t{copies[alias]}")
+            lines.append(record("clone", alias, copies[alias], f"0:{swap_in}"))
+        lines.append(record("reroute", consumer, alias, 0, copies[alias]))
     return lines
 
 
@@ -278,19 +280,19 @@ def _weight_records(decision) -> list[str]:
     names = weight_op_names(decision.tensor)
     evict, in_f, out_f, in_b, read_b, out_b = (names[k] for k in ("evict", "in_fwd", "out_fwd", "in_bwd", "read_bwd",
                                                                    "out_bwd"))
-    lines = [f"vout\t{producer}\t{port}\t{evict}\t0", f"vin\t{producer}\t{port}\t{in_f}\t1",
-             f"vout\t{producer}\t{port}\t{out_f}\t1", f"vin\t{producer}\t{port}\t{in_b}\t0"]
+    lines = [record("vout", producer, port, evict, 0), record("vin", producer, port, in_f, 1),
+             record("vout", producer, port, out_f, 1), record("vin", producer, port, in_b, 0)]
     if route.reroutes:  # backward users read the weight again
-        lines.append(f"vread\t{producer}\t{port}\t{read_b}\t{route.reads[0]}")
+        lines.append(record("vread", producer, port, read_b, route.reads[0]))
     copy_of = {read: read_b for read in route.reads}
     for alias, source in route.clones:
         copy_of[alias] = f"{alias}/dymem_weight_copy"
-        lines.append(f"clone\t{alias}\t{copy_of[alias]}\t0:{copy_of[source]}")
+        lines.append(record("clone", alias, copy_of[alias], f"0:{copy_of[source]}"))
     rerouted = []
     for consumer, source in route.reroutes:
-        lines.append(f"reroute\t{consumer}\t{source}\t0\t{copy_of[source]}")
+        lines.append(record("reroute", consumer, source, 0, copy_of[source]))
         rerouted.append(consumer)
-    lines.append(f"vout\t{producer}\t{port}\t{out_b}\t0")
+    lines.append(record("vout", producer, port, out_b, 0))
     edges = [(evict, in_f)] + ([(first.trigger_op, in_f)] if first.trigger_op else [])
     edges += [(in_f, read) for read in route.reads]
     edges += [(user, out_f) for user in list(route.reads) + list(first.consumers)]
@@ -299,7 +301,7 @@ def _weight_records(decision) -> list[str]:
     edges += [(in_b, user) for user in second.consumers if user not in rerouted]
     edges += [(user, out_b) for user in second.consumers]
     edges += [(user, write) for user in rerouted for write in route.writes]
-    return lines + [f"ctrl\t{a}\t{b}" for a, b in dict.fromkeys(edges)]
+    return lines + [record("ctrl", a, b) for a, b in dict.fromkeys(edges)]
 
 
 def _recompute_records(decision) -> list[str]:
@@ -312,15 +314,15 @@ def _recompute_records(decision) -> list[str]:
     lines = []
     for op, inputs in route.ops:
         remapped = ",".join(f"{k}:{copy_of[source]}" for k, source in inputs)
-        lines.append(f"clone\t{op}\t{copy_of[op]}\t{remapped}")
+        lines.append(record("clone", op, copy_of[op], remapped))
     last = route.ops[-1][0]
     for alias in route.aliases:
-        lines.append(f"clone\t{alias}\t{copy_of[alias]}\t0:{copy_of[last]}")
+        lines.append(record("clone", alias, copy_of[alias], f"0:{copy_of[last]}"))
     _, port = split_tensor_name(decision.tensor)
     for consumer, source in route.reroutes:
-        lines.append(f"reroute\t{consumer}\t{source}\t{port if source == last else 0}\t{copy_of[source]}")
+        lines.append(record("reroute", consumer, source, port if source == last else 0, copy_of[source]))
     if swap_in.trigger_op:
-        lines += [f"ctrl\t{swap_in.trigger_op}\t{copy_of[op]}" for op, _ in route.ops]
+        lines += [record("ctrl", swap_in.trigger_op, copy_of[op]) for op, _ in route.ops]
     return lines
 
 

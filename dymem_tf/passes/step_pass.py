@@ -31,7 +31,7 @@ from collections import Counter
 import numpy as np
 import tensorflow as tf
 
-from dymem_tf import compat
+from dymem_tf import compat, op_sets
 from dymem_tf.memory import placement
 from dymem_tf.passes import graph_capture, graph_def_view, graph_pass
 from dymem_tf.planning import first_step, pipeline, planner, simulator, stages
@@ -175,9 +175,9 @@ OPAQUE_OP_TYPES = frozenset({"If", "StatelessIf", "Case", "StatelessCase", "Part
 #: Lowered control flow's plumbing: its outputs forward tensors (a loop's counter, an Optional) and are not
 #: feature maps.
 FLOW_OP_TYPES = frozenset({"Switch", "Merge", "Enter", "Exit", "NextIteration", "LoopCond"})
-#: Ops that hand the step its batch (a strategy's per-device iterators included).
-INPUT_OP_TYPES = frozenset({"IteratorGetNext", "IteratorGetNextSync", "MultiDeviceIteratorGetNextFromShard",
-                            "IteratorGetNextAsOptional"})
+#: Ops that hand the step its batch (a strategy's per-device iterators included): the native pass's step inputs
+#: (:data:`dymem_tf.op_sets.STEP_INPUT_TYPES`) and the optional-returning iterator, whose one output it cannot fill.
+INPUT_OP_TYPES = op_sets.STEP_INPUT_TYPES | {"IteratorGetNextAsOptional"}
 _REPLICA_SCOPE = re.compile(r"(?:^|/)replica_(\d+)/")
 
 

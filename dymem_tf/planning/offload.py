@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from dymem_tf import op_sets
 from dymem_tf.planning.analysis import StepGraph
 from dymem_tf.planning.plan import WeightRoute
 
@@ -93,10 +94,11 @@ class OffloadableWeight:
     route: WeightRoute
 
 
-#: Prefixes of the op types that use a resource as a variable (``DymemVariableSwapIn`` applies to it).
-VARIABLE_USER_PREFIXES = ("ReadVariableOp", "AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp",
-                          "ResourceApply", "ResourceSparseApply", "ResourceGather", "ResourceScatter",
-                          "VarIsInitializedOp", "VariableShape")
+#: Prefixes of the op types that use a resource as a variable (``DymemVariableSwapIn`` applies to it): those that
+#: write it in place (:data:`dymem_tf.op_sets.VARIABLE_UPDATE_PREFIXES`, which GTBM's mobility rules share) and those
+#: that read it.
+VARIABLE_USER_PREFIXES = ("ReadVariableOp", *op_sets.VARIABLE_UPDATE_PREFIXES, "ResourceGather", "VarIsInitializedOp",
+                          "VariableShape")
 #: Ops that pass a resource on (into a loop frame, a conditional branch, an alias).
 RESOURCE_PASSING_OP_TYPES = frozenset({"Enter", "Switch", "Identity", "Merge", "Exit"})
 

@@ -2,6 +2,7 @@
 #include "mobility.h"
 
 #include <algorithm>
+#include <iterator>
 #include <atomic>
 #include <memory>
 #include <string>
@@ -36,12 +37,16 @@ std::string_view Leaf(std::string_view op) {
 // True when `text` begins with `prefix`.
 bool StartsWith(std::string_view text, std::string_view prefix) { return text.substr(0, prefix.size()) == prefix; }
 
+// The op sets shared with the Python planner (op_sets.h).
+#define DYMEM_OP_SET(name, ...) [[maybe_unused]] constexpr std::string_view name[] = {__VA_ARGS__};
+#include "../op_sets.h"
+#undef DYMEM_OP_SET
+
 // Node names default to the op type ("AssignSubVariableOp_12"), and Keras/TF optimizers keep them.
 bool IsVariableUpdate(std::string_view op) {
   const std::string_view leaf = Leaf(op);
-  return StartsWith(leaf, "AssignVariableOp") || StartsWith(leaf, "AssignAddVariableOp") ||
-         StartsWith(leaf, "AssignSubVariableOp") || StartsWith(leaf, "ResourceApply") ||
-         StartsWith(leaf, "ResourceSparseApply") || StartsWith(leaf, "ResourceScatter");
+  return std::any_of(std::begin(kVariableUpdatePrefixes), std::end(kVariableUpdatePrefixes),
+                     [&](std::string_view prefix) { return StartsWith(leaf, prefix); });
 }
 
 // Rule c of the host-inputs classification: tf.data's iterator ops and eagerly run dataset constructors.

@@ -17,7 +17,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_split.h"
+#include "absl/strings/str_join.h"
 #include "step_plan.h"
 #include "tensorflow/core/common_runtime/optimization_registry.h"
 #include "tensorflow/core/common_runtime/shape_refiner.h"
@@ -29,6 +29,12 @@
 #include "tensorflow/core/graph/graph.h"
 
 namespace dymem {
+
+// The op sets shared with the Python planner (op_sets.h).
+#define DYMEM_OP_SET(name, ...) [[maybe_unused]] constexpr absl::string_view name[] = {__VA_ARGS__};
+#include "../op_sets.h"
+#undef DYMEM_OP_SET
+
 namespace {
 
 // The Python side: called with the call's state, the function's name and its serialized GraphDef; returns
@@ -87,7 +93,9 @@ struct PassCall {
 // Whether the graph holds a GradientTape's gradient ops (a train step), the only graphs Dymem plans.
 bool HasGradientOps(const tensorflow::Graph& graph) {
   for (const tensorflow::Node* n : graph.op_nodes()) {
-    if (absl::StrContains(n->name(), "gradient_tape/")) return true;
+    for (absl::string_view scope : kGradientScopes) {
+      if (absl::StrContains(n->name(), scope)) return true;
+    }
   }
   return false;
 }
@@ -112,13 +120,9 @@ void AppendRecord(const OutputRecord& record, std::string* buffer) {
   buffer->append(reinterpret_cast<const char*>(record.data()), record.size() * sizeof(int64_t));
 }
 
-// Op types of the step's input ops, whose outputs lead with the batch dimension (Python's
-// step_pass.INPUT_OP_TYPES less IteratorGetNextAsOptional, whose output is one optional: a test compares them).
-constexpr const char* kStepInputTypes = "IteratorGetNext,IteratorGetNextSync,MultiDeviceIteratorGetNextFromShard";
-
 // Whether `n` is one of the step's input ops (kStepInputTypes).
 bool IsStepInput(const tensorflow::Node* n) {
-  for (absl::string_view type : absl::StrSplit(kStepInputTypes, ',')) {
+  for (absl::string_view type : kStepInputTypes) {
     if (n->type_string() == type) return true;
   }
   return false;
@@ -341,7 +345,8 @@ __attribute__((visibility("default"))) int64_t dymem_pass_set_batch_hint(int64_t
 
 // The op types whose outputs' unknown batch dimension the batch hint fills, comma-separated.
 __attribute__((visibility("default"))) const char* dymem_pass_step_input_types(void) {
-  return dymem::kStepInputTypes;
+  static const std::string* joined = new std::string(absl::StrJoin(dymem::kStepInputTypes, ","));
+  return joined->c_str();
 }
 
 // How many graphs were offered to the handler since the library was loaded.

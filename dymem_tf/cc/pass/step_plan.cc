@@ -15,6 +15,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "tensorflow/core/framework/node_def_util.h"
 #include "tensorflow/core/framework/types.h"
@@ -52,14 +53,14 @@ std::vector<int> InputsReading(const Node* consumer, const Node* src, int port);
 // Parses one `out` record; false on a malformed one.
 bool ParseOut(const std::vector<std::string>& f, StepPlan* plan) {
   int port = 0;
-  if (f.size() != 4 || f[1].empty() || f[3].empty() || !absl::SimpleAtoi(f[2], &port) || port < 0) return false;
+  if (f[1].empty() || f[3].empty() || !absl::SimpleAtoi(f[2], &port) || port < 0) return false;
   plan->swap_outs.push_back({f[1], port, f[3]});
   return true;
 }
 
 // Parses one `in` record (no direct consumers: it feeds only copies of alias ops); false on a malformed one.
 bool ParseIn(const std::vector<std::string>& f, StepPlan* plan) {
-  if (f.size() != 5 || f[1].empty() || f[2].empty()) return false;
+  if (f[1].empty() || f[2].empty()) return false;
   std::vector<std::string> consumers = absl::StrSplit(f[4], ',', absl::SkipEmpty());
   plan->swap_ins.push_back({f[1], f[2], f[3], std::move(consumers)});
   return true;
@@ -67,7 +68,7 @@ bool ParseIn(const std::vector<std::string>& f, StepPlan* plan) {
 
 // Parses one `ctrl` record; false on a malformed one.
 bool ParseCtrl(const std::vector<std::string>& f, StepPlan* plan) {
-  if (f.size() != 3 || f[1].empty() || f[2].empty()) return false;
+  if (f[1].empty() || f[2].empty()) return false;
   plan->control_edges.push_back({f[1], f[2]});
   return true;
 }
@@ -76,7 +77,7 @@ bool ParseCtrl(const std::vector<std::string>& f, StepPlan* plan) {
 bool ParseSeq(const std::vector<std::string>& f, StepPlan* plan) {
   constexpr int kMaxChains = 1 << 16;
   int chain = 0;
-  if (f.size() != 3 || f[2].empty() || !absl::SimpleAtoi(f[1], &chain) || chain < 0 || chain >= kMaxChains) {
+  if (f[2].empty() || !absl::SimpleAtoi(f[1], &chain) || chain < 0 || chain >= kMaxChains) {
     return false;
   }
   if (plan->sequences.size() <= static_cast<size_t>(chain)) plan->sequences.resize(chain + 1);
@@ -87,7 +88,7 @@ bool ParseSeq(const std::vector<std::string>& f, StepPlan* plan) {
 // Parses one `seqadded` record; false on a malformed one.
 bool ParseSeqAdded(const std::vector<std::string>& f, StepPlan* plan) {
   int chain = 0;
-  if (f.size() != 2 || !absl::SimpleAtoi(f[1], &chain) || chain < 0) return false;
+  if (!absl::SimpleAtoi(f[1], &chain) || chain < 0) return false;
   plan->chains_with_added.push_back(chain);
   return true;
 }
@@ -95,7 +96,7 @@ bool ParseSeqAdded(const std::vector<std::string>& f, StepPlan* plan) {
 // Parses one `var` record; false on a malformed one.
 bool ParseVar(const std::vector<std::string>& f, StepPlan* plan) {
   int port = 0;
-  if (f.size() != 8 || f[1].empty() || f[3].empty() || f[4].empty() || f[5].empty() || f[7].empty() ||
+  if (f[1].empty() || f[3].empty() || f[4].empty() || f[5].empty() || f[7].empty() ||
       !absl::SimpleAtoi(f[2], &port) || port < 0) {
     return false;
   }
@@ -108,7 +109,7 @@ bool ParseVar(const std::vector<std::string>& f, StepPlan* plan) {
 bool ParseVariableOp(const std::vector<std::string>& f, StepPlan* plan) {
   NodeEditRecord edit;
   VariableOpRecord& r = edit.variable_op;
-  if (f.size() != 5 || f[1].empty() || f[3].empty() || f[4].empty() || !absl::SimpleAtoi(f[2], &r.port) ||
+  if (f[1].empty() || f[3].empty() || f[4].empty() || !absl::SimpleAtoi(f[2], &r.port) ||
       r.port < 0) {
     return false;
   }
@@ -128,7 +129,7 @@ bool ParseVariableOp(const std::vector<std::string>& f, StepPlan* plan) {
 
 // Parses one `clone` record; false on a malformed one.
 bool ParseClone(const std::vector<std::string>& f, StepPlan* plan) {
-  if (f.size() != 4 || f[1].empty() || f[2].empty()) return false;
+  if (f[1].empty() || f[2].empty()) return false;
   NodeEditRecord edit;
   edit.kind = "clone";
   edit.clone.node = f[1];
@@ -150,7 +151,7 @@ bool ParseClone(const std::vector<std::string>& f, StepPlan* plan) {
 bool ParseReroute(const std::vector<std::string>& f, StepPlan* plan) {
   NodeEditRecord edit;
   RerouteRecord& r = edit.reroute;
-  if (f.size() != 5 || f[1].empty() || f[2].empty() || f[4].empty() || !absl::SimpleAtoi(f[3], &r.port) ||
+  if (f[1].empty() || f[2].empty() || f[4].empty() || !absl::SimpleAtoi(f[3], &r.port) ||
       r.port < 0) {
     return false;
   }
@@ -704,26 +705,96 @@ bool ApplyValidated(const StepPlan& plan, Graph* graph, UndoLog* log, std::strin
   return ok;
 }
 
+// The message's version and its records' field names (plan_schema.h).
+#define DYMEM_PLAN_RECORD(kind, ...)
+#define DYMEM_PLAN_VERSION(v) constexpr int kPlanVersion = v;
+#include "plan_schema.h"
+#undef DYMEM_PLAN_VERSION
+#undef DYMEM_PLAN_RECORD
+
+struct RecordSchema {
+  const char* kind;
+  std::vector<const char*> fields;
+};
+
+// Every record kind of plan_schema.h with its fields, in the order listed there.
+const std::vector<RecordSchema>& Schema() {
+#define DYMEM_PLAN_VERSION(v)
+#define DYMEM_PLAN_RECORD(kind, ...) {#kind, {__VA_ARGS__}},
+  static const std::vector<RecordSchema> records = {
+#include "plan_schema.h"
+  };
+#undef DYMEM_PLAN_RECORD
+#undef DYMEM_PLAN_VERSION
+  return records;
+}
+
+constexpr const char* kHeader = "dymem-plan";
+
+// Whether `f` is the version line this library reads; false with `error` saying what it is otherwise.
+bool CheckVersion(const std::vector<std::string>& f, std::string* error) {
+  int version = 0;
+  if (f.size() != 2 || f[0] != kHeader || !absl::SimpleAtoi(f[1], &version)) {
+    *error = absl::StrCat("the plan message does not start with its version line (", kHeader, " ", kPlanVersion,
+                          ")");
+    return false;
+  }
+  if (version == kPlanVersion) return true;
+  *error = absl::StrCat("the plan message is version ", version, " and this graph pass reads version ",
+                        kPlanVersion, ": the Python package and its native library come from different builds");
+  return false;
+}
+
+// Whether `f` is a record kind of the schema with its number of fields; false with `error` otherwise.
+bool CheckSchema(const std::vector<std::string>& f, int lineno, std::string* error) {
+  for (const RecordSchema& r : Schema()) {
+    if (f[0] != r.kind) continue;
+    if (f.size() == r.fields.size() + 1) return true;
+    *error = absl::StrCat("plan line ", lineno, ": a '", r.kind, "' record has ", r.fields.size(), " fields (",
+                          absl::StrJoin(r.fields, ", "), "), not ", f.size() - 1);
+    return false;
+  }
+  *error = absl::StrCat("plan line ", lineno, " has the unknown record kind '", f[0], "'");
+  return false;
+}
+
+// Parses one record whose kind and field count CheckSchema accepted; false on malformed fields.
+bool ParseRecord(const std::vector<std::string>& f, StepPlan* plan) {
+  const std::string& kind = f[0];
+  if (kind == "out") return ParseOut(f, plan);
+  if (kind == "in") return ParseIn(f, plan);
+  if (kind == "ctrl") return ParseCtrl(f, plan);
+  if (kind == "seq") return ParseSeq(f, plan);
+  if (kind == "seqadded") return ParseSeqAdded(f, plan);
+  if (kind == "var") return ParseVar(f, plan);
+  if (kind == "clone") return ParseClone(f, plan);
+  if (kind == "reroute") return ParseReroute(f, plan);
+  return ParseVariableOp(f, plan);  // vin, vkeep, vout, vread
+}
+
 }  // namespace
 
 bool ParseStepPlan(const std::string& text, StepPlan* plan, std::string* error) {
   std::istringstream lines(text);
   std::string line;
+  bool versioned = false;
   for (int lineno = 1; std::getline(lines, line); ++lineno) {
     if (line.empty()) continue;
     std::vector<std::string> f = Fields(line);
-    bool ok = (f[0] == "out" && ParseOut(f, plan)) || (f[0] == "in" && ParseIn(f, plan)) ||
-              (f[0] == "ctrl" && ParseCtrl(f, plan)) || (f[0] == "seq" && ParseSeq(f, plan)) ||
-              (f[0] == "seqadded" && ParseSeqAdded(f, plan)) || (f[0] == "var" && ParseVar(f, plan)) ||
-              ((f[0] == "vin" || f[0] == "vkeep" || f[0] == "vout" || f[0] == "vread") &&
-               ParseVariableOp(f, plan)) ||
-              (f[0] == "clone" && ParseClone(f, plan)) || (f[0] == "reroute" && ParseReroute(f, plan));
-    if (!ok) {
+    if (!versioned) {
+      if (!CheckVersion(f, error)) return false;
+      versioned = true;
+      continue;
+    }
+    if (!CheckSchema(f, lineno, error)) return false;
+    if (!ParseRecord(f, plan)) {
       *error = absl::StrCat("plan line ", lineno, " is malformed: '", line, "'");
       return false;
     }
   }
-  return true;
+  if (!versioned) *error = absl::StrCat("the plan message is empty: it needs at least its version line (", kHeader,
+                                        " ", kPlanVersion, ")");
+  return versioned;
 }
 
 bool ApplyStepPlan(const StepPlan& plan, Graph* graph, std::string* error, std::vector<Node*>* changed) {

@@ -1,6 +1,8 @@
 // A swap plan as the graph pass receives it from the Python planner: plain data, one parser, one applier.
 //
-// Text form, one record per line, fields separated by tabs (node names never contain tabs or newlines):
+// Text form: a version line (`dymem-plan <version>`), then one record per line, fields separated by tabs (node names
+// never contain tabs or newlines). plan_schema.h is the one definition of the version and of each record's fields,
+// for this parser and for the Python writer (dymem_tf/passes/plan_message.py); what the records do:
 //   out   <producer node> <output port> <swap-out node name>
 //   in    <swap-out node name> <swap-in node name> <trigger node or empty> [<consumer>[,<consumer>...]]
 //   ctrl  <from node> <to node>
@@ -112,7 +114,8 @@ struct StepPlan {
   std::vector<int> chains_with_added;                // `seqadded` records
 };
 
-// Parses the text form above into `plan`; false with `error` set on a malformed line.
+// Parses the text form above into `plan`; false with `error` set on another version, an unknown record kind, a
+// record with another number of fields than plan_schema.h gives it, or a malformed field.
 bool ParseStepPlan(const std::string& text, StepPlan* plan, std::string* error);
 
 // Inserts the plan's swap ops into `graph`, reroutes consumers and adds control edges. All or nothing: on a plan
