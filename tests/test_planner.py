@@ -114,11 +114,12 @@ def test_tensors_made_in_a_conditional_branch_are_not_swapped():
     assert make_plan(branch, "dymem", profile=TOY, min_swap_bytes=1).swap_for("a:0") is None
 
 
-def _gated_step(other_reader: bool = False) -> StepGraph:
+def _gated_step(other_reader: bool = False, shared_output: bool = False) -> StepGraph:
     """A lowered ``cond`` as the pass sees it: ``relu`` (the taken branch's value) is returned by the ``Merge``
     ``out`` and kept for the gradient's branch in an optional (``wrap`` -> ``merge_opt`` -> the gradient's
     ``Switch`` -> ``get``), which ``rgrad`` reads late in the backward pass; the step peaks at ``w3`` (5 MB).
-    ``other_reader``: ``w0`` reads the optional too."""
+    ``other_reader``: ``w0`` reads the optional too; ``shared_output``: the other branch keeps its own value in the
+    same ``Merge`` (cond_v2 gives matching intermediates of both branches one output)."""
     chain = {f"w{i}": {"inputs": [f"w{i - 1}" if i else "out"], "bytes": 5 * MB if i == 3 else KB, "flops": MS}
              for i in range(6)}
     if other_reader:
@@ -130,7 +131,8 @@ def _gated_step(other_reader: bool = False) -> StepGraph:
         "relu": {"inputs": ["sw:1"], "bytes": MB, "flops": MS, "shape": (250, 1000)},
         "half": {"inputs": ["sw:0"], "bytes": MB, "flops": MS},
         "wrap": {"type": "OptionalFromValue", "inputs": ["relu"], "bytes": 0, "dtype": "variant"},
-        "none": {"type": "OptionalNone", "bytes": 0, "dtype": "variant"},
+        "none": ({"type": "OptionalFromValue", "inputs": ["half"], "bytes": 0, "dtype": "variant"} if shared_output
+                 else {"type": "OptionalNone", "bytes": 0, "dtype": "variant"}),
         "out": {"type": "Merge", "inputs": ["relu", "half"], "bytes": MB, "flops": MS},
         "merge_opt": {"type": "Merge", "inputs": ["wrap", "none"], "bytes": 0, "alias": True, "dtype": "variant"},
         **chain,
@@ -165,10 +167,11 @@ def test_a_branch_value_kept_in_an_optional_is_swapped_through_it():
     assert records[-1] == f"reroute\trgrad\tget\t0\t{swap_in}"
     s.optional_wrap = ""  # without the optional's reroute nothing serves rgrad
     assert validate_plan(sg, plan)
-    # another reader of the optional: it keeps the value on the device, no candidate
-    other = _gated_step(other_reader=True)
-    assert other.optional_readers("relu:0") is None
-    assert make_plan(other, "dymem", profile=TOY, min_swap_bytes=1).swap_for("relu:0") is None
+    # another reader of the optional, or the other branch's value in the same output: no candidate (a swap of one
+    # branch's value would feed the other branch's gradient too)
+    for other in (_gated_step(other_reader=True), _gated_step(shared_output=True)):
+        assert other.optional_readers("relu:0") is None
+        assert make_plan(other, "dymem", profile=TOY, min_swap_bytes=1).swap_for("relu:0") is None
 
 
 def test_alias_consumers_keep_the_buffer():

@@ -331,8 +331,8 @@ class StepGraph:
         readers)``, the ``OptionalFromValue`` op holding ``tensor`` and the backward data consumers of the
         optional's value, each mapped to the ``OptionalGetValue`` op it reads. A swap can put the host copy in the
         optional and feed those readers from its swap-in. None when no optional holds the tensor alone, the
-        optional reaches another op than :data:`OPTIONAL_CHAIN_OP_TYPES`, or a backward op reads the buffer
-        otherwise."""
+        optional reaches another op than :data:`OPTIONAL_CHAIN_OP_TYPES`, a ``Merge`` gives it one output with the
+        other branch's value, or a backward op reads the buffer otherwise."""
         wraps = [c for c in self.tensors[tensor].consumers if self.ops[c].type == "OptionalFromValue"]
         if len(wraps) != 1 or self.ops[wraps[0]].inputs != [tensor]:
             return None
@@ -345,12 +345,19 @@ class StepGraph:
                     if not self.ops[c].is_backward or self.ops[c].type in ALIAS_OP_TYPES:
                         return None
                     readers[c] = name
-            elif op.type not in OPTIONAL_CHAIN_OP_TYPES:
+            elif op.type not in OPTIONAL_CHAIN_OP_TYPES or (op.type == "Merge" and not self._merges_none(op, tensor)):
                 return None
         others = set(self.buffer_consumers(tensor)) - chain - set(readers)
         if not readers or any(self.ops[c].is_backward for c in others):
             return None
         return wraps[0], readers
+
+    def _merges_none(self, merge: OpInfo, tensor: str) -> bool:
+        """Whether each input of ``merge`` holds ``tensor`` or comes from an ``OptionalNone``: the other branch keeps
+        nothing in this output. (cond_v2 gives intermediates of both branches that match in type one output; then the
+        gradient's branches read each other's value from it, and a swap of one branch's would feed both.)"""
+        return all(self.buffer_of(i) == tensor or self.ops[self.tensors[i].producer].type == "OptionalNone"
+                   for i in merge.inputs)
 
     def optional_chain(self, wrap: str) -> set[str]:
         """``wrap`` (an ``OptionalFromValue``) and the ops its optional reaches through the tensors aliasing it: the
