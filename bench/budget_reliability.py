@@ -157,23 +157,23 @@ def _budget_run(build, fit, Peaks, budget: int, memory_budget, args) -> dict:
     result["peaks"] = peaks.peaks
     result["over_budget_steps"] = sum(p > budget for p in peaks.peaks)
     records = [r for r in cb.records]
-    if records and records[0].plan.params.get("stage") == "probe" and peaks.peaks:
-        result["probe_predicted"] = int(records[0].plan.predicted["peak_bytes"])
+    if records and records[0].plan.params.stage == "probe" and peaks.peaks:
+        result["probe_predicted"] = int(records[0].plan.predicted.peak_bytes)
         result["probe_measured"] = peaks.peaks[0]
-    calibrated = [r for r in records if r.plan.params.get("stage") in ("calibrated", "refined")]
+    calibrated = [r for r in records if r.plan.params.stage in ("calibrated", "refined")]
     first = len(calibrated)  # the last calibrated plan ran from this step on (the probe ran step 0)
     if calibrated and len(peaks.peaks) > first:
         plan = calibrated[-1].plan
-        cal = plan.predicted["calibration"]
-        result["calibrated_predicted"] = plan.predicted.get("calibrated_peak_bytes") or \
-            first_step.calibrated_prediction(cal, int(plan.predicted["peak_bytes"]))
-        result["placed"] = "calibrated_peak_bytes" in plan.predicted  # predicted by the plan's placement
+        cal = plan.predicted.calibration
+        result["calibrated_predicted"] = plan.predicted.calibrated_peak_bytes or \
+            first_step.calibrated_prediction(cal, int(plan.predicted.peak_bytes))
+        result["placed"] = plan.predicted.calibrated_peak_bytes is not None  # predicted by the plan's placement
         result["calibration_margin"] = cal.get("margin")
         result["placement_residual"] = cal.get("placement_residual_bytes")
         result["calibrated_measured"] = max(peaks.peaks[first:])
         result["calibrated_first"] = peaks.peaks[first]
-        result["calibrated_in_use"] = (plan.measured or {}).get("peak_bytes_in_use")
-        result["in_use_predicted"] = int(plan.predicted["peak_bytes"])
+        result["calibrated_in_use"] = plan.measured.peak_bytes_in_use if plan.measured is not None else None
+        result["in_use_predicted"] = int(plan.predicted.peak_bytes)
         result["calibrated_swaps"] = len(plan.swaps)
         result["refined"] = len(calibrated) > 1
     result["fallback"] = any("goes on with the first step's" in str(w.message) for w in caught)

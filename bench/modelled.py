@@ -36,12 +36,12 @@ def _plan_row(plan) -> dict:
     return {
         "swaps": len(plan.swaps),
         "swapped_bytes": int(sum(s.bytes for s in plan.swaps)),
-        "peak_bytes": int(pred["peak_bytes"]),
-        "step_time_s": float(pred["step_time_s"]),
-        "stall_s": float(pred["stall_s"]),
-        "compute_time_s": float(pred.get("compute_time_s", 0.0)),
-        "no_swap_peak_bytes": int(pred.get("no_swap_peak_bytes", 0)),
-        "no_swap_step_time_s": float(pred.get("no_swap_step_time_s", 0.0)),
+        "peak_bytes": int(pred.peak_bytes),
+        "step_time_s": float(pred.step_time_s),
+        "stall_s": float(pred.stall_s),
+        "compute_time_s": float(pred.compute_time_s),
+        "no_swap_peak_bytes": int(pred.no_swap_peak_bytes or 0),
+        "no_swap_step_time_s": float(pred.no_swap_step_time_s or 0.0),
         "notes": list(plan.notes),
     }
 
@@ -53,7 +53,7 @@ def sweep(traced, unbounded: dict, profile: str) -> list[dict]:
     vdnn, none = unbounded.get("vdnn"), unbounded.get("none")
     if isinstance(vdnn, Exception) or isinstance(none, Exception) or vdnn is None or none is None:
         return []
-    low, high = int(vdnn.predicted["peak_bytes"]), int(none.predicted["peak_bytes"])
+    low, high = int(vdnn.predicted.peak_bytes), int(none.predicted.peak_bytes)
     rows = []
     for f in SWEEP_FRACTIONS:
         budget = int(low + f * (high - low))
@@ -78,7 +78,7 @@ def model_one(name: str, image_size: int, batch: int, profile: str) -> dict:
         "scenarios": {"unbounded": {"budget_bytes": None,
                                     "policies": {p: _plan_row(v) for p, v in unbounded.items()}}},
     }
-    peaks = [int(v.predicted["peak_bytes"]) for p, v in unbounded.items()
+    peaks = [int(v.predicted.peak_bytes) for p, v in unbounded.items()
              if p != "none" and not isinstance(v, Exception)]
     if peaks:
         mib = 1 << 20
@@ -93,7 +93,7 @@ def model_one(name: str, image_size: int, batch: int, profile: str) -> dict:
         vdnn = unbounded.get("vdnn")
         if vdnn is not None and not isinstance(vdnn, Exception):
             # vdnn as published (no budget: all feature maps) vs dymem planned to the same peak memory
-            at_vdnn = int(vdnn.predicted["peak_bytes"])
+            at_vdnn = int(vdnn.predicted.peak_bytes)
             dymem = dry_run.plan_all(traced, ["dymem"], at_vdnn, profile, headroom=0.0)["dymem"]
             out["scenarios"]["vdnn_memory"] = {
                 "budget_bytes": at_vdnn, "planner_headroom": 0.0,

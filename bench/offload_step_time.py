@@ -101,7 +101,7 @@ def plan_traffic(record) -> dict:
     return {"feature_maps": len(plan.feature_maps), "state": len(plan.offloaded_variables),
             "weights": len(plan.offloaded_weights), "h2d_bytes": int(h2d), "d2h_bytes": int(d2h),
             "h200_copy_s": copy_s, "h200_step_s": with_plan.step_time_s, "h200_no_swap_step_s": without.step_time_s,
-            "h200_compute_s": without.compute_time_s, "stage": plan.params.get("stage")}
+            "h200_compute_s": without.compute_time_s, "stage": plan.params.stage}
 
 
 def run(config: str, args, budget_bytes: int | None) -> dict:

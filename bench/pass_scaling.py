@@ -79,7 +79,7 @@ def run_child(args) -> dict:
                      "passes": passes}
         if mode == "none" and cb.records:
             plan = cb.records[0].plan
-            budget = int(args.budget_fraction * plan.predicted["no_swap_peak_bytes"])
+            budget = int(args.budget_fraction * plan.predicted.no_swap_peak_bytes)
         print(mode, json.dumps(out[mode]), flush=True)
     return out
 
@@ -88,7 +88,7 @@ def _pass_record(record) -> dict:
     """What the table needs of one pass (a checkout without stage times gives none)."""
     times = getattr(record, "stage_times", None)
     sg = record.step_graph
-    return {"stage": record.plan.params.get("stage") or "plan", "pass_seconds": round(record.pass_seconds, 3),
+    return {"stage": record.plan.params.stage or "plan", "pass_seconds": round(record.pass_seconds, 3),
             "ops": len(sg.ops), "layers": sg.num_layers, "swaps": len(record.plan.swaps),
             "stages": times.as_dict() if times is not None else {}}
 

@@ -62,7 +62,7 @@ def run(args) -> dict:
             except dymem_tf.BudgetTooSmallError as err:
                 outcome = f"refused: {str(err)[:160]}"
             results[mode].append({"outcome": outcome, "passes": [
-                {"stage": r.plan.params.get("stage") or "plan", "pass_seconds": round(r.pass_seconds, 3),
+                {"stage": r.plan.params.stage or "plan", "pass_seconds": round(r.pass_seconds, 3),
                  "ops": len(r.step_graph.ops) if hasattr(r.step_graph, "ops") else None,
                  "swaps": len(r.plan.swaps)} for r in cb.records]})
             print(mode, json.dumps(results[mode][-1]), flush=True)

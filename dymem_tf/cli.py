@@ -120,8 +120,8 @@ def _row(policy: str, plan) -> tuple:
         return (policy, "-", "-", "-", "-", "-", "-", "-", f"error: {plan}")
     pred = plan.predicted
     return (policy, str(len(plan.feature_maps)), str(len(plan.offloaded_variables)), str(len(plan.offloaded_weights)),
-            str(len(plan.recomputed)), units.format_bytes(pred["peak_bytes"]), f"{pred['step_time_s'] * 1e3:.1f}",
-            f"{pred['stall_s'] * 1e3:.1f}", "")
+            str(len(plan.recomputed)), units.format_bytes(pred.peak_bytes), f"{pred.step_time_s * 1e3:.1f}",
+            f"{pred.stall_s * 1e3:.1f}", "")
 
 
 def _error(text: str) -> int:

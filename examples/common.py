@@ -133,7 +133,7 @@ def train(model_name: str, args: argparse.Namespace) -> dict:
         "swapped_bytes": sum(s.bytes for s in plan.swaps) if plan is not None else 0,
         # the simulator's device peak for this plan (same batch, the planner's cost profile): compare with the
         # measured peak_bytes_in_use
-        "predicted_peak_bytes": plan.predicted.get("peak_bytes") if plan is not None else None,
+        "predicted_peak_bytes": plan.predicted.peak_bytes if plan is not None else None,
         "step_time_s": timer.median_step_s(),
         "final_loss": float(history.history["loss"][-1]) if history is not None else None,
     }

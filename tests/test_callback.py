@@ -227,7 +227,7 @@ cb = dymem_tf.DymemCallback(memory_budget="128MiB", min_swap_bytes=0, log_dir=lo
 model.fit(x, np.arange(32) % 10, batch_size=8, epochs=3, verbose=0, callbacks=[cb])
 with open(log_dir + "/dymem/plugins/dymem/plan.json", encoding="utf-8") as fh:
     on_disk = fh.read() == cb.plan.to_json() + "\n"
-print("RESULT" + json.dumps({"stages": [r.plan.params.get("stage") for r in cb.records],
+print("RESULT" + json.dumps({"stages": [r.plan.params.stage for r in cb.records],
                              "written": [id(r) for r in written] == [id(r) for r in cb.records],
                              "on_disk": on_disk}))
 """
@@ -271,7 +271,7 @@ def test_a_budget_is_this_fits_when_the_process_holds_other_models(tmp_path):
     x = np.random.default_rng(1).normal(size=(16, 16, 16, 3)).astype("float32")
     cb = dymem_tf.DymemCallback(memory_budget="64MiB", min_swap_bytes=0, verbose=0, log_dir=str(tmp_path))
     model.fit(x, np.arange(16) % 10, batch_size=8, epochs=1, verbose=0, callbacks=[cb])
-    assert [r.plan.params.get("stage") for r in cb.records] == ["probe", "calibrated"]
+    assert [r.plan.params.stage for r in cb.records] == ["probe", "calibrated"]
     steps = [json.loads(line) for line in
              (tmp_path / "dymem" / "plugins" / "dymem" / "steps.jsonl").read_text().splitlines()]
     assert steps and all(0 < s["peak_bytes_reserved"] <= 64 << 20 for s in steps), steps

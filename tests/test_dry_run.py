@@ -36,9 +36,9 @@ def test_a_dict_input_model_is_planned_without_training_or_changing_a_variable()
     assert len(after) == len(before) and all(np.array_equal(a, b) for a, b in zip(before, after))
     assert int(model.optimizer.iterations) == 0
     # a budget between the least-memory plan and the no-swap step: the plan swaps to fit it
-    budget = int((least.predicted["peak_bytes"] + fits.predicted["peak_bytes"]) / 2 / (1 - 0.1))
+    budget = int((least.predicted.peak_bytes + fits.predicted.peak_bytes) / 2 / (1 - 0.1))
     between = dymem_tf.dry_run(model, 32, memory_budget=budget, profile="cpu")
-    assert between.swaps and between.predicted["peak_bytes"] <= budget
+    assert between.swaps and between.predicted.peak_bytes <= budget
 
 
 def test_the_sample_batch_follows_the_model_and_its_losses():

@@ -88,23 +88,25 @@ def test_a_small_budget_keeps_whole_pageblocks_free_for_later_steps():
 
 
 def test_a_measurement_is_exact_only_when_the_peaks_grew_in_the_step():
+    from dymem_tf.planning.plan import Measurement
+
     before = {"peak_bytes_in_use": 10 * MiB, "peak_bytes_reserved": 12 * MiB}
     grew = first_step.measurement(before, {"peak_bytes_in_use": 30 * MiB, "peak_bytes_reserved": 32 * MiB}, 24 * MiB)
-    assert grew == {"outcome": "ran", "peak_bytes": 32 * MiB, "peak_bytes_reserved": 32 * MiB,
-                    "peak_bytes_in_use": 30 * MiB, "exact": True, "predicted_peak_bytes": 24 * MiB, "error": 0.25}
+    assert grew == Measurement(outcome="ran", peak_bytes=32 * MiB, peak_bytes_reserved=32 * MiB,
+                               peak_bytes_in_use=30 * MiB, exact=True, predicted_peak_bytes=24 * MiB, error=0.25)
     # an earlier step since the last reset peaked higher: this step's peak is only bounded
     hidden = first_step.measurement(before, dict(before), 8 * MiB)
-    assert hidden["exact"] is False and hidden["peak_bytes"] == 12 * MiB
+    assert hidden.exact is False and hidden.peak_bytes == 12 * MiB
     oom = first_step.measurement(before, {"peak_bytes_in_use": 40 * MiB, "peak_bytes_reserved": 48 * MiB}, 24 * MiB,
                                  outcome="out_of_memory", steps=2)
-    assert oom["outcome"] == "out_of_memory" and "error" not in oom and oom["steps"] == 2
+    assert oom.outcome == "out_of_memory" and oom.error is None and oom.steps == 2
 
 
 def test_the_plan_summary_prints_predicted_and_measured_once_the_step_ran():
-    from dymem_tf.planning.plan import Plan
+    from dymem_tf.planning.plan import Plan, Prediction
 
     plan = Plan(policy="dymem", device="cpu", budget_bytes=64 * MiB, persistent_bytes=MiB, batch_size=8, num_layers=4,
-                predicted={"peak_bytes": 30 * MiB, "no_swap_peak_bytes": 40 * MiB})
+                predicted=Prediction(peak_bytes=30 * MiB, no_swap_peak_bytes=40 * MiB))
     assert "first step" not in plan.summary() and plan.measured_error is None
     plan.measured = first_step.measurement({"peak_bytes_in_use": 0, "peak_bytes_reserved": 0},
                                            {"peak_bytes_in_use": 29 * MiB, "peak_bytes_reserved": 32 * MiB},
@@ -113,9 +115,9 @@ def test_the_plan_summary_prints_predicted_and_measured_once_the_step_ran():
     assert line in plan.summary().splitlines()
     assert plan.measured_error == pytest.approx(2 / 32)
     assert Plan.from_json(plan.to_json()).measured == plan.measured  # plan.json keeps it
-    plan.measured["exact"] = False
+    plan.measured.exact = False
     assert plan.measured_summary() == "predicted 30.0 MiB, measured at most 32.0 MiB; in use at most 29.0 MiB"
-    plan.measured["outcome"] = "out_of_memory"
+    plan.measured.outcome = "out_of_memory"
     assert plan.measured_error is None
     assert plan.measured_summary() == ("predicted 30.0 MiB, ran out of memory in its first step (pool reserved "
                                        "32.0 MiB, in use 29.0 MiB)")
@@ -137,7 +139,7 @@ def test_snapshot_restores_weights_optimizer_state_and_metrics():
 
 
 SCRIPT = r"""
-import gc, json, os, warnings
+import dataclasses, gc, json, os, warnings
 import tensorflow as tf
 import dymem_tf
 import numpy as np, keras
@@ -203,12 +205,14 @@ with warnings.catch_warnings(record=True) as caught:
     hist = model.fit(x, y, batch_size=4096, epochs=1, shuffle=False, verbose=0, callbacks=[cb, Peak()])
 out["losses"], out["plain"] = hist.history["loss"], plain
 out["peaks"] = peaks
-out["stages"] = [r.plan.params.get("stage") for r in cb.records]
+out["stages"] = [r.plan.params.stage for r in cb.records]
 out["notes"] = [n for r in cb.records for n in r.plan.notes]
 out["warnings"] = [str(w.message) for w in caught if "dymem_tf" in str(w.message)]
-out["calibration"] = cb.records[-1].plan.predicted.get("calibration")
-out["placed"] = cb.records[-1].plan.predicted.get("calibrated_peak_bytes")
-out["measured"] = (cb.records[-1].plan.measured or {}).get("peak_bytes")
+cal = cb.records[-1].plan.predicted.calibration
+out["calibration"] = dataclasses.asdict(cal) if cal is not None else None
+out["placed"] = cb.records[-1].plan.predicted.calibrated_peak_bytes
+measured = cb.records[-1].plan.measured
+out["measured"] = measured.peak_bytes if measured is not None else None
 out["prepared_once"] = cb.records[-1].step_graph is cb.records[0].step_graph
 print("RESULT" + json.dumps(out), flush=True)
 """
@@ -252,7 +256,7 @@ def test_the_first_step_calibrates_and_every_step_stays_under_the_budget(budget_
 
 
 MEASURED_SCRIPT = r"""
-import json, sys
+import dataclasses, json, sys
 import tensorflow as tf
 import dymem_tf
 import numpy as np, keras
@@ -268,8 +272,10 @@ x = np.random.default_rng(0).normal(size=(96, 16, 16, 3)).astype("float32")
 cb = dymem_tf.DymemCallback(memory_budget="128MiB", min_swap_bytes=0, log_dir=sys.argv[1], verbose=1)
 model.fit(x, np.arange(96) % 10, batch_size=16, epochs=1, verbose=0, callbacks=[cb])
 print("SUMMARY" + json.dumps(cb.plan.summary()))
-out = {"plans": [{"stage": r.plan.params.get("stage"), "predicted": r.plan.predicted["peak_bytes"],
-                  "measured": r.plan.measured, "calibration": r.plan.predicted.get("calibration")}
+def fields(x):
+    return dataclasses.asdict(x) if x is not None else None
+out = {"plans": [{"stage": r.plan.params.stage, "predicted": r.plan.predicted.peak_bytes,
+                  "measured": fields(r.plan.measured), "calibration": fields(r.plan.predicted.calibration)}
                  for r in cb.records]}
 data = logdata.load_run(sys.argv[1], "dymem")
 out["logged"], out["steps"] = data["plans"], [(s["step"], s.get("plan")) for s in data["steps"]]

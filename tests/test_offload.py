@@ -71,10 +71,10 @@ def test_the_planner_offloads_only_where_the_budget_needs_it():
     sg = _step()
     loose = pipeline.plan_step(sg, pipeline.PlanSettings(budget_bytes=10 * 2**30, **settings))
     assert loose.plan.swaps == []
-    base = loose.plan.predicted["no_swap_peak_bytes"]
+    base = loose.plan.predicted.no_swap_peak_bytes
     tight = pipeline.plan_step(_step(), pipeline.PlanSettings(budget_bytes=base - 4 * MB, **settings))
     assert [s.kind for s in tight.plan.swaps] == ["variable"]
-    assert tight.plan.predicted["peak_bytes"] <= base - 4 * MB
+    assert tight.plan.predicted.peak_bytes <= base - 4 * MB
     assert "1 optimizer variables (8.0 MiB) may be offloaded" in " ".join(tight.plan.notes)
     assert tight.plan.persistent_bytes == 0 and loose.plan.persistent_bytes == 0  # m is modelled, not persistent
     with pytest.raises(planner.BudgetTooSmallError):
@@ -239,18 +239,18 @@ losses, state, resident = run([cb, Offloaded()])
 gc.collect()
 cb2 = dymem_tf.DymemCallback(memory_budget="96MiB", verbose=0)
 run([cb2])
-calibrated = [r.plan for r in cb2.records if r.plan.params.get("stage") == "calibrated"]
+calibrated = [r.plan for r in cb2.records if r.plan.params.stage == "calibrated"]
 probe = cb2.records[0].plan
 out_calibration = {"probe_offloads": len(probe.offloaded_variables),
-                    "persistent": calibrated[0].predicted["calibration"]["persistent_bytes"] if calibrated else None,
+                    "persistent": calibrated[0].predicted.calibration.persistent_bytes if calibrated else None,
                     "probe_persistent": probe.persistent_bytes,
-                    "calibrated_prediction": (calibrated[0].measured.get("calibrated_predicted_peak_bytes")
+                    "calibrated_prediction": (calibrated[0].measured.calibrated_predicted_peak_bytes
                                               if calibrated else None)}
 out = {"calibration": out_calibration, "same_losses": losses == plain_losses,
        "same_state": all(np.array_equal(a, b) for a, b in zip(state, plain_state)) and len(state) == len(plain_state),
        "resident_after_fit": resident, "offloaded": offloaded,
        "planned": [len(r.plan.offloaded_variables) for r in cb.records],
-       "stages": [r.plan.params.get("stage") for r in cb.records]}
+       "stages": [r.plan.params.stage for r in cb.records]}
 print("RESULT" + json.dumps(out), flush=True)
 """
 

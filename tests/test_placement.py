@@ -110,9 +110,9 @@ def test_a_measurement_reports_the_placed_prediction_when_the_plan_has_one():
     cal = {"predicted_peak_bytes": 10 * MiB, "measured_peak_bytes": 30 * MiB, "persistent_bytes": 0,
            "measured_in_use_bytes": 10 * MiB}
     out = first_step.measurement(before, after, 90 * MiB, cal)
-    assert out["calibrated_predicted_peak_bytes"] == 110 * MiB  # 90 + the probe's 20 MiB of fragmentation
+    assert out.calibrated_predicted_peak_bytes == 110 * MiB  # 90 + the probe's 20 MiB of fragmentation
     out = first_step.measurement(before, after, 90 * MiB, cal, calibrated_peak=98 * MiB)
-    assert out["calibrated_predicted_peak_bytes"] == 98 * MiB
+    assert out.calibrated_predicted_peak_bytes == 98 * MiB
 
 
 def test_placement_is_quick_on_a_large_step():

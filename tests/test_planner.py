@@ -57,10 +57,10 @@ def test_dymem_swaps_exactly_the_tensors_worth_a_round_trip():
         assert si.trigger_layer == 11 - i
         assert si.trigger_op == (f"b{i + 2}" if i <= 4 else "dloss")
         assert s.forward_consumers == ([f"f{i + 1}"])
-    assert plan.predicted["stall_s"] == pytest.approx(0.0)
-    assert plan.predicted["step_time_s"] == pytest.approx(plan.predicted["no_swap_step_time_s"])
-    assert plan.predicted["no_swap_peak_bytes"] == 6 * MB + 2 * KB
-    assert plan.predicted["peak_bytes"] == 2 * MB + 2 * KB
+    assert plan.predicted.stall_s == pytest.approx(0.0)
+    assert plan.predicted.step_time_s == pytest.approx(plan.predicted.no_swap_step_time_s)
+    assert plan.predicted.no_swap_peak_bytes == 6 * MB + 2 * KB
+    assert plan.predicted.peak_bytes == 2 * MB + 2 * KB
     assert plan.mobility["f1"] == "mobile" and plan.mobility["f6"] == "transient"
 
 
@@ -69,7 +69,7 @@ def test_dymem_moves_triggers_earlier_when_the_h2d_channel_is_busy():
     slow = get_profile(TOY, h2d_bytes_per_s=0.5e9)  # 2 ms per swap-in: back-to-back copies overlap deadlines
     plan = make_plan(sg, "dymem", profile=slow, min_swap_bytes=1)
     assert validate_plan(sg, plan) == []
-    assert plan.predicted["stall_s"] == pytest.approx(0.0)
+    assert plan.predicted.stall_s == pytest.approx(0.0)
     lead = {s.producer: s.swap_ins[0].start_layer_of_consumers - s.swap_ins[0].trigger_layer for s in plan.swaps}
     # one copy per 1 ms consumer, 2 ms each: the later ones are queued behind the earlier ones
     assert max(lead.values()) > 3
@@ -217,28 +217,28 @@ def test_budget_is_respected_with_fewer_swaps():
     full = make_plan(sg, "dymem", profile=TOY, min_swap_bytes=1)
     budget = 4 * MB + 500 * KB + 1 * MB  # persistent 1 MB included
     plan = make_plan(sg, "dymem", profile=TOY, budget_bytes=budget, persistent_bytes=MB, min_swap_bytes=1)
-    assert plan.predicted["peak_bytes"] <= budget
+    assert plan.predicted.peak_bytes <= budget
     assert 0 < len(plan.swaps) < len(full.swaps)
-    assert plan.predicted["peak_by_group"]["persistent"] == MB
+    assert plan.predicted.peak_by_group["persistent"] == MB
     assert validate_plan(sg, plan) == []
-    assert simulate(sg, plan, TOY).peak_bytes == plan.predicted["peak_bytes"]
+    assert simulate(sg, plan, TOY).peak_bytes == plan.predicted.peak_bytes
 
 
 def test_tight_budget_trades_stalls_for_memory():
     sg = train_chain()
     slow = get_profile(TOY, h2d_bytes_per_s=0.5e9)  # 2 ms per swap-in: not every copy can be hidden
     free = make_plan(sg, "dymem", profile=slow, min_swap_bytes=1)
-    assert free.predicted["stall_s"] == pytest.approx(0.0)
-    budget = free.predicted["peak_bytes"] - MB // 2
+    assert free.predicted.stall_s == pytest.approx(0.0)
+    budget = free.predicted.peak_bytes - MB // 2
     tight = make_plan(sg, "dymem", profile=slow, min_swap_bytes=1, budget_bytes=budget)
-    assert tight.predicted["peak_bytes"] <= budget
-    assert tight.predicted["stall_s"] > 0 and tight.params["trigger_mode"] in ("isolated", "jit")
+    assert tight.predicted.peak_bytes <= budget
+    assert tight.predicted.stall_s > 0 and tight.params.trigger_mode in ("isolated", "jit")
     assert any("stalls expected" in n for n in tight.notes)
     tflms = make_plan(sg, "tflms", profile=slow, min_swap_bytes=1, budget_bytes=budget)
-    assert tight.predicted["stall_s"] < tflms.predicted["stall_s"]
+    assert tight.predicted.stall_s < tflms.predicted.stall_s
     # dymem's last resort (triggers right before the consumers) reaches the memory of the latest-trigger policy
     lowest = make_plan(sg, "dymem", profile=slow, min_swap_bytes=1, budget_bytes=2 * MB)
-    assert lowest.predicted["peak_bytes"] <= 2 * MB
+    assert lowest.predicted.peak_bytes <= 2 * MB
     assert validate_plan(sg, tight) == [] and validate_plan(sg, lowest) == []
 
 
@@ -249,25 +249,25 @@ def test_a_greedy_plan_within_the_stall_tolerance_ends_the_search(monkeypatch):
 
     sg = train_chain()
     slow = get_profile(TOY, h2d_bytes_per_s=0.5e9)
-    budget = make_plan(sg, "dymem", profile=slow, min_swap_bytes=1).predicted["peak_bytes"] - MB // 2
+    budget = make_plan(sg, "dymem", profile=slow, min_swap_bytes=1).predicted.peak_bytes - MB // 2
     searched = make_plan(sg, "dymem", profile=slow, min_swap_bytes=1, budget_bytes=budget)
-    stall = searched.predicted["step_time_s"] / searched.predicted["no_swap_step_time_s"] - 1
+    stall = searched.predicted.step_time_s / searched.predicted.no_swap_step_time_s - 1
     assert stall > 0 and not any("not searched further" in n for n in searched.notes)
     monkeypatch.setattr(planner_mod, "SEARCH_STALL_TOLERANCE", 1.0)
     greedy = make_plan(sg, "dymem", profile=slow, min_swap_bytes=1, budget_bytes=budget)
-    assert greedy.predicted["peak_bytes"] <= budget and validate_plan(sg, greedy) == []
+    assert greedy.predicted.peak_bytes <= budget and validate_plan(sg, greedy) == []
     assert any("not searched further" in n for n in greedy.notes)
 
 
 def test_headroom_plans_below_the_budget_and_errors_name_the_budget():
     sg = train_chain()
     full = make_plan(sg, "dymem", profile=TOY, min_swap_bytes=1).predicted
-    budget = (full["peak_bytes"] + full["no_swap_peak_bytes"]) // 2
+    budget = (full.peak_bytes + full.no_swap_peak_bytes) // 2
     exact = make_plan(sg, "dymem", budget_bytes=budget, profile=TOY, min_swap_bytes=1)
     roomy = make_plan(sg, "dymem", budget_bytes=budget, profile=TOY, min_swap_bytes=1, headroom=0.1)
-    assert exact.predicted["peak_bytes"] <= budget
-    assert roomy.predicted["peak_bytes"] <= 0.9 * budget and len(roomy.swaps) >= len(exact.swaps)
-    tight = int(full["peak_bytes"] * 1.05)  # fits exactly, not with 10% kept free
+    assert exact.predicted.peak_bytes <= budget
+    assert roomy.predicted.peak_bytes <= 0.9 * budget and len(roomy.swaps) >= len(exact.swaps)
+    tight = int(full.peak_bytes * 1.05)  # fits exactly, not with 10% kept free
     make_plan(sg, "dymem", budget_bytes=tight, profile=TOY, min_swap_bytes=1)
     with pytest.raises(BudgetTooSmallError, match="keeps 10% of it free") as info:
         make_plan(sg, "dymem", budget_bytes=tight, profile=TOY, min_swap_bytes=1, headroom=0.1)
@@ -318,8 +318,8 @@ def test_vdnn_prefetches_one_keras_layer_ahead():
         assert si.trigger_layer == si.start_layer_of_consumers - 1
     # a 1 ms copy started 1 ms-op ahead cannot be hidden; dymem starts it early enough
     dymem = make_plan(sg, "dymem", profile=TOY, min_swap_bytes=1)
-    assert plan.predicted["stall_s"] > 1e-3
-    assert dymem.predicted["step_time_s"] < plan.predicted["step_time_s"]
+    assert plan.predicted.stall_s > 1e-3
+    assert dymem.predicted.step_time_s < plan.predicted.step_time_s
 
 
 @pytest.mark.parametrize("ahead", [1, 2, 3])
@@ -377,9 +377,9 @@ def test_dymem_beats_vdnn_on_a_nonlinear_network():
     assert [s.tensor for s in dymem.swaps] == ["c1:0"] and [s.tensor for s in vdnn.swaps] == ["c1:0"]
     assert len(vdnn.swaps[0].swap_ins) == 2  # one per consumer Keras layer (short, long1)
     assert len(dymem.swaps[0].swap_ins) == 1
-    assert dymem.predicted["stall_s"] == pytest.approx(0.0, abs=1e-9)
-    assert vdnn.predicted["stall_s"] > 0.5e-3
-    assert dymem.predicted["step_time_s"] < vdnn.predicted["step_time_s"]
+    assert dymem.predicted.stall_s == pytest.approx(0.0, abs=1e-9)
+    assert vdnn.predicted.stall_s > 0.5e-3
+    assert dymem.predicted.step_time_s < vdnn.predicted.step_time_s
     for plan in (dymem, vdnn):
         assert validate_plan(sg, plan) == []
 
@@ -391,16 +391,27 @@ def test_plan_json_round_trip_summary_and_diff(tmp_path):
                      min_swap_bytes=1)
     back = Plan.from_json(plan.to_json())
     assert back == plan
+    assert isinstance(back.params.profile, DeviceProfile) and back.measured is None
     json.loads(plan.to_json())  # plain JSON
+    # a plan.json written before the results were typed: dicts, an empty measurement, keys this version lacks
+    old = json.loads(plan.to_json())
+    old["measured"], old["params"]["retired_setting"] = {}, 1
+    old["predicted"] = {"peak_bytes": 7, "stall_s": 0.5, "calibration": {
+        "budget_bytes": 9, "predicted_peak_bytes": 7, "measured_peak_bytes": 8, "persistent_bytes": 1,
+        "headroom": 0.1, "removed_field": True}}
+    loaded = Plan.from_dict(old)
+    assert loaded.measured is None and loaded.params.min_swap_bytes == plan.params.min_swap_bytes
+    assert (loaded.predicted.peak_bytes, loaded.predicted.stall_s, loaded.predicted.step_time_s) == (7, 0.5, None)
+    assert loaded.predicted.calibration.measured_peak_bytes == 8
     path = tmp_path / "plan.json"
     plan.save(str(path))
     assert Plan.load(str(path)) == plan
     text = plan.summary()
     assert "policy=dymem" in text and "device=toy" in text
     assert f"swapped tensors : {len(plan.swaps)}" in text
-    assert f"{plan.predicted['peak_bytes'] / 2**20:.1f} MiB" in text
+    assert f"{plan.predicted.peak_bytes / 2**20:.1f} MiB" in text
     assert f"{5 * MB / 2**20:.1f} MiB" in text and "[fits]" in text
-    assert f"{plan.predicted['step_time_s'] * 1e3:.3f} ms" in text and "stall" in text
+    assert f"{plan.predicted.step_time_s * 1e3:.3f} ms" in text and "stall" in text
     assert plan.swaps[0].tensor in text
     assert plan.diff(back) == []
     other = make_plan(sg, "dymem", profile=TOY, persistent_bytes=MB, batch_size=8, min_swap_bytes=1)
@@ -486,13 +497,13 @@ def test_random_graphs_give_valid_plans(seed):
                 for si in s.swap_ins:
                     assert sg.ops[si.trigger_op].layer < min(sg.ops[c].layer for c in si.consumers)
             if policy != "none":
-                budget = (plan.predicted["no_swap_peak_bytes"] + plan.predicted["peak_bytes"]) // 2
+                budget = (plan.predicted.no_swap_peak_bytes + plan.predicted.peak_bytes) // 2
                 try:
                     tight = make_plan(sg, policy, profile=profile, budget_bytes=budget, min_swap_bytes=1)
                 except BudgetTooSmallError as err:
                     assert err.min_peak_bytes > budget
                 else:
-                    assert tight.predicted["peak_bytes"] <= budget
+                    assert tight.predicted.peak_bytes <= budget
                     assert validate_plan(sg, tight) == []
 
 
@@ -528,12 +539,12 @@ def test_tight_budget_on_resnet50_h200_keeps_the_schedule_fast():
 
     traced = dry_run.trace_train_step(dry_run.build_model("resnet50", 224), 64)
     unbounded = dry_run.plan_all(traced, ["vdnn"], None, "h200")["vdnn"]
-    budget = int(unbounded.predicted["peak_bytes"] * 1.006)
+    budget = int(unbounded.predicted.peak_bytes * 1.006)
     plans = dry_run.plan_all(traced, ["dymem", "vdnn"], budget, "h200", headroom=0.0)
     dymem, vdnn = plans["dymem"], plans["vdnn"]
-    assert dymem.predicted["peak_bytes"] <= budget and vdnn.predicted["peak_bytes"] <= budget
-    assert dymem.predicted["step_time_s"] <= 1.1 * dymem.predicted["no_swap_step_time_s"]
-    assert vdnn.predicted["step_time_s"] >= 1.1 * dymem.predicted["step_time_s"]  # 102 vs 79 ms when written
+    assert dymem.predicted.peak_bytes <= budget and vdnn.predicted.peak_bytes <= budget
+    assert dymem.predicted.step_time_s <= 1.1 * dymem.predicted.no_swap_step_time_s
+    assert vdnn.predicted.step_time_s >= 1.1 * dymem.predicted.step_time_s  # 102 vs 79 ms when written
 
 
 def test_exchange_only_accepts_faster_plans_that_fit():

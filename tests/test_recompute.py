@@ -107,7 +107,7 @@ def test_the_planner_recomputes_where_copies_cannot_make_room_in_time():
     settings = dict(budget_bytes=no_swap - 4 * MB, headroom=0.0, min_swap_bytes=MB, profile="h200")
     planned = pipeline.plan_step(_block(), pipeline.PlanSettings(**settings))
     assert [(s.tensor, s.kind) for s in planned.plan.swaps] == [("y:0", "recompute")]
-    assert planned.plan.predicted["peak_bytes"] <= no_swap - 4 * MB
+    assert planned.plan.predicted.peak_bytes <= no_swap - 4 * MB
     assert "recomputed      : 1 feature maps" in planned.plan.summary()
     assert any("could be recomputed" in n for n in planned.plan.notes)
     assert planner.validate_plan(planned.step_graph, planned.plan) == []

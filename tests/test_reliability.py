@@ -349,7 +349,7 @@ def test_attention_with_a_partial_last_batch_is_planned_under_a_budget():
     cb = dymem_tf.DymemCallback(memory_budget="1GiB", min_swap_bytes=0, verbose=0)
     hist, weights, _ = fit(attention_net, [cb], x, y, batch_size=8)
     assert not cb.skipped
-    assert [r.plan.params.get("stage") for r in cb.records] == ["probe", "calibrated"]
+    assert [r.plan.params.stage for r in cb.records] == ["probe", "calibrated"]
     assert all(r.batch_size == 8 and _unknown_batch_tensors(r.step_graph) == [] for r in cb.records)
     assert cb.records[0].plan.swaps
     assert hist == base

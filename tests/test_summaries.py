@@ -1,5 +1,6 @@
 """DymemSummaryWriter and the dashboard's reader: files and scalars written, read back the same, clear errors."""
 import csv
+import dataclasses
 import json
 import os
 import types
@@ -63,7 +64,7 @@ def stats(step, plan):
             "peak_bytes_reserved": 16 * MiB, "reserved_overhead": 0.25, "block_size": 100, "bytes_limit": 12 * MiB,
             "groups": {"mobile": {"in_use": MiB, "peak_in_use": 2 * MiB}, "transient": {"in_use": 3 * MiB}},
             "host_bytes_in_use": 2 * MiB, "host_bytes_swapped_out": (step + 1) * plan.swapped_bytes,
-            "planned_swap_bytes": plan.swapped_bytes, "modelled_stall_s": plan.predicted["stall_s"],
+            "planned_swap_bytes": plan.swapped_bytes, "modelled_stall_s": plan.predicted.stall_s,
             "label": "not a number", "capacity": None}
 
 
@@ -121,7 +122,7 @@ def test_scalars_are_tf_summaries_with_the_stats(written):
     # bytes swapped per step: differences of the host pool's cumulative counter
     assert scalars["dymem/host/bytes_swapped_out_per_step"] == {s: record.plan.swapped_bytes for s in range(3)}
     assert scalars["dymem/plan/planned_swap_bytes"][0] == record.plan.swapped_bytes
-    assert scalars["dymem/plan/modelled_stall_s"][0] == pytest.approx(record.plan.predicted["stall_s"])
+    assert scalars["dymem/plan/modelled_stall_s"][0] == pytest.approx(record.plan.predicted.stall_s)
     # configuration counters and non-numbers are not plotted
     assert not any(tag.endswith(("/label", "/capacity", "/block_size")) for tag in scalars)
 
@@ -144,7 +145,7 @@ def test_reader_returns_what_was_written(written):
     summary = data["plan"]
     assert summary["num_swaps"] == len(plan.swaps) > 0
     assert summary["swapped_bytes"] == plan.swapped_bytes
-    assert summary["predicted"]["peak_bytes"] == plan.predicted["peak_bytes"]
+    assert summary["predicted"]["peak_bytes"] == plan.predicted.peak_bytes
     assert data["meta"]["policy"] == "dymem" and data["meta"]["batch_size"] == 8
     assert data["meta"]["graph_name"] == "train_function" and data["meta"]["block_size"] == 100
 
@@ -160,13 +161,13 @@ def test_reader_returns_what_was_written(written):
             assert si["stall_s"] == pytest.approx(planned.predicted_stall_s)
             # the copy starts after its trigger and completes before its consumer starts
             assert planned.trigger_layer < si["start_layer"] <= si["end_layer"] <= si["consumer_start_layer"]
-    assert schedule["stall_s"] == pytest.approx(plan.predicted["stall_s"])
+    assert schedule["stall_s"] == pytest.approx(plan.predicted.stall_s)
 
     timeline = data["timeline"]
     totals = [sum(p[g] for g in logdata.GROUPS) for p in timeline["points"]]
     assert len(totals) == plan.num_layers
-    assert max(totals) == timeline["peak"]["bytes"] == plan.predicted["peak_bytes"]
-    assert max(p["no_swap"] for p in timeline["points"]) == plan.predicted["no_swap_peak_bytes"]
+    assert max(totals) == timeline["peak"]["bytes"] == plan.predicted.peak_bytes
+    assert max(p["no_swap"] for p in timeline["points"]) == plan.predicted.no_swap_peak_bytes
     assert all(p["persistent"] == plan.persistent_bytes for p in timeline["points"])
     # the backward pass starts right after the loss
     assert timeline["first_backward_layer"] == record.step_graph.ops["loss"].layer + 1
@@ -223,13 +224,13 @@ def test_stalls_are_recorded_in_the_schedule(tmp_path):
         make_record(budget=MiB, profile=slow)
     # the tightest budget the planner can meet swaps tensors whose copies a slow link cannot hide
     record, _ = make_record(budget=too_small.value.min_peak_bytes, profile=slow)
-    assert record.plan.predicted["stall_s"] > 0, "the slow link should make some swap-in late"
+    assert record.plan.predicted.stall_s > 0, "the slow link should make some swap-in late"
     with summaries.DymemSummaryWriter(str(tmp_path)) as writer:  # the profile recorded in the plan is used
         writer.write_plan(record)
     schedule = logdata.load_run(str(tmp_path), "dymem")["schedule"]
     stalls = [si["stall_s"] for s in schedule["swaps"] for si in s["swap_ins"]]
     planned = [si.predicted_stall_s for s in record.plan.swaps for si in s.swap_ins]
-    assert stalls == pytest.approx(planned) and sum(stalls) == pytest.approx(record.plan.predicted["stall_s"])
+    assert stalls == pytest.approx(planned) and sum(stalls) == pytest.approx(record.plan.predicted.stall_s)
 
 
 def test_unknown_profile_writes_the_plan_without_timings(tmp_path):
@@ -355,7 +356,7 @@ def test_model_tensors_stand_in_for_a_missing_trace(written):
     tensors = logdata.load_run(str(log_dir), "dymem")["tensors"]
     assert tensors["source"] == "model" and tensors["rows"]
     live = sum(r["size"] for r in tensors["rows"])
-    assert live == record.plan.predicted["peak_bytes"] - record.plan.persistent_bytes
+    assert live == record.plan.predicted.peak_bytes - record.plan.persistent_bytes
     assert tensors["total_bytes"] == live  # what the caption says the listed tensors hold
 
 
@@ -422,14 +423,18 @@ def test_steps_written_before_reserved_overhead_had_its_name_are_read_under_it(t
 
 # ---------------------------------------------------------------------------------- predicted vs measured per plan
 def measured_record(budget, predicted_shift=0, calibration=None, measured=None):
-    """A record whose plan has been through its first step: ``measured`` as the callback keeps it."""
+    """A record whose plan has been through its first step: ``measured`` (its fields) as the callback keeps it, and
+    ``calibration`` (the fields of a :class:`~dymem_tf.planning.first_step.Calibration`)."""
+    from dymem_tf.planning.first_step import Calibration
+    from dymem_tf.planning.plan import Measurement
+
     record, _ = make_record(budget=budget)
     plan = record.plan
     if calibration is not None:
-        plan.params["stage"] = "calibrated"
-        plan.predicted["calibration"] = calibration
-    if measured is not None:
-        plan.measured = measured
+        plan.params.stage = "calibrated"
+        plan.predicted.calibration = Calibration(**calibration)
+    if measured:
+        plan.measured = Measurement(**measured)
     return record
 
 
@@ -439,15 +444,15 @@ def test_each_plan_is_written_with_its_predicted_and_measured_peak(tmp_path):
     from dymem_tf.planning import first_step
 
     probe = measured_record(None)
-    probe.plan.params["stage"] = "probe"
-    predicted = probe.plan.predicted["peak_bytes"]
+    probe.plan.params.stage = "probe"
+    predicted = probe.plan.predicted.peak_bytes
     probe.plan.measured = first_step.measurement(
         {"peak_bytes_in_use": MiB, "peak_bytes_reserved": 2 * MiB},
         {"peak_bytes_in_use": predicted + 2 * MiB, "peak_bytes_reserved": predicted + 3 * MiB}, predicted)
     calibration = {"budget_bytes": 12 * MiB, "predicted_peak_bytes": predicted,
                    "measured_peak_bytes": predicted + 3 * MiB, "persistent_bytes": MiB, "headroom": 0.25}
     calibrated = measured_record(12 * MiB, calibration=calibration)
-    cal_predicted = calibrated.plan.predicted["peak_bytes"]
+    cal_predicted = calibrated.plan.predicted.peak_bytes
     calibrated.plan.measured = first_step.measurement(
         {"peak_bytes_in_use": 0, "peak_bytes_reserved": 0},
         {"peak_bytes_in_use": cal_predicted, "peak_bytes_reserved": cal_predicted + MiB}, cal_predicted,
@@ -477,8 +482,9 @@ def test_each_plan_is_written_with_its_predicted_and_measured_peak(tmp_path):
                                      "budget_bytes": 12 * MiB, "persistent_bytes": MiB}
     assert second["calibrated_predicted_peak_bytes"] == first_step.calibrated_prediction(calibration, cal_predicted)
     # plan.json is the newest plan, measured included
-    assert data["plan"]["measured"] == calibrated.plan.measured and data["plan"]["stage"] == "calibrated"
-    assert data["plan"]["calibration"] == calibration
+    assert data["plan"]["measured"] == dataclasses.asdict(calibrated.plan.measured)
+    assert data["plan"]["stage"] == "calibrated"
+    assert {k: data["plan"]["calibration"][k] for k in calibration} == calibration
     json.dumps(data, allow_nan=False)
 
 
@@ -514,7 +520,7 @@ def test_a_run_without_plans_jsonl_shows_its_one_plan(written):
     log_dir, record = written
     os.remove(plugin_file(log_dir, "plans.jsonl"))
     (plan,) = logdata.load_run(str(log_dir), "dymem")["plans"]
-    assert plan["predicted_peak_bytes"] == record.plan.predicted["peak_bytes"] and plan["outcome"] is None
+    assert plan["predicted_peak_bytes"] == record.plan.predicted.peak_bytes and plan["outcome"] is None
     doc = json.loads(plugin_file(log_dir, "plan.json").read_text())
     doc.pop("measured")  # as an older writer left it
     doc["predicted"]["peak_bytes"] = 4 * MiB

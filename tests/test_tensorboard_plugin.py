@@ -315,9 +315,9 @@ def trained_logdir(tmp_path_factory):
     # the callback plans with DEFAULT_HEADROOM of the budget kept free
     tightest = math.ceil(too_small.value.min_peak_bytes / (1 - planner.DEFAULT_HEADROOM)) + 1
     slow = train_run(root / "slow-link", "dymem", budget=tightest, device=link)
-    assert slow.plan.predicted["stall_s"] > 0, "the tightest budget over a 1 GB/s link should stall the step"
+    assert slow.plan.predicted.stall_s > 0, "the tightest budget over a 1 GB/s link should stall the step"
     calibrated = train_run(root / "calibrated", "dymem", budget=CALIBRATED_BUDGET, calibrate=True)
-    assert [r.plan.params.get("stage") for r in calibrated.records] == ["probe", "calibrated"]
+    assert [r.plan.params.stage for r in calibrated.records] == ["probe", "calibrated"]
     shutil.copytree(root / "with" / "dymem" / "plugins", root / "corrupt" / "dymem" / "plugins")
     corrupt = root / "corrupt" / "dymem" / "plugins" / "dymem"
     (corrupt / "plan.json").write_text((corrupt / "plan.json").read_text()[:100])

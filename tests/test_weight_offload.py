@@ -241,7 +241,7 @@ print("RESULT" + json.dumps({
     "weights": [len(r.plan.offloaded_weights) for r in records],
     "reroutes": [sum(len(s.route.reroutes) for s in r.plan.offloaded_weights) for r in records],
     "clones": [sum(len(s.route.clones) for s in r.plan.offloaded_weights) for r in records],
-    "stages": [r.plan.params.get("stage") for r in records], "skipped": [s.reason for s in cb.skipped]}), flush=True)
+    "stages": [r.plan.params.stage for r in records], "skipped": [s.reason for s in cb.skipped]}), flush=True)
 """
 
 

@@ -398,7 +398,7 @@ class DymemCallback(keras.callbacks.Callback):
         without GTBM) of the ``source`` plan (the probe, or a calibrated plan that left too little slack) and make
         the train function planned for the budget."""
         record = self.pass_.records[-1] if self.pass_.records else None
-        predicted = record.plan.predicted.get("peak_bytes") if record is not None else None
+        predicted = record.plan.predicted.peak_bytes if record is not None else None
         group, placed = getattr(self, "_probe_group", None), None
         memory = self.plan_request.memory
         if record is not None and memory is not None:
@@ -448,11 +448,10 @@ class DymemCallback(keras.callbacks.Callback):
         plan = new[0].plan
         steps = getattr(self.model, "steps_per_execution", 1)
         after = self._own(devices.device_memory_stats())
-        plan.measured = first_step.measurement(before, after, plan.predicted.get("peak_bytes"),
-                                               plan.predicted.get("calibration"), outcome,
-                                               steps if isinstance(steps, int) else 1,
-                                               plan.predicted.get("calibrated_peak_bytes"))
-        stage = plan.params.get("stage")
+        plan.measured = first_step.measurement(before, after, plan.predicted.peak_bytes, plan.predicted.calibration,
+                                               outcome, steps if isinstance(steps, int) else 1,
+                                               plan.predicted.calibrated_peak_bytes)
+        stage = plan.params.stage
         self._say(f"dymem_tf: first step of the {stage + ' ' if stage else ''}plan: {plan.measured_summary()}")
 
     def _cap_device_at_budget(self) -> None:

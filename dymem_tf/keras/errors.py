@@ -46,7 +46,7 @@ def too_close(cb, measured: int) -> planner.BudgetTooSmallError:
 def measured_too_small(cb, err) -> planner.BudgetTooSmallError:
     """The refusal after the least-memory plan ran out of memory in its first step (variables restored)."""
     plan = cb.plan
-    predicted = int(plan.predicted.get("peak_bytes", 0)) if plan is not None else 0
+    predicted = int(plan.predicted.peak_bytes or 0) if plan is not None else 0
     persistent = cb.plan_request.persistent_bytes
     batch = plan.batch_size if plan is not None else None
     # the simulator underestimated this plan by an unknown amount: scale from the prediction with a margin,
@@ -100,8 +100,8 @@ def out_of_memory_hint(cb) -> str:
                 f"fit: lower the batch size; or {raise_budget}.")
     plan = cb.plan
     predicted = ""
-    if plan is not None and plan.predicted.get("peak_bytes"):
-        predicted = f" The plan predicted a peak of {fmt(int(plan.predicted['peak_bytes']))}."
+    if plan is not None and plan.predicted.peak_bytes:
+        predicted = f" The plan predicted a peak of {fmt(int(plan.predicted.peak_bytes))}."
     fixes = ["lower the batch size", raise_budget]
     if cb.budget_bytes is not None and device_limit is not None and cb.budget_bytes > device_limit:
         fixes.append(f"plan for the device's real size: memory_budget=\"{fmt(device_limit)}\" (memory_budget "

@@ -144,5 +144,5 @@ def step_stats(plan, own) -> dict:
         pass
     if plan is not None:
         stats["planned_swap_bytes"] = sum(s.bytes for s in plan.swaps)
-        stats["modelled_stall_s"] = plan.predicted.get("stall_s", 0.0)
+        stats["modelled_stall_s"] = plan.predicted.stall_s
     return stats

@@ -12,6 +12,7 @@ append to the event files like any ``tf.summary`` writer's.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import json
 import math
 import numbers
@@ -94,7 +95,7 @@ class DymemSummaryWriter:
         log_dir: the log directory (TensorBoard's ``--logdir`` or a directory under it).
         run_name: the run's subdirectory; ``"dymem"`` by default.
         profile: the cost-model profile (name or :class:`~dymem_tf.planning.device_profiles.DeviceProfile`) that planned the
-            step; defaults to the one the plan records (``params["profile"]``, else its ``device``). Used to
+            step; defaults to the one the plan records (``params.profile``, else its ``device``). Used to
             simulate the plan for the timeline and schedule.
     """
 
@@ -323,17 +324,16 @@ def plan_entry(record, index: int) -> dict:
     (``Plan.measured``; empty when the plan was written before its step ran) and, for a plan made after the probe
     step under a budget, the calibration it was made with."""
     plan = record.plan
-    predicted = plan.predicted or {}
-    calibration = predicted.get("calibration")
+    calibration = plan.predicted.calibration
     entry = {
         "index": int(index), "function_name": getattr(record, "function_name", None),
-        "replica": getattr(record, "replica", None), "stage": plan.params.get("stage"), "policy": plan.policy,
+        "replica": getattr(record, "replica", None), "stage": plan.params.stage, "policy": plan.policy,
         "batch_size": plan.batch_size, "budget_bytes": plan.budget_bytes, "persistent_bytes": plan.persistent_bytes,
         "num_swaps": len(plan.swaps), "swapped_bytes": plan.swapped_bytes,
-        "predicted_peak_bytes": predicted.get("peak_bytes"),
-        "no_swap_peak_bytes": predicted.get("no_swap_peak_bytes"),
-        "measured": dict(getattr(plan, "measured", None) or {}),
-        "calibration": dict(calibration) if isinstance(calibration, Mapping) else None,
+        "predicted_peak_bytes": plan.predicted.peak_bytes,
+        "no_swap_peak_bytes": plan.predicted.no_swap_peak_bytes,
+        "measured": dataclasses.asdict(plan.measured) if plan.measured is not None else {},
+        "calibration": dataclasses.asdict(calibration) if calibration is not None else None,
     }
     return json.loads(json.dumps(entry, default=_plain))  # NumPy numbers and the like as plain JSON
 
@@ -414,10 +414,10 @@ def plan_views(plan, step_graph, profile=None) -> tuple[dict, dict]:
         from dymem_tf.planning.analysis import analyse
 
         analyse(step_graph)
-    if profile is None and isinstance(plan.params.get("profile"), dict):
-        profile = DeviceProfile(**plan.params["profile"])  # the planner records the profile it planned with
+    if profile is None:
+        profile = plan.params.profile  # the planner records the profile it planned with
     cost = CostModel(get_profile(profile if profile is not None else plan.device),
-                     float(plan.params.get("compute_scale", 1.0) or 1.0))
+                     float(plan.params.compute_scale or 1.0))
     sim = Simulator(step_graph, cost)
     res = sim.run(plan.swaps, plan.persistent_bytes)
     base = res if not plan.swaps else sim.run([], plan.persistent_bytes)

@@ -283,11 +283,11 @@ class StepPass:
             planned = self._placed_plan(plan_with, req)
         plan = planned.plan
         if req.probe:
-            plan.params["stage"] = "probe"
+            plan.params.stage = "probe"
             plan.notes.append("first step under the budget: the least-memory plan, measured to calibrate the next")
         elif req.calibration is not None:
-            plan.params["stage"] = req.calibration.stage
-            plan.predicted["calibration"] = dataclasses.asdict(req.calibration)
+            plan.params.stage = req.calibration.stage
+            plan.predicted.calibration = dataclasses.replace(req.calibration)
             plan.notes.append(req.calibration.summary())
         if batch is not None and batch == observed:
             plan.notes.append(OBSERVED_NOTE.format(observed))
@@ -295,7 +295,7 @@ class StepPass:
 
     def _placed_plan(self, plan_with, req: PlanRequest):
         """The calibrated plan, its device peak predicted by its placement
-        (:func:`~dymem_tf.planning.first_step.placed_prediction`, kept as ``predicted["calibrated_peak_bytes"]``):
+        (:func:`~dymem_tf.planning.first_step.placed_prediction`, kept as ``predicted.calibrated_peak_bytes``):
         planned with the calibration's headroom and, while that prediction is over the calibration's limit, again
         with the headroom raised by what it missed the limit by (at most
         :data:`~dymem_tf.planning.first_step.PLACEMENT_REPLANS` times; the plan predicted lowest stays when none
@@ -321,7 +321,7 @@ class StepPass:
                 break
             headroom = raised
         peak, planned = best
-        planned.plan.predicted["calibrated_peak_bytes"] = int(peak)
+        planned.plan.predicted.calibrated_peak_bytes = int(peak)
         planned.plan.notes.append(
             f"placed in GTBM's groups: {peak / 2**20:.1f} MiB reserved predicted at the peak, limit "
             f"{limit / 2**20:.1f} MiB ({tries} plan{'s' if tries > 1 else ''} made)")

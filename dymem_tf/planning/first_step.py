@@ -121,7 +121,7 @@ class Calibration:
 
     @property
     def stage(self) -> str:
-        """The stage a plan made with this calibration has (``Plan.params["stage"]``)."""
+        """The stage a plan made with this calibration has (``Plan.params.stage``)."""
         return "calibrated" if self.source == "probe" else "refined"
 
     @property
@@ -178,9 +178,15 @@ def _scale(predicted_peak: int, measured_peak: int, persistent_bytes: int, measu
     return persistent, ratio, max(int(measured_peak) - in_use, 0)
 
 
-def calibrated_prediction(calibration: Mapping[str, Any], predicted_peak: int) -> int:
+def _fields(calibration: "Calibration | Mapping[str, Any]") -> Mapping[str, Any]:
+    """A calibration's fields by name (a :class:`Calibration`, or one read back from JSON)."""
+    return calibration if isinstance(calibration, Mapping) else dataclasses.asdict(calibration)
+
+
+def calibrated_prediction(calibration: "Calibration | Mapping[str, Any]", predicted_peak: int) -> int:
     """``predicted_peak`` as the calibration corrects it (see :func:`_scale`; :func:`calibrated_headroom` assumes
     the same)."""
+    calibration = _fields(calibration)
     persistent, ratio, fragmentation = _scale(
         calibration["predicted_peak_bytes"], calibration["measured_peak_bytes"],
         calibration.get("persistent_bytes", 0), calibration.get("measured_in_use_bytes", 0))
@@ -189,25 +195,25 @@ def calibrated_prediction(calibration: Mapping[str, Any], predicted_peak: int) -
 
 def _placed(calibration: "Calibration | Mapping[str, Any]", placed: Any) -> int:
     """The reserved bytes of ``placed`` with its step's own bytes scaled as the calibration measured them."""
-    cal = calibration if isinstance(calibration, Mapping) else dataclasses.asdict(calibration)
+    cal = _fields(calibration)
     _, ratio, _ = _scale(cal["predicted_peak_bytes"], cal["measured_peak_bytes"], cal.get("persistent_bytes", 0),
                          cal.get("measured_in_use_bytes", 0))
     return int(round(placed.persistent_reserved_bytes + ratio * placed.step_reserved_bytes))
 
 
-def placed_prediction(calibration: Mapping[str, Any], placed: Any) -> int:
+def placed_prediction(calibration: "Calibration | Mapping[str, Any]", placed: Any) -> int:
     """The calibrated device peak of a plan whose step is placed as ``placed`` (a calibration with a
     ``persistent_group``): the persistent group's blocks with the variables the plan keeps, the blocks of the step's
     own buffers scaled by the measured ratio of bytes in use, and what the measured step's placement left
     unexplained."""
-    return _placed(calibration, placed) + int(calibration.get("placement_residual_bytes", 0))
+    return _placed(calibration, placed) + int(_fields(calibration).get("placement_residual_bytes", 0))
 
 
 def measurement(before: Mapping[str, Any], after: Mapping[str, Any], predicted_peak: int | None = None,
-                calibration: Mapping[str, Any] | None = None, outcome: str = "ran", steps: int = 1,
-                calibrated_peak: int | None = None) -> dict:
+                calibration: "Calibration | Mapping[str, Any] | None" = None, outcome: str = "ran", steps: int = 1,
+                calibrated_peak: int | None = None) -> Measurement:
     """What the allocator measured in a plan's first step, from its statistics (GTBM's ``memory_stats()``) just
-    before and just after the step: the dict a plan keeps as ``Plan.measured``.
+    before and just after the step: what a plan keeps as ``Plan.measured``.
 
     The allocator's peaks are maxima since its last peak reset. When they grew during the step they are the
     step's own peaks (``exact``); otherwise an earlier step reached more, and they bound this step's from above.
@@ -216,18 +222,18 @@ def measurement(before: Mapping[str, Any], after: Mapping[str, Any], predicted_p
     in_use, reserved = int(after["peak_bytes_in_use"]), int(after["peak_bytes_reserved"])
     exact = (reserved > int(before.get("peak_bytes_reserved", -1))
              and in_use > int(before.get("peak_bytes_in_use", -1)))
-    out: dict[str, Any] = {"outcome": outcome, "peak_bytes": reserved, "peak_bytes_reserved": reserved,
-                           "peak_bytes_in_use": in_use, "exact": exact}
+    from dymem_tf.planning.plan import Measurement
+
+    out = Measurement(outcome=outcome, peak_bytes=reserved, peak_bytes_reserved=reserved, peak_bytes_in_use=in_use,
+                      exact=exact, steps=max(int(steps), 1))
     if predicted_peak is not None:
-        out["predicted_peak_bytes"] = int(predicted_peak)
+        out.predicted_peak_bytes = int(predicted_peak)
         if outcome == "ran" and reserved > 0:
-            out["error"] = (reserved - int(predicted_peak)) / reserved
+            out.error = (reserved - int(predicted_peak)) / reserved
         if calibration:
-            out["calibrated_predicted_peak_bytes"] = calibrated_prediction(calibration, int(predicted_peak))
+            out.calibrated_predicted_peak_bytes = calibrated_prediction(calibration, int(predicted_peak))
     if calibrated_peak is not None:  # the plan's own placement, calibrated (placed_prediction)
-        out["calibrated_predicted_peak_bytes"] = int(calibrated_peak)
-    if steps > 1:
-        out["steps"] = int(steps)  # the train function's call ran steps_per_execution steps
+        out.calibrated_predicted_peak_bytes = int(calibrated_peak)
     return out
 
 

@@ -240,14 +240,14 @@ def finish_plan(prepared: PreparedStep, settings: PlanSettings) -> PlannedStep:
     if settings.memory is not None:
         plan.notes.append(settings.memory.summary())
     if variables:
-        plan.params["offloadable_variable_bytes"] = modelled
+        plan.params.offloadable_variable_bytes = modelled
         plan.notes.append(f"{len(variables)} optimizer variables ({modelled / 2**20:.1f} MiB) may be offloaded "
                           f"between their uses; {len(plan.offloaded_variables)} are")
     if plan.recomputed:
         plan.notes.append(f"{len(recomputable)} feature maps could be recomputed from tensors on the device anyway; "
                           f"{len(plan.recomputed)} are")
     if weights:
-        plan.params["offloadable_weight_bytes"] = modelled_weights
+        plan.params.offloadable_weight_bytes = modelled_weights
         plan.notes.append(f"{len(weights)} weights ({modelled_weights / 2**20:.1f} MiB) may be kept in host memory "
                           f"between their uses; {len(plan.offloaded_weights)} are")
     untriggered = drop_conditional_triggers(plan, graph)

@@ -4,12 +4,15 @@ No TensorFlow here: a plan can be printed, saved, loaded, diffed and tested with
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tabulate import tabulate
 
+from dymem_tf.planning.device_profiles import DeviceProfile
+from dymem_tf.planning.first_step import Calibration
 from dymem_tf.units import mib
 
 MOBILITY_GROUPS = ("persistent", "transient", "mobile")
@@ -100,15 +103,61 @@ class SwapDecision:
 
 
 @dataclass
-class Plan:
-    """The planner's output; ``predicted`` holds the simulator's numbers for this plan and for no swapping.
+class Prediction:
+    """What the simulator predicts of the plan's step, and of the same step without swaps."""
 
-    ``measured`` is empty until the plan's first step has run; then it holds what the allocator measured in that
-    step (see :func:`dymem_tf.planning.first_step.measurement`): ``peak_bytes`` (the device peak compared with
-    ``predicted["peak_bytes"]``: GTBM's peak reserved bytes), ``peak_bytes_in_use``, ``peak_bytes_reserved``,
-    ``exact`` (False: an earlier step since the allocator's last peak reset reached more, so ``peak_bytes`` is an
-    upper bound of this step's peak), ``outcome`` (``"ran"`` or ``"out_of_memory"``) and ``error``.
-    """
+    peak_bytes: int | None = None  # the device peak, persistent bytes included
+    peak_by_group: dict[str, int] = field(default_factory=dict)  # its bytes per mobility group
+    step_time_s: float | None = None
+    stall_s: float = 0.0  # time the compute waits for swap-ins
+    compute_time_s: float = 0.0
+    peak_op: str = ""  # the op running at the peak
+    no_swap_peak_bytes: int | None = None
+    no_swap_step_time_s: float | None = None
+    #: the first step's calibration the plan was made with (a plan after the probe under a budget)
+    calibration: Calibration | None = None
+    #: the calibrated device peak its placement predicts (:func:`dymem_tf.planning.first_step.placed_prediction`)
+    calibrated_peak_bytes: int | None = None
+
+
+@dataclass
+class PlanParams:
+    """The settings the plan was made with."""
+
+    min_swap_bytes: int = 0
+    swapin_ahead: int | None = None
+    group_gap_layers: int = 3
+    headroom: float = 0.0  # share of the budget kept free
+    compute_scale: float = 1.0  # the cost model's calibration of compute times
+    trigger_mode: str = "queue"  # dymem's trigger placement (dymem_tf.planning.planner.TriggerMode)
+    profile: DeviceProfile | None = None  # the cost profile planned with
+    #: the first step's stage under a budget: "probe", "calibrated" or "refined" (None: not a first-step plan)
+    stage: str | None = None
+    offloadable_variable_bytes: int | None = None  # optimizer state the plan could offload
+    offloadable_weight_bytes: int | None = None  # weights the plan could keep in host memory
+
+
+@dataclass
+class Measurement:
+    """What the allocator measured in the plan's first step (:func:`dymem_tf.planning.first_step.measurement`)."""
+
+    outcome: str = "ran"  # or "out_of_memory"
+    peak_bytes: int = 0  # the device peak compared with the predicted one: GTBM's peak reserved bytes
+    peak_bytes_reserved: int = 0
+    peak_bytes_in_use: int = 0
+    #: False: an earlier step since the allocator's last peak reset reached more, so the peaks bound this step's
+    exact: bool = True
+    predicted_peak_bytes: int | None = None
+    error: float | None = None  # (measured - predicted) / measured of the peak
+    calibrated_predicted_peak_bytes: int | None = None
+    steps: int = 1  # the train function's call ran this many steps (steps_per_execution)
+
+
+@dataclass
+class Plan:
+    """The planner's output; ``predicted`` holds the simulator's numbers for this plan and for no swapping,
+    ``params`` the settings it was made with, and ``measured`` (None until the plan's first step has run) what
+    the allocator measured in that step."""
 
     policy: str
     device: str
@@ -118,10 +167,10 @@ class Plan:
     num_layers: int
     swaps: list[SwapDecision] = field(default_factory=list)
     mobility: dict[str, str] = field(default_factory=dict)
-    predicted: dict[str, Any] = field(default_factory=dict)
+    predicted: Prediction = field(default_factory=Prediction)
     notes: list[str] = field(default_factory=list)
-    params: dict[str, Any] = field(default_factory=dict)
-    measured: dict[str, Any] = field(default_factory=dict)
+    params: PlanParams = field(default_factory=PlanParams)
+    measured: Measurement | None = None
 
     # ------------------------------------------------------------------------------------------------ queries
     @property
@@ -157,33 +206,33 @@ class Plan:
     def measured_error(self) -> float | None:
         """(measured - predicted) / measured of the device peak of the plan's first step; None before it ran, when
         it ran out of memory, or without a prediction."""
-        m, p = self.measured.get("peak_bytes"), self.predicted.get("peak_bytes")
-        if self.measured.get("outcome", "ran") != "ran" or not m or p is None:
+        if self.measured is None or self.measured.outcome != "ran" or not self.measured.peak_bytes:
             return None
-        return (m - p) / m
+        m, p = self.measured.peak_bytes, self.predicted.peak_bytes
+        return None if p is None else (m - p) / m
 
     def measured_summary(self) -> str | None:
         """``predicted X, measured Y (error Z%)`` for the plan's first step, or None before it ran."""
         m = self.measured
-        if not m:
+        if m is None:
             return None
-        p = self.predicted.get("peak_bytes")
+        p = self.predicted.peak_bytes
         predicted = "predicted " + (mib(p) if p is not None else "–")
-        calibrated = m.get("calibrated_predicted_peak_bytes")
+        calibrated = m.calibrated_predicted_peak_bytes
         if calibrated is not None:
             predicted += f" (calibrated {mib(calibrated)})"
-        if m.get("outcome", "ran") != "ran":
+        if m.outcome != "ran":
             return (f"{predicted}, ran out of memory in its first step (pool reserved "
-                    f"{mib(m.get('peak_bytes_reserved', 0))}, in use {mib(m.get('peak_bytes_in_use', 0))})")
-        bound = "" if m.get("exact", True) else "at most "
+                    f"{mib(m.peak_bytes_reserved)}, in use {mib(m.peak_bytes_in_use)})")
+        bound = "" if m.exact else "at most "
         error = self.measured_error
         errors = [f"error {error:+.1%}"] if error is not None and bound == "" else []
-        if calibrated is not None and bound == "" and m.get("peak_bytes"):
-            errors.append(f"calibrated {(m['peak_bytes'] - calibrated) / m['peak_bytes']:+.1%}")
-        text = f"{predicted}, measured {bound}{mib(m.get('peak_bytes', 0))}"
+        if calibrated is not None and bound == "" and m.peak_bytes:
+            errors.append(f"calibrated {(m.peak_bytes - calibrated) / m.peak_bytes:+.1%}")
+        text = f"{predicted}, measured {bound}{mib(m.peak_bytes)}"
         if errors:
             text += f" ({'; '.join(errors)})"
-        return text + f"; in use {bound}{mib(m.get('peak_bytes_in_use', 0))}"
+        return text + f"; in use {bound}{mib(m.peak_bytes_in_use)}"
 
     def swap_for(self, tensor: str) -> SwapDecision | None:
         """The decision for ``tensor`` or None."""
@@ -198,12 +247,22 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Plan":
+        """The plan of :meth:`to_dict`'s output, or of a file saved by an older version (keys it does not know
+        are left out, missing ones take their defaults)."""
         d = dict(d)
         swaps = [SwapDecision(**{**s, "swap_ins": [SwapIn(**si) for si in s["swap_ins"]],
                                  "route": WeightRoute(**s["route"]) if s.get("route") else None,
                                  "recompute": RecomputeRoute(**s["recompute"]) if s.get("recompute") else None})
                  for s in d.pop("swaps", [])]
-        return cls(swaps=swaps, **d)
+        predicted = _known(Prediction, d.pop("predicted", None) or {})
+        if predicted.get("calibration"):
+            predicted["calibration"] = Calibration(**_known(Calibration, predicted["calibration"]))
+        params = _known(PlanParams, d.pop("params", None) or {})
+        if params.get("profile"):
+            params["profile"] = DeviceProfile(**_known(DeviceProfile, params["profile"]))
+        measured = d.pop("measured", None)
+        return cls(swaps=swaps, predicted=Prediction(**predicted), params=PlanParams(**params),
+                   measured=Measurement(**_known(Measurement, measured)) if measured else None, **d)
 
     def to_json(self, indent: int | None = 1) -> str:
         return json.dumps(self.to_dict(), indent=indent, sort_keys=False)
@@ -240,22 +299,21 @@ class Plan:
         if recomputed:
             lines.append(f"  recomputed      : {len(recomputed)} feature maps ({mib(sum(s.bytes for s in recomputed))})"
                          " computed again for the backward pass instead of kept")
-        if "peak_bytes" in p:
+        if p.peak_bytes is not None:
             budget = "none" if self.budget_bytes is None else mib(self.budget_bytes)
             fits = "" if self.budget_bytes is None else (
-                "  [fits]" if p["peak_bytes"] <= self.budget_bytes else "  [OVER BUDGET]")
-            lines.append(f"  predicted peak  : {mib(p['peak_bytes'])}  budget {budget}{fits}  "
-                         f"(no swap {mib(p.get('no_swap_peak_bytes', 0))}, persistent "
+                "  [fits]" if p.peak_bytes <= self.budget_bytes else "  [OVER BUDGET]")
+            lines.append(f"  predicted peak  : {mib(p.peak_bytes)}  budget {budget}{fits}  "
+                         f"(no swap {mib(p.no_swap_peak_bytes or 0)}, persistent "
                          f"{mib(self.persistent_bytes)})")
             measured = self.measured_summary()
             if measured is not None:  # once the plan's first step has run
                 lines.append(f"  first step      : {measured}")
-            groups = p.get("peak_by_group") or {}
-            if groups:
-                lines.append("  peak by group   : " + ", ".join(f"{k} {mib(v)}" for k, v in groups.items()))
-        if "step_time_s" in p:
-            lines.append(f"  predicted step  : {_ms(p['step_time_s'])} (compute {_ms(p.get('compute_time_s', 0))}, "
-                         f"stall {_ms(p.get('stall_s', 0))}; no swap {_ms(p.get('no_swap_step_time_s', 0))})")
+            if p.peak_by_group:
+                lines.append("  peak by group   : " + ", ".join(f"{k} {mib(v)}" for k, v in p.peak_by_group.items()))
+        if p.step_time_s is not None:
+            lines.append(f"  predicted step  : {_ms(p.step_time_s)} (compute {_ms(p.compute_time_s)}, "
+                         f"stall {_ms(p.stall_s)}; no swap {_ms(p.no_swap_step_time_s or 0)})")
         if self.swaps:
             lines.append(f"  top swaps ({min(top, len(self.swaps))} of {len(self.swaps)} by size):")
             rows = [(f"{s.bytes / 2**20:.2f}", s.producer_layer, si.trigger_layer, si.start_layer_of_consumers,
@@ -293,7 +351,7 @@ class Plan:
             out.append(f"mobility differs for {len(changed)} ops (e.g. {changed[0]}: "
                        f"{self.mobility.get(changed[0])} != {other.mobility.get(changed[0])})")
         for k in ("peak_bytes", "step_time_s", "stall_s"):
-            a, b = self.predicted.get(k), other.predicted.get(k)
+            a, b = getattr(self.predicted, k), getattr(other.predicted, k)
             if a != b:
                 out.append(f"predicted {k}: {a} != {b}")
         return out
@@ -301,3 +359,9 @@ class Plan:
 
 def _ms(s: float) -> str:
     return f"{s * 1e3:.3f} ms"
+
+
+def _known(cls, d: dict[str, Any]) -> dict[str, Any]:
+    """The entries of ``d`` that are fields of the dataclass ``cls``."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in d.items() if k in names}

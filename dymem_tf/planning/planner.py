@@ -47,7 +47,7 @@ import numpy as np
 from dymem_tf.planning.analysis import ALIAS_OP_TYPES, FREE_OP_TYPES, StepGraph, analyse, no_autograph
 from dymem_tf.planning.cost_model import CostModel, as_cost_model
 from dymem_tf.planning.device_profiles import DeviceProfile
-from dymem_tf.planning.plan import Plan, RecomputeRoute, SwapDecision, SwapIn, WeightRoute
+from dymem_tf.planning.plan import Plan, PlanParams, RecomputeRoute, SwapDecision, SwapIn, WeightRoute
 from dymem_tf.planning.simulator import SimResult, Simulator, adopted_values
 from dymem_tf.planning.stages import stage, timed
 from dymem_tf.units import mib
@@ -771,16 +771,15 @@ def make_plan(step_graph: StepGraph, policy: str = "dymem", budget_bytes: int | 
         res = pl.run(swaps, persistent_bytes)
         for s, stall in zip((si for s in swaps for si in s.swap_ins), (e.stall for e in res.swap_events)):
             s.predicted_stall_s = float(stall)
-    predicted = res.as_predicted()
-    predicted["no_swap_peak_bytes"] = int(base.peak_bytes)
-    predicted["no_swap_step_time_s"] = float(base.step_time_s)
+    predicted = dataclasses.replace(res.as_predicted(), no_swap_peak_bytes=int(base.peak_bytes),
+                                    no_swap_step_time_s=float(base.step_time_s))
     return Plan(
         policy=policy, device=cost.profile.name, budget_bytes=budget_bytes, persistent_bytes=persistent_bytes,
         batch_size=batch_size, num_layers=step_graph.num_layers, swaps=swaps,
         mobility=_mobility(step_graph, swaps), predicted=predicted, notes=notes,
-        params={"min_swap_bytes": int(min_swap_bytes), "swapin_ahead": swapin_ahead,
-                "group_gap_layers": group_gap_layers, "headroom": headroom, "compute_scale": cost.compute_scale, "trigger_mode": mode,
-                "profile": dataclasses.asdict(cost.profile)})
+        params=PlanParams(min_swap_bytes=int(min_swap_bytes), swapin_ahead=swapin_ahead,
+                          group_gap_layers=group_gap_layers, headroom=headroom, compute_scale=cost.compute_scale,
+                          trigger_mode=mode, profile=cost.profile))
 
 
 def _choose(pl: _Planner, policy: str, budget: int | None, persistent: int, base: SimResult,

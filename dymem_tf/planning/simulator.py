@@ -35,7 +35,7 @@ import numpy as np
 from dymem_tf.planning.analysis import GRAPPLER_REMOVED_OP_TYPES, METADATA_OP_TYPES, StepGraph, no_autograph
 from dymem_tf.planning.cost_model import CostModel, as_cost_model
 from dymem_tf.planning.device_profiles import DeviceProfile
-from dymem_tf.planning.plan import Plan, SwapDecision
+from dymem_tf.planning.plan import Plan, Prediction, SwapDecision
 
 GROUPS = ("persistent", "transient", "mobile")
 
@@ -140,11 +140,11 @@ class SimResult:
     #: the device bytes in use (persistent included) after each memory event, and the events' times (sorted)
     memory_curve: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False)
 
-    def as_predicted(self) -> dict:
-        """The fields a :class:`Plan` stores in ``predicted``."""
-        return {"peak_bytes": int(self.peak_bytes), "peak_by_group": dict(self.peak_by_group),
-                "step_time_s": float(self.step_time_s), "stall_s": float(self.stall_s),
-                "compute_time_s": float(self.compute_time_s), "peak_op": self.peak_op}
+    def as_predicted(self) -> Prediction:
+        """What a :class:`Plan` keeps of this simulation as ``predicted``."""
+        return Prediction(peak_bytes=int(self.peak_bytes), peak_by_group=dict(self.peak_by_group),
+                          step_time_s=float(self.step_time_s), stall_s=float(self.stall_s),
+                          compute_time_s=float(self.compute_time_s), peak_op=self.peak_op)
 
 
 class Simulator:
