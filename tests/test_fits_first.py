@@ -5,6 +5,7 @@ not fit is covered by ``tests/test_first_step.py`` (its first step runs out of t
 trains bit-identically to a run without Dymem on a larger device).
 """
 import inspect
+import json
 import warnings
 
 import numpy as np
@@ -152,3 +153,47 @@ def test_an_option_that_does_nothing_without_another_says_so():
         dymem_tf.DymemCallback(trace_allocations=True, log_dir="logs/x")
     said = [str(w.message) for w in caught if "trace_allocations" in str(w.message)]
     assert len(said) == 1 and "no log_dir was given" in said[0]
+
+
+WEIGHTS_OVER_DEVICE = r"""
+import hashlib, json, os, sys, warnings
+import numpy as np, keras, tensorflow as tf
+import dymem_tf
+from dymem_tf.memory import allocator
+tf.config.experimental.enable_op_determinism()
+keras.utils.set_random_seed(0)
+# 36 x 1 MiB of weights: with Adam's two slots each, 108 MiB of weights and state, more than the 96 MiB device
+inp = keras.Input((512,))
+h = inp
+for _ in range(36):
+    h = keras.layers.Dense(512, use_bias=False)(h)
+model = keras.Model(inp, keras.layers.Dense(10)(h))
+model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+x = np.random.default_rng(0).normal(size=(64, 512)).astype("float32")
+callbacks = [dymem_tf.DymemCallback(verbose=1)] if sys.argv[1] == "auto" else []
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    hist = model.fit(x, np.arange(64) % 10, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
+out = {"loss": hist.history["loss"],
+       "weights": hashlib.sha256(b"".join(np.asarray(w).tobytes() for w in model.weights)).hexdigest(),
+       "limit": allocator.get_memory_limit()}
+print("RESULT" + json.dumps(out), flush=True)
+"""
+
+
+def test_weights_and_state_larger_than_the_device_are_offloaded_not_a_crash(python_subprocess):
+    # Regression: the optimizer's build on the device ran out of memory midway, Keras had marked it built, and the
+    # first step failed with "'Adam' object has no attribute '_momentums'". Now the step is planned for the device
+    # with the state in host memory, and trains as a plain run on a device large enough does.
+    results = {}
+    for mode, limit in (("auto", "96MiB"), ("plain", "1GiB")):
+        proc = python_subprocess(WEIGHTS_OVER_DEVICE.replace("sys.argv[1]", repr(mode)),
+                                 env={"DYMEM_DEVICE_MEMORY_LIMIT": limit, "TF_ENABLE_ONEDNN_OPTS": "0"})
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
+        assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-3000:]
+        results[mode] = json.loads(lines[-1][len("RESULT"):])
+        if mode == "auto":
+            assert "do not fit the device" in proc.stdout, proc.stdout[-2000:]
+    assert results["auto"]["limit"] == 96 * 2**20
+    assert results["auto"]["loss"] == results["plain"]["loss"]
+    assert results["auto"]["weights"] == results["plain"]["weights"]

@@ -19,6 +19,15 @@ def weights_over_budget(budget: int, resident: int, offload: bool, weights_too: 
                                        "the budget or use a smaller model.", budget_bytes=budget)
 
 
+def state_does_not_fit(capacity: int, weights: int) -> planner.BudgetTooSmallError:
+    """The refusal before training when the optimizer's state ran out of the device while it was built (its
+    estimate said it would fit): nothing trained, the optimizer left unbuilt."""
+    return planner.BudgetTooSmallError(
+        f"the optimizer's state ran out of the device's {fmt(capacity)} while it was built (the weights take "
+        f"{fmt(weights)}); pass a memory_budget (for example DymemCallback(memory_budget={fmt(capacity)!r})) so "
+        "that the state is made in host memory and offloaded, or use a larger device.", budget_bytes=capacity)
+
+
 def below_block_floor(budget: int, floor: int, resident: int, block: int) -> planner.BudgetTooSmallError:
     """The refusal before training of a budget under the least GTBM's groups can hold: the variables' blocks and
     one block each for the step's other two groups."""

@@ -20,7 +20,8 @@ def begin(callback) -> None:
     """Set up a ``fit`` of ``callback`` (``memory_budget="auto"``): the step trains as the user compiled it (XLA
     included, no pass, nothing swapped) while it fits the device, its first call guarded
     (:func:`first_call_function`). A device without a limit, or ``policy="none"``, needs not even that; a
-    callback whose step did not fit in an earlier ``fit`` plans it for the device at once."""
+    callback whose step did not fit in an earlier ``fit``, and a model whose weights and optimizer state do not
+    fit the device, plan the step for the device at once."""
     model = callback.model
     stats = devices.device_memory_stats()
     callback._others_bytes = max(int(stats["bytes_in_use"]) - step_pass.persistent_bytes(model), 0) \
@@ -34,8 +35,15 @@ def begin(callback) -> None:
     if getattr(callback, "_device_too_small", False):
         callback._begin_planning(capacity)
         return
+    state = variables.optimizer_state_bytes(model)
+    if state is not None and step_pass.persistent_bytes(model) + state > capacity:
+        callback._say(f"dymem_tf: the model's weights and optimizer state ({errors.fmt(state)} of it) do not fit "
+                      f"the device's {errors.fmt(capacity)}; the step is planned for the device.")
+        callback._plan_for_device(capacity)
+        return
     errors.warn_onednn_out_of_memory_crash()
-    variables.build_optimizer(model, in_host_memory=False)  # as Keras would build it
+    if not variables.build_optimizer(model, in_host_memory=False):  # as Keras would build it
+        raise errors.state_does_not_fit(capacity, step_pass.persistent_bytes(model))
     model.train_function = first_call_function(callback, model.train_function, capacity)
 
 

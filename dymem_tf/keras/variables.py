@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 
+import keras
+import numpy as np
 import tensorflow as tf
 
 from dymem_tf import compat
@@ -123,7 +125,7 @@ def bring_back_offloaded(model, weights: bool = False) -> int:
         return 0
 
 
-def build_optimizer(model, in_host_memory: bool = False) -> None:
+def build_optimizer(model, in_host_memory: bool = False) -> bool:
     """Create the optimizer's slot variables now, as its first ``apply`` would (zeros, under the model's strategy),
     so that the persistent bytes the planner works with include them: Keras builds Adam's ``m`` and ``v`` lazily,
     and without them a ResNet-50 step was planned with a third of its persistent memory.
@@ -135,15 +137,55 @@ def build_optimizer(model, in_host_memory: bool = False) -> None:
 
     ``in_host_memory``: make them in GTBM's host arena (not the device), for a fit that offloads optimizer state:
     the state moves to the host pool next, and what stays on the device comes back to it packed
-    (:func:`compact_weights`)."""
+    (:func:`compact_weights`).
+
+    Returns False when the device ran out of memory while building (its weights and state do not fit): the
+    optimizer is left unbuilt, its partly made state dropped, for a plan that builds it in host memory. A build
+    that fails otherwise is undone the same way, and the optimizer builds at its first step."""
     optimizer = getattr(model, "optimizer", None)
     if optimizer is None or getattr(optimizer, "built", True) or not model.trainable_variables:
-        return
+        return True
     if not compat.all_layers_built(model):
-        return
+        return True
+    before = {id(v) for v in optimizer.variables}
     try:
         with model.distribute_strategy.scope(), (allocator.host_memory() if in_host_memory
                                                   else contextlib.nullcontext()):
             optimizer.build(model.trainable_variables)
+    except tf.errors.ResourceExhaustedError:
+        _unbuild(optimizer, before)
+        return False
     except Exception:  # pylint: disable=broad-except  (an optimizer that cannot build early builds at its step)
-        pass
+        _unbuild(optimizer, before)
+    return True
+
+
+def optimizer_state_bytes(model) -> int | None:
+    """Bytes the optimizer's state will take once built (0 when it is built already: its variables count among
+    the model's), estimated by building a copy of it on one-element stand-ins of the trainable variables: each
+    slot it makes per variable is taken as large as the variable. None when no copy can be built."""
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None or getattr(optimizer, "built", True) or not model.trainable_variables:
+        return 0
+    try:
+        copy = type(optimizer).from_config(optimizer.get_config())
+        stand_ins = [keras.Variable(np.zeros((1,), v.dtype), trainable=True) for v in model.trainable_variables]
+        base = len(copy.variables)
+        copy.build(stand_ins)
+        slots = (len(copy.variables) - base) / len(stand_ins)
+    except Exception:  # pylint: disable=broad-except  (an optimizer that cannot be copied: no estimate)
+        return None
+    return int(round(slots * sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize
+                                 for v in model.trainable_variables)))
+
+
+def _unbuild(optimizer, before: set[int]) -> None:
+    """Put ``optimizer`` back as it was before a ``build`` that failed midway (Keras marks it built before it makes
+    the slots, so it would use slots it never made): unbuilt, without the variables the build made (``before``:
+    the ids of those it had)."""
+    for v in optimizer.variables:
+        if id(v) not in before:
+            optimizer._untrack_variable(v)  # pylint: disable=protected-access
+    optimizer._trainable_variables = []  # pylint: disable=protected-access
+    optimizer._trainable_variables_indices = {}  # pylint: disable=protected-access
+    optimizer.built = False
