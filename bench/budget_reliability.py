@@ -116,7 +116,12 @@ def _child(name: str, args) -> dict:
         model, x, y = build(batch * 2)
         peaks = Peaks()
         fit(model, x, y, 2, [peaks])
-        return {"p0": max(peaks.peaks), "persistent": step_pass.persistent_bytes(model)}
+        out = {"p0": max(peaks.peaks), "persistent": step_pass.persistent_bytes(model)}
+        # the same steps with Dymem and no budget (every tensor worth swapping swapped), on the uncapped device
+        model, x, y = build(batch * 2)
+        peaks = Peaks()
+        fit(model, x, y, 2, [peaks, dymem_tf.DymemCallback(memory_budget=None, verbose=0)])
+        return {**out, "p_dymem": max(peaks.peaks)}
 
     if args.phase == "identity":
         return same_results()
@@ -368,6 +373,11 @@ def report(results: list[dict], args, seconds: float) -> str:
                 violations.append(f"{r['model']} f={run['fraction']}: auto refused what none trained")
     lines += ["", f"- Budget violations (an out-of-memory error after the first step, a step over B, or a refusal "
               f"where `None` trained): {len(violations)}" + (": " + "; ".join(violations) if violations else ".")]
+    no_budget = [f"{r['model']} {_mib(r['p_dymem'])} MiB ({r['p_dymem'] / r['p0']:.2f}x)" for r in results
+                 if "error" not in r and r.get("p_dymem")]
+    if no_budget:
+        lines.append("- Without a budget (`memory_budget=None`, the device uncapped), the device peak with Dymem, as a "
+                     "share of P0: " + ", ".join(no_budget) + ".")
     if raw_err:
         lines.append(f"- Simulator error on the probe step (uncalibrated, device peak): median "
                      f"{statistics.median(raw_err):.1%}, max {max(raw_err):.1%} over {len(raw_err)} runs.")
