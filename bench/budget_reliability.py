@@ -173,8 +173,8 @@ def _budget_run(build, fit, Peaks, budget: int, memory_budget, args) -> dict:
         result["calibrated_predicted"] = plan.predicted.calibrated_peak_bytes or \
             first_step.calibrated_prediction(cal, int(plan.predicted.peak_bytes))
         result["placed"] = plan.predicted.calibrated_peak_bytes is not None  # predicted by the plan's placement
-        result["calibration_margin"] = cal.get("margin")
-        result["placement_residual"] = cal.get("placement_residual_bytes")
+        result["calibration_margin"] = cal.margin
+        result["placement_residual"] = cal.placement_residual_bytes
         result["calibrated_measured"] = max(peaks.peaks[first:])
         result["calibrated_first"] = peaks.peaks[first]
         result["calibrated_in_use"] = plan.measured.peak_bytes_in_use if plan.measured is not None else None
