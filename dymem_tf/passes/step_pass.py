@@ -334,7 +334,7 @@ class StepPass:
                                  temporaries=req.memory.held_during(planned.step_graph) if req.memory else None)
         group = placement.PersistentGroup(**req.calibration.persistent_group)
         placed = placement.place(res.allocations, group)
-        return first_step.placed_prediction(dataclasses.asdict(req.calibration), placed)
+        return first_step.placed_prediction(req.calibration, placed)
 
     def _apply(self, call: graph_pass.PassCall, planned: list, start: float, clock: stages.StageClock) -> None:
         """Hand every replica's plan to the C++ pass at once and record what it inserted (and the pass's seconds

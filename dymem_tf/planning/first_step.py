@@ -206,7 +206,8 @@ def placed_prediction(calibration: "Calibration | Mapping[str, Any]", placed: An
     ``persistent_group``): the persistent group's blocks with the variables the plan keeps, the blocks of the step's
     own buffers scaled by the measured ratio of bytes in use, and what the measured step's placement left
     unexplained."""
-    return _placed(calibration, placed) + int(_fields(calibration).get("placement_residual_bytes", 0))
+    cal = _fields(calibration)
+    return _placed(cal, placed) + int(cal.get("placement_residual_bytes", 0))
 
 
 def measurement(before: Mapping[str, Any], after: Mapping[str, Any], predicted_peak: int | None = None,

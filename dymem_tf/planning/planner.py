@@ -167,6 +167,8 @@ class _Planner:
         #: candidate's triggers in every round, and they do not depend on the rest of the plan
         self._alone: dict[int, tuple[_Candidate, SwapDecision]] = {}
         self._alone_key: tuple[str, str] | None = None
+        #: tensor -> (the optional that holds it, its readers) or None: looked up once, read in every trial's decisions
+        self._optionals: dict[str, tuple[str, dict[str, str]] | None] = {}
 
     # ------------------------------------------------------------------------------------------------ helpers
     def _pick_trigger(self, ops: list[str]) -> str:
@@ -222,19 +224,27 @@ class _Planner:
     def via_alias(self, tensor: str) -> dict[str, str]:
         """:meth:`StepGraph.alias_readers` of ``tensor`` (or, for a branch's intermediate kept in an optional, its
         :meth:`StepGraph.optional_readers`), empty where none can be served by a swap-in."""
-        if self.optional_wrap(tensor):
-            return self.sg.optional_readers(tensor)[1]
+        optional = self._optional(tensor)
+        if optional is not None:
+            return optional[1]
         return self.sg.alias_readers(tensor) or {}
 
     def optional_wrap(self, tensor: str) -> str:
-        """The ``OptionalFromValue`` of a branch's intermediate that a swap can serve
-        (:meth:`StepGraph.optional_readers`), or "". Not on a GPU, where the optional ops take device memory:
-        TensorFlow would copy the host copy back to the device to put it in the optional."""
-        t = self.sg.tensors[tensor]
-        if not self.sg.ops[t.producer].conditional or "GPU" in self.sg.ops[t.producer].device.upper():
-            return ""
-        found = self.sg.optional_readers(tensor)
-        return found[0] if found else ""
+        """The ``OptionalFromValue`` of a branch's intermediate that a swap can serve, or ""."""
+        optional = self._optional(tensor)
+        return optional[0] if optional is not None else ""
+
+    def _optional(self, tensor: str) -> tuple[str, dict[str, str]] | None:
+        """:meth:`StepGraph.optional_readers` of a tensor made in a branch, cached; None elsewhere, and on a GPU,
+        where the optional ops take device memory: TensorFlow would copy the host copy back to the device to put it
+        in the optional."""
+        if tensor not in self._optionals:
+            producer = self.sg.ops[self.sg.tensors[tensor].producer]
+            found = None
+            if producer.conditional and "GPU" not in producer.device.upper():
+                found = self.sg.optional_readers(tensor)
+            self._optionals[tensor] = found
+        return self._optionals[tensor]
 
     def _split(self, t, orig: list[str], bwd: list[str], keepers: list[str], timed: bool
                ) -> tuple[list[str], list[str], list[str], int] | None:

@@ -189,6 +189,7 @@ class Simulator:
         held = [(self.pos[n], int(b)) for n, b in (temporaries or {}).items() if n in self.pos and b > 0]
         self.tmp_pos = np.array([p for p, _ in held], dtype=np.int64)
         self.tmp_bytes = np.array([b for _, b in held], dtype=np.int64)
+        self._optional_chains: dict[str, set[str]] = {}
 
     def buffer_tensors(self, owner: str) -> list[str]:
         """The tensors whose data lives in ``owner``'s buffer: ``owner``, the tensors forwarded into it and the
@@ -197,6 +198,13 @@ class Simulator:
             return []
         aliases = self.sg.aliases()
         return [n for name in self.chain.get(owner, [owner]) for n in [name] + aliases.get(name, [])]
+
+    def _optional_chain(self, wrap: str) -> set[str]:
+        """:meth:`StepGraph.optional_chain` of ``wrap`` ("": none), cached: every simulation of a plan that swaps
+        through an optional reads it."""
+        if wrap not in self._optional_chains:
+            self._optional_chains[wrap] = self.sg.optional_chain(wrap) if wrap else set()
+        return self._optional_chains[wrap]
 
     def _buffer_users(self, tensor: str) -> list[str]:
         """Ops that keep ``tensor``'s buffer alive. Shape/Size/Rank of a tensor whose shape is static do not
@@ -300,7 +308,7 @@ class Simulator:
                     raise ValueError(f"swap-in of {s.tensor!r} is triggered by {si.trigger_op!r}, "
                                      f"which does not run after the producer {t.producer!r}")
                 via = {c: a for c, a in s.alias_reads}
-                readable = set(t.consumers) | (self.sg.optional_chain(s.optional_wrap) if s.optional_wrap else set())
+                readable = set(t.consumers) | self._optional_chain(s.optional_wrap)
                 for c in si.consumers:
                     if c not in t.consumers and (c not in via or via[c] not in readable):
                         raise ValueError(f"{c!r} is not a consumer of {s.tensor!r} nor of an alias op of it")
@@ -466,8 +474,7 @@ class Simulator:
                     break  # written by an op that now reads the swap-in: not in the original buffer any more
                 chain.append(name)
             users = [c for name in chain for c in self._buffer_users(name)]
-            if s.optional_wrap:  # the optional holds the host copy: its ops no longer keep the original
-                fed |= self.sg.optional_chain(s.optional_wrap)
+            fed |= self._optional_chain(s.optional_wrap)  # it holds the host copy: no longer the original
             lf = max([int(self.t_prod[ti])] + [self.pos[c] for c in users if c not in fed])
             rel_time.append(max(out_end[i], end[lf]))
             rel_key.append(lf)
