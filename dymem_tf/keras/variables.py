@@ -140,8 +140,10 @@ def build_optimizer(model, in_host_memory: bool = False) -> bool:
     (:func:`compact_weights`).
 
     Returns False when the device ran out of memory while building (its weights and state do not fit): the
-    optimizer is left unbuilt, its partly made state dropped, for a plan that builds it in host memory. A build
-    that fails otherwise is undone the same way, and the optimizer builds at its first step."""
+    optimizer is left unbuilt, the slots it made untracked (TensorFlow's own tracking of the optimizer still
+    references them, so their device memory is not given back: callers refuse the fit then, see
+    :func:`dymem_tf.keras.fits_first.begin`). A build that fails otherwise is undone the same way, and the optimizer
+    builds at its first step."""
     optimizer = getattr(model, "optimizer", None)
     if optimizer is None or getattr(optimizer, "built", True) or not model.trainable_variables:
         return True
@@ -181,7 +183,7 @@ def optimizer_state_bytes(model) -> int | None:
 
 def _unbuild(optimizer, before: set[int]) -> None:
     """Put ``optimizer`` back as it was before a ``build`` that failed midway (Keras marks it built before it makes
-    the slots, so it would use slots it never made): unbuilt, without the variables the build made (``before``:
+    the slots, so it would use slots it never made): unbuilt, the variables the build made untracked (``before``:
     the ids of those it had)."""
     for v in optimizer.variables:
         if id(v) not in before:
