@@ -46,7 +46,7 @@ IDENTITY_KEYS = ("identical", "identical_budgeted", "repeatable", "skipped")
 BATCH = {"vgg16": 32, "resnet50_sgd": 32, "resnet50_adam": 32, "densenet121": 32, "inception_v3": 16,
          "mobilenet_v2": 32, "efficientnet_b0": 32, "transformer_encoder": 32, "gpt_decoder": 16, "unet": 8,
          "gan": 64, "lstm": 64, "bert": 16, "bert_base": 4, "gpt2": 16,
-         "gated_cnn": 32}
+         "gated_cnn": 32, "resnet152": 4}
 MiB = 1 << 20
 
 

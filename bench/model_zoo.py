@@ -261,6 +261,7 @@ ZOO = {
     "inception_v3": _application("InceptionV3", 75, _sgd),
     "mobilenet_v2": _application("MobileNetV2", 32, lambda: keras.optimizers.Adam(1e-3)),
     "efficientnet_b0": _application("EfficientNetB0", 32, lambda: keras.optimizers.Adam(1e-3)),
+    "resnet152": _application("ResNet152", 128, _sgd),  # a big CNN at 128px (issue 29's big-model suite)
     "transformer_encoder": transformer_encoder,
     "gpt_decoder": gpt_decoder,
     "unet": unet,
