@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import keras
 
-from dymem_tf.planning import first_step
+from dymem_tf.planning import first_step, first_step_control
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MiB = 1 << 20
@@ -328,33 +328,46 @@ def test_a_budgeted_fit_records_predicted_and_measured_peaks_of_each_plan(tmp_pa
     assert out["steps"] == [[0, 0]] + [[s, 1] for s in range(1, 6)]
 
 
-def test_a_calibrated_plan_without_slack_is_calibrated_again_once_then_the_probes_plan_takes_over(monkeypatch):
-    """The decision after a budgeted plan's first step (DymemCallback._keep_calibrated_if_it_leaves_slack), on
-    measured statistics fed to it: a step within the slack of the budget re-plans once from its own measurement
-    (source "calibrated": its fragmentation), a second such step installs the probe's plan, a step with room keeps
-    the plan."""
-    import types
+def test_a_calibrated_plan_without_slack_is_calibrated_again_once_then_the_probes_plan_takes_over():
+    """The first-step controller's decisions on measured peaks: a step within the slack of the budget (8% of
+    100 MiB) re-plans once from its own measurement (source "calibrated": its fragmentation), a second such step
+    falls back to the probe's plan, a step with room settles."""
+    control = first_step_control
+    fsc = control.FirstStepControl(100 * MiB)
+    assert fsc.state is control.State.PROBE and fsc.guarded
+    assert fsc.stepped(30 * MiB, 20 * MiB) == control.Decision(control.Action.CALIBRATE, control.State.CALIBRATED,
+                                                               "probe")
+    assert fsc.stepped(95 * MiB, 80 * MiB) == control.Decision(control.Action.CALIBRATE, control.State.REFINED,
+                                                               "calibrated")
+    assert fsc.stepped(95 * MiB, 80 * MiB).action is control.Action.FALL_BACK
+    assert fsc.state is control.State.FALLBACK and not fsc.guarded
+    assert fsc.stepped(99 * MiB).action is control.Action.KEEP  # nothing is guarded any more
 
-    import dymem_tf
-    from dymem_tf.memory import devices
+    settles = control.FirstStepControl(100 * MiB)
+    settles.stepped(30 * MiB)
+    assert settles.stepped(80 * MiB, 70 * MiB) == control.Decision(control.Action.KEEP, control.State.SETTLED)
+    unmeasured = control.FirstStepControl(100 * MiB)  # nothing measures the device: nothing to decide on
+    unmeasured.stepped(None)
+    assert unmeasured.stepped(None).state is control.State.SETTLED
+    no_in_use = control.FirstStepControl(100 * MiB)
+    no_in_use.stepped(30 * MiB)
+    assert no_in_use.stepped(95 * MiB).action is control.Action.FALL_BACK  # nothing to calibrate the refinement on
 
-    cb = dymem_tf.DymemCallback(memory_budget="100MiB", verbose=0)
-    cb._refined = False
-    model = types.SimpleNamespace(train_function="calibrated")
-    cb.set_model(model)
-    installed = []
-    monkeypatch.setattr(cb, "_install_calibrated",
-                        lambda measured, fallback, in_use=None, source="probe": installed.append(
-                            (measured, fallback, in_use, source)))
-    stats = {"peak_bytes_reserved": 80 * MiB, "peak_bytes_in_use": 70 * MiB}
-    monkeypatch.setattr(devices, "device_memory_stats", lambda: dict(stats))
-    cb._keep_calibrated_if_it_leaves_slack("probe's")  # 20% free: more than the 8% slack of 100 MiB
-    assert installed == [] and model.train_function == "calibrated"
-    stats.update(peak_bytes_reserved=95 * MiB, peak_bytes_in_use=80 * MiB)
-    cb._keep_calibrated_if_it_leaves_slack("probe's")
-    assert installed == [(95 * MiB, "probe's", 80 * MiB, "calibrated")] and model.train_function == "calibrated"
-    cb._keep_calibrated_if_it_leaves_slack("probe's")  # the refined plan left no slack either: the probe's plan
-    assert len(installed) == 1 and model.train_function == "probe's"
+
+def test_the_first_step_controller_refuses_only_on_the_probes_measurement():
+    control = first_step_control
+    for report in (lambda c: c.ran_out_of_memory(), lambda c: c.stepped(93 * MiB, 90 * MiB), lambda c: c.refused()):
+        fsc = control.FirstStepControl(100 * MiB)
+        assert report(fsc) == control.Decision(control.Action.REFUSE, control.State.PROBE)
+    for state_after_probe in (1, 2):  # the calibrated plan, then the refined one
+        for report in (lambda c: c.ran_out_of_memory(), lambda c: c.refused()):
+            fsc = control.FirstStepControl(100 * MiB)
+            fsc.stepped(30 * MiB, 20 * MiB)
+            if state_after_probe == 2:
+                fsc.stepped(95 * MiB, 80 * MiB)
+            assert report(fsc) == control.Decision(control.Action.FALL_BACK, control.State.FALLBACK)
+    with pytest.raises(ValueError, match="positive budget"):
+        control.FirstStepControl(None)
 
 
 def test_a_calibration_says_which_plan_it_measured_and_the_stage_of_the_plan_it_makes():

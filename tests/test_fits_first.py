@@ -134,16 +134,23 @@ def test_offloading_asked_for_on_a_gpu_says_once_that_it_does_nothing_there(monk
 def test_the_pass_is_armed_with_an_immutable_request_and_holds_no_callback_state():
     import dataclasses
 
-    cb = dymem_tf.DymemCallback("64MiB")
+    from dymem_tf.planning import pipeline
+
+    cb = dymem_tf.DymemCallback("64MiB", min_swap_bytes=1 << 20)
     assert cb.plan_request.budget_bytes == 64 << 20 and not cb.plan_request.probe
     with pytest.raises(dataclasses.FrozenInstanceError):
         cb.plan_request.probe = True  # the callback replaces its request whole, per state of the first step
+    # one frozen settings object from the callback's arguments to the planner, shared with the pass
+    assert isinstance(cb.settings, pipeline.PlanSettings) and cb.pass_.settings is cb.settings
+    assert cb.settings.min_swap_bytes == 1 << 20 and cb.settings.profile is cb.profile
     with pytest.raises(dataclasses.FrozenInstanceError):
-        cb.pass_.config.min_swap_bytes = 0
-    # what changes during a fit lives in the request only: neither the pass nor its fixed config holds it
+        cb.settings.min_swap_bytes = 0
+    # what changes during a fit lives in the request only: the shared settings keep no budget, and the pass
+    # none of the request's fields
+    assert cb.settings.budget_bytes is None and not cb.settings.least_memory and cb.settings.memory is None
     for name in ("probe", "calibration", "memory", "persistent_bytes", "default_batch_size", "budget_bytes",
-                 "headroom"):
-        assert not hasattr(cb.pass_, name) and not hasattr(cb.pass_.config, name), name
+                 "headroom", "refusal"):
+        assert not hasattr(cb.pass_, name), name
 
 
 def test_an_option_that_does_nothing_without_another_says_so():

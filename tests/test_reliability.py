@@ -22,6 +22,7 @@ import keras
 import dymem_tf
 from dymem_tf.memory import host_pool
 from dymem_tf.passes import graph_pass, step_pass
+from dymem_tf.planning import pipeline
 
 tf.config.experimental.enable_op_determinism()
 
@@ -121,7 +122,7 @@ def test_train_steps_inlined_into_a_loop_are_left_unmodified_with_one_warning():
     model = net()
     model.compile(optimizer=keras.optimizers.SGD(0.05), loss=LOSS)
     model.fit(x, y, batch_size=8, verbose=0)  # builds optimizer and metrics
-    passes = step_pass.StepPass(step_pass.PassConfig(min_swap_bytes=0, verbose=0))
+    passes = step_pass.StepPass(pipeline.PlanSettings(min_swap_bytes=0), verbose=0)
 
     @tf.function
     def two_steps(xb, yb):
@@ -420,7 +421,7 @@ def test_every_argument_is_validated_with_a_clear_message(kwargs, error, fragmen
 def test_valid_argument_forms_are_accepted(tmp_path):
     cb = dymem_tf.DymemCallback(memory_budget="1.5GiB", min_swap_bytes="64KiB", log_dir=tmp_path, verbose=True,
                                 device="H200")
-    assert cb.budget_bytes == 3 << 29 and cb.pass_.config.min_swap_bytes == 1 << 16
+    assert cb.budget_bytes == 3 << 29 and cb.settings.min_swap_bytes == 1 << 16
     assert cb.log_dir == str(tmp_path) and cb.verbose == 1 and cb.profile.name == "h200"
     assert dymem_tf.DymemCallback(memory_budget=float(1 << 30)).budget_bytes == 1 << 30
 

@@ -13,7 +13,8 @@ from dymem_tf import compat
 from dymem_tf.keras import arguments, errors, fit_batch, fit_guard, fits_first, variables, xla
 from dymem_tf.memory import allocator, devices, placement
 from dymem_tf.passes import graph_pass, step_pass
-from dymem_tf.planning import device_profiles, first_step, memory_model, planner, simulator
+from dymem_tf.planning import (device_profiles, first_step, first_step_control, memory_model, pipeline, planner,
+                               simulator)
 
 POLICIES, XLA_MODES, EXECUTION_ORDERS = arguments.POLICIES, arguments.XLA_MODES, arguments.EXECUTION_ORDERS
 _fmt = errors.fmt
@@ -89,11 +90,13 @@ class DymemCallback(keras.callbacks.Callback):
         self.xla = xla
         self.execution_order = execution_order
         self.verbose = verbose
-        self.pass_ = step_pass.StepPass(step_pass.PassConfig(
-            policy=policy, device=self.profile, swapin_ahead=swapin_ahead,
-            min_swap_bytes=min_swap_bytes, defer_updates=defer_updates,
-            offload_variables=offload_optimizer_state is not False, offload_weights=offload_weights is not False,
-            execution_order=execution_order, verbose=verbose))
+        #: what every plan is made with (``PlanSettings``'s budget fields stay unset: each instantiation's
+        #: ``plan_request`` fills them in)
+        self.settings = pipeline.PlanSettings(
+            policy=policy, profile=self.profile, swapin_ahead=swapin_ahead, min_swap_bytes=min_swap_bytes,
+            defer_updates=defer_updates, execution_order=execution_order,
+            offload_variables=offload_optimizer_state is not False, offload_weights=offload_weights is not False)
+        self.pass_ = step_pass.StepPass(self.settings, verbose=verbose)
         self._writer = None
         #: what the next instantiation of the train step is planned for (replaced whole, never changed)
         self.plan_request = step_pass.PlanRequest(budget_bytes=asked)
@@ -117,7 +120,7 @@ class DymemCallback(keras.callbacks.Callback):
         (:func:`dymem_tf.keras.fits_first.begin`), else it is planned for the budget from its first step
         (:meth:`_begin_planning`)."""
         fit_locals = compat.fit_frame_locals(self.model)  # the running fit's locals: its data adapter, batch_size
-        self.pass_.last_skipped = None  # an earlier fit's step is not this one's
+        self._skips_before_fit = len(self.pass_.skipped)  # an earlier fit's step is not this one's
         self.plan_request = step_pass.PlanRequest(default_batch_size=fit_batch.fit_batch_size(fit_locals),
                                                   observed_batch_size=fit_batch.observed_batch_size(fit_locals))
         self._say_options_off_here()
@@ -157,7 +160,7 @@ class DymemCallback(keras.callbacks.Callback):
         weights = step_pass.persistent_bytes(model)
         resident = step_pass.persistent_bytes(model, optimizer=not offload)  # what must stay on the device
         if offload_weights:  # at least the largest weight, and those too small to move
-            resident = variables.resident_weight_bytes(model, self.pass_.config.min_swap_bytes)
+            resident = variables.resident_weight_bytes(model, self.settings.min_swap_bytes)
         if self.budget_bytes is not None and resident > self.budget_bytes:
             raise errors.weights_over_budget(self.budget_bytes, resident, offload, offload_weights)
         # under a budget the first step is the probe (dymem_tf.planning.first_step): least memory, measured,
@@ -168,15 +171,16 @@ class DymemCallback(keras.callbacks.Callback):
             raise errors.below_block_floor(self.budget_bytes, floor, resident, int(stats["block_size"]))
         errors.warn_onednn_out_of_memory_crash()
         if offload:  # the state starts in host memory: each plan brings back only what it needs, when it needs it
-            variables.offload_optimizer_state(model, self.pass_.config.min_swap_bytes)
+            variables.offload_optimizer_state(model, self.settings.min_swap_bytes)
             if offload_weights:  # so do the weights: the first step (the probe) finds them there
-                variables.offload_weights(model, self.pass_.config.min_swap_bytes)
+                variables.offload_weights(model, self.settings.min_swap_bytes)
             variables.compact_weights(model)  # what stays (and state made in the host arena) is packed on the device
         # A new train function: its first call instantiates it, and the graph pass plans that instantiation (the
         # probe under a guarded budget, see above).
         self.plan_request = dataclasses.replace(self.plan_request, probe=guard, calibration=None, memory=None,
                                                 persistent_bytes=weights, headroom=planner.DEFAULT_HEADROOM)
-        self._refined = False  # a budgeted plan calibrated again from its own first step (at most once)
+        #: the first steps under the budget: which plan runs next (None: no guarded first step)
+        self.first_step = first_step_control.FirstStepControl(self.budget_bytes) if guard else None
         if guard:
             self._cap_device_at_budget()
         self._xla_asked = xla.turn_off(model, self.xla, self._say, self._warn)
@@ -237,15 +241,20 @@ class DymemCallback(keras.callbacks.Callback):
         state = {"first": True}
 
         def run(iterator, first=False):
-            callback.pass_.refusal = None
+            outcome = step_pass.PassOutcome()
             seen_records = len(callback.pass_.records)
             seen = seen_records + len(callback.pass_.skipped)
             before = callback._peak_stats(reset=first)
             clustering = xla.step_clustering(callback.xla)
             try:
-                with graph_pass.armed(callback.pass_.listener(callback.plan_request), stage=callback._pass_stage(),
-                                      batch_size=callback._replica_batch_size()), clustering:
+                with graph_pass.armed(callback.pass_.listener(callback.plan_request, outcome),
+                                      stage=callback._pass_stage(), batch_size=callback._replica_batch_size()), \
+                        clustering:
                     outputs = train_function(iterator)
+            except tf.errors.CancelledError as err:
+                if outcome.refusal is not None and "dymem_tf:" in (err.message or ""):
+                    raise outcome.refusal from None  # the step never ran: no training state changed
+                raise
             except tf.errors.ResourceExhaustedError:
                 callback._measure_first_step(seen_records, before, "out_of_memory")
                 raise
@@ -269,11 +278,6 @@ class DymemCallback(keras.callbacks.Callback):
                 if first and guard:
                     return callback._guarded_first_call(lambda it: run(it, first=True), iterator, fallback)
                 return run(iterator, first)
-            except tf.errors.CancelledError as err:
-                refusal = callback.pass_.refusal
-                if refusal is not None and "dymem_tf:" in (err.message or ""):
-                    raise refusal from None  # the step never ran: no training state changed
-                raise
             except tf.errors.ResourceExhaustedError as err:
                 if "dymem_tf:" in (err.message or ""):
                     raise
@@ -303,50 +307,65 @@ class DymemCallback(keras.callbacks.Callback):
                                        getattr(strategy, "num_replicas_in_sync", 1) or 1)
 
     def _guarded_first_call(self, run, iterator, fallback):
-        """Run a new train function's first step with the variables saved to host; after the probe, calibrate and
-        install the budgeted train function; after a budgeted plan that fails, go back to the probe's."""
+        """Run a new train function's first step with the variables saved to host, report it to
+        :attr:`first_step` and carry out its decision (:meth:`_carry_out`); ``fallback`` is the probe's train
+        function (None for the probe itself)."""
         snapshot = first_step.VariableSnapshot(self.model)
         devices.reset_device_peaks()
-        probe = self.plan_request.probe
+        probe = self.first_step.state is first_step_control.State.PROBE
         if probe:  # the persistent group the probe finds: the calibration predicts each plan's placement from it
             self._probe_group = self._persistent_group()
         try:
             outputs = self._traced_probe(run, iterator) if probe else run(iterator)
         except tf.errors.ResourceExhaustedError as err:
             snapshot.restore()
-            if fallback is None:
-                # fit's exit (the FitGuard) restores the device limit
-                raise errors.measured_too_small(self, err) from err
+            if self.first_step.ran_out_of_memory().action is first_step_control.Action.REFUSE:
+                raise errors.measured_too_small(self, err) from err  # fit's exit restores the device limit
             self._warn(f"dymem_tf: the plan made for memory_budget {_fmt(self.budget_bytes)} ran out of memory in "
                        "its first step; the variables were restored and training goes on with the first step's "
                        "least-memory plan (one batch was skipped).")
             self.model.train_function = fallback
             return fallback(iterator)
-        except tf.errors.CancelledError:
-            if fallback is None or not isinstance(self.pass_.refusal, planner.BudgetTooSmallError):
+        except planner.BudgetTooSmallError as refusal:
+            if self.first_step.refused().action is first_step_control.Action.REFUSE:
                 raise
             # no plan fits the calibrated budget: the probe's plan is measured to fit, keep it (the step never ran)
-            self._say(f"dymem_tf: {self.pass_.refusal}; keeping the first step's least-memory plan, which fits.")
+            self._say(f"dymem_tf: {refusal}; keeping the first step's least-memory plan, which fits.")
             self.model.train_function = fallback
             return fallback(iterator)
-        if probe:
-            stats = self._own(devices.device_memory_stats())
-            measured = stats["peak_bytes_reserved"] if stats is not None else None
-            if measured is not None and measured > (1 - first_step.step_slack(self.budget_bytes)) * self.budget_bytes:
-                snapshot.restore()
-                raise errors.too_close(self, measured)
-            self.plan_request = dataclasses.replace(self.plan_request, probe=False)
-            self._install_calibrated(measured, fallback=self.model.train_function,
-                                     in_use=stats["peak_bytes_in_use"] if stats is not None else None)
-        elif fallback is not None:
-            self._keep_calibrated_if_it_leaves_slack(fallback)
-            if self._offloading()[0] and self.model.train_function is not fallback:
-                # the variables this plan keeps came back one by one during its first step (into the persistent
-                # group, between the holes of those that went to host memory); packed, later steps reserve less
-                # (ResNet-50 32px + SGD under 237 MiB, calibrated prediction 199 MiB: later peaks 208-212 MiB
-                # without this, 200-204 with it; the probe's plan, the fallback, keeps nothing there to pack)
-                variables.compact_weights(self.model)
+        stats = self._own(devices.device_memory_stats())
+        measured, in_use = (stats["peak_bytes_reserved"], stats["peak_bytes_in_use"]) if stats else (None, None)
+        decision = self.first_step.stepped(measured, in_use)
+        if decision.action is first_step_control.Action.REFUSE:
+            snapshot.restore()
+            raise errors.too_close(self, measured)
+        self._carry_out(decision, measured, in_use, self.model.train_function if probe else fallback)
         return outputs
+
+    def _carry_out(self, decision, measured: int | None, in_use: int | None, fallback) -> None:
+        """Act on the :attr:`first_step` ``decision`` after a first step that trained (it measured ``measured``
+        reserved and ``in_use`` bytes at its peak); ``fallback`` is the probe's train function."""
+        action = first_step_control.Action
+        if decision.action is action.CALIBRATE:
+            if decision.source == "probe":
+                self.plan_request = dataclasses.replace(self.plan_request, probe=False)
+            else:
+                self._say(self._within_slack(measured) + "planning again, calibrated on that step.")
+            self._install_calibrated(measured, fallback=fallback, in_use=in_use, source=decision.source)
+        elif decision.action is action.FALL_BACK:
+            self._say(self._within_slack(measured) + "training goes on with the first step's least-memory plan, "
+                      "which leaves that room.")
+            self.model.train_function = fallback
+        if decision.source != "probe" and decision.action is not action.FALL_BACK and self._offloading()[0]:
+            # the variables this budgeted plan keeps came back one by one during its first step (into the
+            # persistent group, between the holes of those that went to host memory); packed, later steps reserve
+            # less (the probe's plan keeps nothing there to pack)
+            variables.compact_weights(self.model)
+
+    def _within_slack(self, measured: int) -> str:
+        """The start of what to say about a budgeted plan whose first step left less than its slack."""
+        return (f"dymem_tf: the plan made for memory_budget {_fmt(self.budget_bytes)} measured {_fmt(measured)} "
+                f"in its first step, within {first_step.step_slack(self.budget_bytes):.0%} of the budget; ")
 
     def _traced_probe(self, run, iterator):
         """Run the probe step with GTBM's trace on and keep the kernel temporaries it measured in the pass
@@ -368,30 +387,6 @@ class DymemCallback(keras.callbacks.Callback):
                 self.plan_request = dataclasses.replace(self.plan_request, memory=memory)
         return outputs
 
-    def _keep_calibrated_if_it_leaves_slack(self, fallback) -> None:
-        """After a budgeted plan's first step: when it measured within its step slack of the budget
-        (:func:`~dymem_tf.planning.first_step.step_slack`), later steps could run out of memory (steps of one plan
-        vary by several %, and by whole pageblocks). The first such plan is calibrated again from its own step
-        (its fragmentation is the one the probe's could not show: see :mod:`dymem_tf.planning.first_step`) and
-        replaced by the plan made with that calibration, whose first step is guarded the same way; after that,
-        training goes on with the probe's least-memory plan, which left that slack. No batch is lost: the step
-        trained."""
-        stats = self._own(devices.device_memory_stats())
-        measured = stats["peak_bytes_reserved"] if stats is not None else None
-        slack = first_step.step_slack(self.budget_bytes)
-        if measured is None or measured <= (1 - slack) * self.budget_bytes:
-            return
-        said = (f"dymem_tf: the plan made for memory_budget {_fmt(self.budget_bytes)} measured {_fmt(measured)} "
-                f"in its first step, within {slack:.0%} of the budget; ")
-        in_use = stats.get("peak_bytes_in_use")
-        if not self._refined and in_use:
-            self._refined = True
-            self._say(said + "planning again, calibrated on that step.")
-            self._install_calibrated(measured, fallback=fallback, in_use=in_use, source="calibrated")
-            return
-        self._say(said + "training goes on with the first step's least-memory plan, which leaves that room.")
-        self.model.train_function = fallback
-
     def _install_calibrated(self, measured: int | None, fallback, in_use: int | None = None,
                             source: str = "probe") -> None:
         """Calibrate the planner from the first step just run (its ``measured`` reserved and ``in_use`` peaks; None
@@ -403,7 +398,7 @@ class DymemCallback(keras.callbacks.Callback):
         memory = self.plan_request.memory
         if record is not None and memory is not None:
             # the step again, with its kernels' temporaries (a calibrated plan was made with them), and placed
-            sim = simulator.simulate(record.step_graph, record.plan, self.pass_.config.device,
+            sim = simulator.simulate(record.step_graph, record.plan, self.settings.profile,
                                      temporaries=memory.held_during(record.step_graph))
             predicted = sim.peak_bytes if source == "probe" else predicted
             if group is not None and source == "probe":  # the group held the variables the probe kept
@@ -482,6 +477,12 @@ class DymemCallback(keras.callbacks.Callback):
     def plan(self):
         """The plan of the most recent trace of the train step (None before the first step)."""
         return self.pass_.last_plan
+
+    @property
+    def last_skipped(self):
+        """This fit's most recent instantiation of the step when the pass left it unmodified, else None."""
+        fresh = len(self.pass_.skipped) > getattr(self, "_skips_before_fit", 0)
+        return self.pass_.last_skipped if fresh else None
 
     @property
     def skipped(self):

@@ -101,7 +101,7 @@ def out_of_memory_hint(cb) -> str:
     if cb.budget_bytes is not None:
         limits.append(f"memory_budget={fmt(cb.budget_bytes)}")
     where = "; ".join(limits) if limits else "the device's memory"
-    skipped = cb.pass_.last_skipped
+    skipped = cb.last_skipped
     if skipped is not None:  # no plan runs in this step: swapping (or a plan's budget) cannot change anything
         why = skipped.reason.split(": ", 1)[-1].rstrip(".")
         return (f"dymem_tf: the train step ran out of device memory under the {where}. Dymem left this step "

@@ -35,25 +35,8 @@ from dymem_tf import compat, op_sets
 from dymem_tf.memory import placement
 from dymem_tf.passes import graph_capture, graph_def_view, graph_pass
 from dymem_tf.planning import first_step, pipeline, planner, simulator, stages
-from dymem_tf.planning.device_profiles import DeviceProfile
 
 logger = logging.getLogger("dymem_tf")
-
-
-@dataclasses.dataclass(frozen=True)
-class PassConfig:
-    """The callback's arguments as the pass uses them: fixed for the callback's life (validated by
-    :class:`dymem_tf.DymemCallback`)."""
-
-    policy: str = "dymem"
-    device: DeviceProfile | str = "cpu"  # cost-model profile (or its name)
-    swapin_ahead: int = 1
-    min_swap_bytes: int = 1 << 16
-    offload_variables: bool = True  # optimizer state off the device between its uses, under a budget (CPU only)
-    offload_weights: bool = True  # weights in host memory between their uses, under a budget (CPU only)
-    defer_updates: bool = True  # see dymem_tf.planning.update_deferral and DymemCallback(defer_updates=...)
-    execution_order: str = "planned"  # see dymem_tf.planning.sequencing and DymemCallback(execution_order=...)
-    verbose: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +61,15 @@ class PlanRequest:
         """Whether this instantiation's graph is likely planned again: under a budget the probe's step is
         instantiated anew for the calibrated plan, with the same graph."""
         return self.budget_bytes is not None
+
+
+@dataclasses.dataclass
+class PassOutcome:
+    """What became of the instantiations offered to a listener (:meth:`StepPass.listener`): made by whoever arms
+    the pass for one call of the train function, written by the pass, read after the call."""
+
+    #: the error that made the pass cancel an instantiation (TF raises a CancelledError in its place)
+    refusal: planner.BudgetTooSmallError | None = None
 
 
 @dataclasses.dataclass
@@ -192,14 +184,17 @@ OBSERVED_UNDER_BUDGET = ("; the batch size is known only from the first batches 
 
 
 class StepPass:
-    """The listener the graph pass calls with each instantiated train-step graph; keeps the plans it made."""
+    """The listener the graph pass calls with each instantiated train-step graph; keeps the plans it made.
 
-    def __init__(self, config: PassConfig, print_fn=print):
-        self.config = config
+    ``settings``: what every plan is made with (the callback's arguments, validated; fixed for the pass's life).
+    Each instantiation is planned with them as its :class:`PlanRequest` fills in (:func:`instantiation_settings`).
+    ``verbose``: 1 prints each plan's summary, 2 also the seconds of each stage of the pass."""
+
+    def __init__(self, settings: pipeline.PlanSettings = pipeline.PlanSettings(), verbose: int = 1, print_fn=print):
+        self.settings = settings
+        self.verbose = verbose
         self.records: list[TraceRecord] = []
         self.skipped: list[SkippedTrace] = []
-        #: the error that made the pass cancel the last instantiation (the callback raises it)
-        self.refusal: BaseException | None = None
         #: the most recent instantiation, when the pass left it unmodified (None once a later one is planned)
         self.last_skipped: SkippedTrace | None = None
         self._print = print_fn
@@ -207,17 +202,19 @@ class StepPass:
         self._warned: set[str] = set()
         self._mobility: dict = {}
 
-    def listener(self, request: PlanRequest):
+    def listener(self, request: PlanRequest, outcome: "PassOutcome | None" = None):
         """The listener to arm the graph pass with (:func:`dymem_tf.passes.graph_pass.armed`): plans each graph
-        offered while armed for ``request``."""
-        return functools.partial(self.__call__, request=request)
+        offered while armed for ``request``, and says in ``outcome`` why it cancelled one."""
+        return functools.partial(self.__call__, request=request, outcome=outcome)
 
     @property
     def last_plan(self):
         return self.records[-1].plan if self.records else None
 
-    def __call__(self, call: graph_pass.PassCall, request: PlanRequest | None = None) -> None:
-        """Plan and rewrite one instantiated graph for ``request`` (None: no budget, nothing measured)."""
+    def __call__(self, call: graph_pass.PassCall, request: PlanRequest | None = None,
+                 outcome: "PassOutcome | None" = None) -> None:
+        """Plan and rewrite one instantiated graph for ``request`` (None: no budget, nothing measured); a refusal
+        cancels the instantiation and is kept in ``outcome``."""
         request = PlanRequest() if request is None else request
         start = time.perf_counter()
         clock = stages.StageClock()
@@ -230,7 +227,8 @@ class StepPass:
                 try:
                     result = self.plan_ops(call.function_name, ops, replica, len(groups), onednn_later, request)
                 except planner.BudgetTooSmallError as err:
-                    self.refusal = err
+                    if outcome is not None:
+                        outcome.refusal = err
                     call.fail(str(err))
                     return
                 if result is not None:
@@ -255,32 +253,15 @@ class StepPass:
         if problem is not None:
             self.skip(function_name, problem, replica)
             return None
-        cfg = self.config
-        shared = req.plans_again()  # the graph stays in the cache for the next plan: plan on copies of it
-        prepared: list = []  # the graph prepared once (its edges and marks do not depend on the headroom)
-
-        def plan_with(headroom: float, copy: bool = False):
-            # copy: another plan of the same graph follows (the preparation adds its deferral edges in place, and
-            # would find none to insert on a graph that has them)
-            settings = pipeline.PlanSettings(
-                policy=cfg.policy, budget_bytes=None if req.probe else req.budget_bytes,
-                persistent_bytes=req.persistent_bytes, profile=cfg.device, batch_size=batch,
-                min_swap_bytes=cfg.min_swap_bytes, swapin_ahead=cfg.swapin_ahead,
-                headroom=0.0 if req.probe else headroom, defer_updates=cfg.defer_updates,
-                execution_order=cfg.execution_order,
-                offload_variables=_may_offload(ops, cfg.offload_variables, req),
-                offload_weights=_may_offload(ops, cfg.offload_weights, req), least_memory=req.probe,
-                memory=None if req.probe else req.memory, onednn_later=onednn_later)
-            if not prepared:
-                key = (replica, batch, observed, pipeline.preparation_key(settings))
-                prepared.append(self._captures.prepared(
-                    key, lambda: pipeline.prepare_step(step_graph, settings, copy=copy or shared)))
-            return pipeline.finish_plan(prepared[0], settings)
-
-        if req.probe or req.calibration is None or not req.calibration.persistent_group:
-            planned = plan_with(req.headroom)
-        else:
-            planned = self._placed_plan(plan_with, req)
+        settings = instantiation_settings(self.settings, req, ops, batch, onednn_later)
+        placed = not req.probe and req.calibration is not None and bool(req.calibration.persistent_group)
+        # copy: another plan of the same graph follows (the preparation adds its deferral edges in place, and would
+        # find none to insert on a graph that has them): the calibrated plan after the probe's, the placement's
+        # re-plans
+        key = (replica, batch, observed, pipeline.preparation_key(settings))
+        prepared = self._captures.prepared(key, lambda: pipeline.prepare_step(
+            step_graph, settings, copy=req.plans_again() or placed))
+        planned = self._placed_plan(prepared, settings, req) if placed else pipeline.finish_plan(prepared, settings)
         plan = planned.plan
         if req.probe:
             plan.params.stage = "probe"
@@ -293,7 +274,7 @@ class StepPass:
             plan.notes.append(OBSERVED_NOTE.format(observed))
         return planned
 
-    def _placed_plan(self, plan_with, req: PlanRequest):
+    def _placed_plan(self, prepared: pipeline.PreparedStep, settings: pipeline.PlanSettings, req: PlanRequest):
         """The calibrated plan, its device peak predicted by its placement
         (:func:`~dymem_tf.planning.first_step.placed_prediction`, kept as ``predicted.calibrated_peak_bytes``):
         planned with the calibration's headroom and, while that prediction is over the calibration's limit, again
@@ -308,7 +289,7 @@ class StepPass:
         headroom, best, tries = cal.headroom, None, 0
         for tries in range(1, first_step.PLACEMENT_REPLANS + 2):
             try:
-                planned = plan_with(headroom, copy=True)
+                planned = pipeline.finish_plan(prepared, dataclasses.replace(settings, headroom=headroom))
             except planner.BudgetTooSmallError:
                 if best is None:
                     raise
@@ -330,7 +311,7 @@ class StepPass:
     @stages.timed("placement")
     def _placed_peak(self, planned, req: PlanRequest) -> int:
         """The calibrated device peak that the placement of ``planned``'s simulated step predicts."""
-        res = simulator.simulate(planned.step_graph, planned.plan, self.config.device,
+        res = simulator.simulate(planned.step_graph, planned.plan, self.settings.profile,
                                  temporaries=req.memory.held_during(planned.step_graph) if req.memory else None)
         group = placement.PersistentGroup(**req.calibration.persistent_group)
         placed = placement.place(res.allocations, group)
@@ -362,11 +343,11 @@ class StepPass:
                                  seconds, times)
             self.records.append(record)
             self.last_skipped = None
-            if self.config.verbose:
+            if self.verbose:
                 where = f" (replica {replica})" if replica is not None else ""
                 self._print(plan.summary())
                 self._print(f"dymem_tf: rewrite{where}: {report.summary()} (pass: {seconds:.2f} s)")
-                if self.config.verbose >= 2:
+                if self.verbose >= 2:
                     self._print(f"dymem_tf: pass stages{where}: {times.summary()}")
         _install_mobility(self._mobility)
 
@@ -437,6 +418,20 @@ class CaptureCache:
                 return result
             self._prepared[key] = result
         return self._prepared[key]
+
+
+def instantiation_settings(settings: pipeline.PlanSettings, req: PlanRequest, ops: list, batch: int | None,
+                           onednn_later: bool) -> pipeline.PlanSettings:
+    """``settings`` (what every plan is made with) for one instantiation of ``ops`` planned for ``req``: its
+    budget, persistent bytes, headroom and measured memory, the batch size it is planned with, and offloading only
+    where ``req`` allows it; the probe is the least-memory plan, without a budget or headroom.
+    ``onednn_later``: oneDNN's layout pass rewrites the graph after this plan (``PlanSettings.onednn_later``)."""
+    return dataclasses.replace(
+        settings, budget_bytes=None if req.probe else req.budget_bytes, persistent_bytes=req.persistent_bytes,
+        batch_size=batch, headroom=0.0 if req.probe else req.headroom, least_memory=req.probe,
+        memory=None if req.probe else req.memory, onednn_later=onednn_later,
+        offload_variables=_may_offload(ops, settings.offload_variables, req),
+        offload_weights=_may_offload(ops, settings.offload_weights, req))
 
 
 def _may_offload(ops, asked: bool, req: PlanRequest) -> bool:
