@@ -32,6 +32,7 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
+from dymem_tf.planning import branches
 from dymem_tf.planning.analysis import GRAPPLER_REMOVED_OP_TYPES, METADATA_OP_TYPES, StepGraph, no_autograph
 from dymem_tf.planning.cost_model import CostModel, as_cost_model
 from dymem_tf.planning.device_profiles import DeviceProfile
@@ -178,6 +179,10 @@ class Simulator:
         self.chain: dict[str, list[str]] = {}  # buffer owner -> tensors that reuse its buffer (itself first)
         self.buffer_root: dict[str, str] = {}  # forwarded tensor -> owner of the buffer it reuses
         names, prod, last, size = self._forward_buffers(names, prod, last, size)
+        # of two exclusive branches of a conditional only the heavier runs in the model: the other allocates nothing
+        self.uncounted = branches.uncounted_ops(step_graph)
+        if self.uncounted:
+            size = [0 if step_graph.tensors[n].producer in self.uncounted else b for n, b in zip(names, size)]
         self.t_names = names
         self.t_index = {n: i for i, n in enumerate(names)}
         self.t_prod = np.array(prod, dtype=np.int64)
@@ -186,7 +191,8 @@ class Simulator:
         self.t_resident = np.array([step_graph.tensors[n].variable for n in names], dtype=bool)
         adopted = adopted_values(step_graph)
         self.t_adopts = [adopted.get(step_graph.tensors[n].producer) for n in names]  # the variable it becomes
-        held = [(self.pos[n], int(b)) for n, b in (temporaries or {}).items() if n in self.pos and b > 0]
+        held = [(self.pos[n], int(b)) for n, b in (temporaries or {}).items()
+                if n in self.pos and b > 0 and n not in self.uncounted]
         self.tmp_pos = np.array([p for p, _ in held], dtype=np.int64)
         self.tmp_bytes = np.array([b for _, b in held], dtype=np.int64)
         self._optional_chains: dict[str, set[str]] = {}

@@ -1,0 +1,83 @@
+"""Lowered conditionals in the memory model: which branch each op runs in, and which branch of each conditional
+the simulator counts.
+
+A lowered ``cond`` is a ``Switch`` per value it takes in (output 0 feeds the false branch, output 1 the true one,
+both switched on one predicate) and a ``Merge`` per value it returns. Only one branch runs: the ops of the other
+are dead and allocate nothing. The simulator runs every op of the graph, so without this it would hold both
+branches' tensors at once; instead it counts, for each conditional, the branch whose tensors take more bytes (the
+worst case of the two) and leaves the other's tensors out (:func:`uncounted_ops`).
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+from dymem_tf.planning.analysis import StepGraph
+
+#: One level of a branch path: (the predicate tensor of the branch's ``Switch``, the output taken: 0 false, 1 true).
+Level = tuple[str, int]
+
+
+def branch_paths(step_graph: StepGraph) -> dict[str, tuple[Level, ...]]:
+    """Each op's lowered conditional branches, outermost first (``()`` outside every conditional): an op is in the
+    branch of the deepest of its inputs; a ``Switch``'s output enters its branch, a ``Merge`` leaves it."""
+    ops, tensors = step_graph.ops, step_graph.tensors
+    paths: dict[str, tuple[Level, ...]] = {}
+    for name in step_graph.execution_order():
+        op = ops[name]
+        found = []
+        for t in op.inputs:
+            tensor = tensors.get(t)
+            if tensor is None or tensor.producer not in paths:
+                continue
+            path = paths[tensor.producer]
+            producer = ops[tensor.producer]
+            if producer.type == "Switch" and len(producer.inputs) > 1:
+                path = path + ((producer.inputs[1], _port(t)),)
+            found.append(path)
+        found += [paths[c] for c in op.control_inputs if c in paths]
+        paths[name] = _common_prefix(found) if op.type == "Merge" else max(found, key=len, default=())
+    return paths
+
+
+def uncounted_ops(step_graph: StepGraph) -> set[str]:
+    """The ops of the lighter branch of every lowered conditional (fewer bytes of tensors made; the false branch on
+    a tie), nested branches inside it included: the simulator leaves their tensors and temporaries out, since they
+    never run in the same step as the other branch. Empty for a step without conditionals."""
+    if not any(op.type == "Switch" for op in step_graph.ops.values()):
+        return set()
+    paths = branch_paths(step_graph)
+    weight: dict[tuple[Level, ...], int] = defaultdict(int)
+    for name, path in paths.items():
+        made = sum(step_graph.tensors[t].bytes for t in step_graph.ops[name].outputs
+                   if not step_graph.tensors[t].persistent and step_graph.tensors[t].alias_of is None)
+        for depth in range(1, len(path) + 1):
+            weight[path[:depth]] += made
+    light = {path for path in weight if _lighter(path, weight)}
+    return {name for name, path in paths.items() if any(path[:d] in light for d in range(1, len(path) + 1))}
+
+
+def _lighter(path: tuple[Level, ...], weight: dict) -> bool:
+    """Whether the branch at ``path`` makes fewer bytes than the other branch of its conditional (the false one
+    counts as lighter on a tie)."""
+    (pred, side), parent = path[-1], path[:-1]
+    other = weight.get(parent + ((pred, 1 - side),), 0)
+    return weight[path] < other or (weight[path] == other and side == 0)
+
+
+def _common_prefix(paths: list[tuple[Level, ...]]) -> tuple[Level, ...]:
+    """The longest path every one of ``paths`` starts with (``()`` for none)."""
+    if not paths:
+        return ()
+    prefix = paths[0]
+    for path in paths[1:]:
+        n = 0
+        while n < min(len(prefix), len(path)) and prefix[n] == path[n]:
+            n += 1
+        prefix = prefix[:n]
+    return prefix
+
+
+def _port(tensor: str) -> int:
+    """The output index in a tensor name ``op:k`` (0 without one)."""
+    head, _, port = tensor.rpartition(":")
+    return int(port) if head and port.isdigit() else 0
