@@ -104,6 +104,8 @@ class DymemCallback(keras.callbacks.Callback):
         self._exit_guard = None
         self._plans_written = 0  # how many of pass_.records the summary writer has seen
         self._xla_asked = []  # the XLA settings the user asked for, off while the step swaps
+        #: which plan the step runs next under a budget (a FirstStepControl, made per fit; None: not guarded)
+        self.first_steps = None
 
     # -- Keras hooks ---------------------------------------------------------------------------------------------
     def on_train_begin(self, logs=None):
@@ -180,7 +182,7 @@ class DymemCallback(keras.callbacks.Callback):
         self.plan_request = dataclasses.replace(self.plan_request, probe=guard, calibration=None, memory=None,
                                                 persistent_bytes=weights, headroom=planner.DEFAULT_HEADROOM)
         #: the first steps under the budget: which plan runs next (None: no guarded first step)
-        self.first_step = first_step_control.FirstStepControl(self.budget_bytes) if guard else None
+        self.first_steps = first_step_control.FirstStepControl(self.budget_bytes) if guard else None
         if guard:
             self._cap_device_at_budget()
         self._xla_asked = xla.turn_off(model, self.xla, self._say, self._warn)
@@ -308,18 +310,18 @@ class DymemCallback(keras.callbacks.Callback):
 
     def _guarded_first_call(self, run, iterator, fallback):
         """Run a new train function's first step with the variables saved to host, report it to
-        :attr:`first_step` and carry out its decision (:meth:`_carry_out`); ``fallback`` is the probe's train
+        :attr:`first_steps` and carry out its decision (:meth:`_carry_out`); ``fallback`` is the probe's train
         function (None for the probe itself)."""
         snapshot = first_step.VariableSnapshot(self.model)
         devices.reset_device_peaks()
-        probe = self.first_step.state is first_step_control.State.PROBE
+        probe = self.first_steps.state is first_step_control.State.PROBE
         if probe:  # the persistent group the probe finds: the calibration predicts each plan's placement from it
             self._probe_group = self._persistent_group()
         try:
             outputs = self._traced_probe(run, iterator) if probe else run(iterator)
         except tf.errors.ResourceExhaustedError as err:
             snapshot.restore()
-            if self.first_step.ran_out_of_memory().action is first_step_control.Action.REFUSE:
+            if self.first_steps.ran_out_of_memory().action is first_step_control.Action.REFUSE:
                 raise errors.measured_too_small(self, err) from err  # fit's exit restores the device limit
             self._warn(f"dymem_tf: the plan made for memory_budget {_fmt(self.budget_bytes)} ran out of memory in "
                        "its first step; the variables were restored and training goes on with the first step's "
@@ -327,7 +329,7 @@ class DymemCallback(keras.callbacks.Callback):
             self.model.train_function = fallback
             return fallback(iterator)
         except planner.BudgetTooSmallError as refusal:
-            if self.first_step.refused().action is first_step_control.Action.REFUSE:
+            if self.first_steps.refused().action is first_step_control.Action.REFUSE:
                 raise
             # no plan fits the calibrated budget: the probe's plan is measured to fit, keep it (the step never ran)
             self._say(f"dymem_tf: {refusal}; keeping the first step's least-memory plan, which fits.")
@@ -335,7 +337,7 @@ class DymemCallback(keras.callbacks.Callback):
             return fallback(iterator)
         stats = self._own(devices.device_memory_stats())
         measured, in_use = (stats["peak_bytes_reserved"], stats["peak_bytes_in_use"]) if stats else (None, None)
-        decision = self.first_step.stepped(measured, in_use)
+        decision = self.first_steps.stepped(measured, in_use)
         if decision.action is first_step_control.Action.REFUSE:
             snapshot.restore()
             raise errors.too_close(self, measured)
@@ -343,29 +345,26 @@ class DymemCallback(keras.callbacks.Callback):
         return outputs
 
     def _carry_out(self, decision, measured: int | None, in_use: int | None, fallback) -> None:
-        """Act on the :attr:`first_step` ``decision`` after a first step that trained (it measured ``measured``
+        """Act on the :attr:`first_steps` ``decision`` after a first step that trained (it measured ``measured``
         reserved and ``in_use`` bytes at its peak); ``fallback`` is the probe's train function."""
         action = first_step_control.Action
+        said = "" if measured is None else (  # within the slack: what the next decisions say first
+            f"dymem_tf: the plan made for memory_budget {_fmt(self.budget_bytes)} measured {_fmt(measured)} in its "
+            f"first step, within {first_step.step_slack(self.budget_bytes):.0%} of the budget; ")
         if decision.action is action.CALIBRATE:
             if decision.source == "probe":
                 self.plan_request = dataclasses.replace(self.plan_request, probe=False)
             else:
-                self._say(self._within_slack(measured) + "planning again, calibrated on that step.")
+                self._say(said + "planning again, calibrated on that step.")
             self._install_calibrated(measured, fallback=fallback, in_use=in_use, source=decision.source)
         elif decision.action is action.FALL_BACK:
-            self._say(self._within_slack(measured) + "training goes on with the first step's least-memory plan, "
-                      "which leaves that room.")
+            self._say(said + "training goes on with the first step's least-memory plan, which leaves that room.")
             self.model.train_function = fallback
         if decision.source != "probe" and decision.action is not action.FALL_BACK and self._offloading()[0]:
             # the variables this budgeted plan keeps came back one by one during its first step (into the
             # persistent group, between the holes of those that went to host memory); packed, later steps reserve
             # less (the probe's plan keeps nothing there to pack)
             variables.compact_weights(self.model)
-
-    def _within_slack(self, measured: int) -> str:
-        """The start of what to say about a budgeted plan whose first step left less than its slack."""
-        return (f"dymem_tf: the plan made for memory_budget {_fmt(self.budget_bytes)} measured {_fmt(measured)} "
-                f"in its first step, within {first_step.step_slack(self.budget_bytes):.0%} of the budget; ")
 
     def _traced_probe(self, run, iterator):
         """Run the probe step with GTBM's trace on and keep the kernel temporaries it measured in the pass
