@@ -233,3 +233,48 @@ def test_state_built_for_a_first_plain_step_leaves_no_pageblock_behind_when_offl
     # built on the device, 4 MiB more than before the build stayed reserved here
     assert persistent()["reserved"] <= before["reserved"], (before, persistent())
     variables.bring_back_offloaded(model)
+
+
+PLAIN_STEP_OUT_OF_MEMORY = r"""
+import gc, json, weakref
+import numpy as np, keras
+import dymem_tf
+from dymem_tf.keras import callback as callback_module, fits_first
+keras.utils.set_random_seed(0)
+inp = keras.Input((64, 64, 3))
+h = inp
+for _ in range(6):  # 16 MiB feature maps at batch 32: the plain step needs more than the 96 MiB device
+    h = keras.layers.Conv2D(32, 3, padding="same", activation="relu")(h)
+model = keras.Model(inp, keras.layers.Dense(10)(keras.layers.GlobalAveragePooling2D()(h)))
+model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+plain, seen = [], {}
+wrap = fits_first.first_call_function
+fits_first.first_call_function = lambda cb, fn, cap: (plain.append(weakref.ref(fn)), wrap(cb, fn, cap))[1]
+begin = callback_module.DymemCallback._begin_planning
+def planning(self, capacity):
+    gc.collect()
+    seen["plain_alive_while_planning"] = bool(plain) and plain[0]() is not None
+    begin(self, capacity)
+callback_module.DymemCallback._begin_planning = planning
+x = np.random.default_rng(0).normal(size=(64, 64, 64, 3)).astype("float32")
+cb = dymem_tf.DymemCallback(verbose=1)
+hist = model.fit(x, np.arange(64) % 10, batch_size=32, epochs=1, shuffle=False, verbose=0, callbacks=[cb])
+seen["trained"] = len(hist.history["loss"]) == 1
+seen["stages"] = [r.plan.params.stage for r in cb.records]
+print("RESULT" + json.dumps(seen), flush=True)
+"""
+
+
+def test_a_plain_first_step_that_ran_out_of_memory_is_let_go_before_the_step_is_planned(python_subprocess):
+    # Regression: the plan for the device was made, and its probe run, inside the except block of the failed
+    # plain step, whose traceback kept that step's function and state alive: a TemporaryVariable Grappler had made
+    # for a gradient sum (8 MiB at ResNet-50 64px batch 258) stayed on the device through the probe, which then
+    # measured 485 MiB of a 512 MiB device and refused batch 258 (largest_batch: 258 trained at 18b349f).
+    proc = python_subprocess(PLAIN_STEP_OUT_OF_MEMORY, env={"DYMEM_DEVICE_MEMORY_LIMIT": "96MiB",
+                                                           "TF_ENABLE_ONEDNN_OPTS": "0"})
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
+    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-3000:]
+    result = json.loads(lines[-1][len("RESULT"):])
+    assert "ran out of the device" in proc.stdout, proc.stdout[-2000:]
+    assert result["plain_alive_while_planning"] is False
+    assert result["trained"] and result["stages"][0] == "probe"

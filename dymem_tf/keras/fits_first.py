@@ -8,6 +8,8 @@ function, untouched: no pass, no swap op, XLA as compiled.
 """
 from __future__ import annotations
 
+import gc
+
 import tensorflow as tf
 
 from dymem_tf.keras import errors, variables
@@ -94,25 +96,38 @@ def one_batch(iterator, steps_per_execution):
     return lambda: iter(dataset)
 
 
+def _run_or_none_if_out_of_memory(train_function, iterator):
+    """``train_function(iterator)``, or None when it runs out of memory: the error and its traceback are gone when
+    this returns, and with them the frames that hold the function (and the constants its kernels hold on the
+    device) alive."""
+    try:
+        return train_function(iterator)
+    except tf.errors.ResourceExhaustedError:
+        return None
+
+
 def first_call_function(callback, train_function, capacity: int):
     """``train_function`` whose first call runs guarded on the first batch and decides: a step that fits
     ``capacity`` with its slack to spare keeps ``train_function`` as the model's train function; one that runs
     out of memory (its variables put back) or comes within the slack is planned for the device by
     ``callback._plan_for_device``, and a step that ran out of memory is run again on the same batch."""
 
+    plain = [train_function]  # let go once the step is planned: its instantiation holds constants on the device
+
     def first_call(iterator):
         model = callback.model
         batch = one_batch(iterator, getattr(model, "steps_per_execution", 1))
         snapshot = first_step.VariableSnapshot(model)
         devices.reset_device_peaks()
-        try:
-            outputs = train_function(batch() if batch else iterator)
-        except tf.errors.ResourceExhaustedError:
+        outputs = _run_or_none_if_out_of_memory(plain[0], batch() if batch else iterator)
+        if outputs is None:
             snapshot.restore()
             lost = "" if batch else " (the batches of that call were not trained)"
             callback._say(f"dymem_tf: the train step ran out of the device's {errors.fmt(capacity)} in its first "
                           f"step; the variables were put back{lost} and the step is planned for the device, "
                           "swapping what does not fit.")
+            plain.clear()
+            gc.collect()  # the plain step's function and its kernels' constants, before the probe places its own
             callback._plan_for_device(capacity)
             return model.train_function(batch() if batch else iterator)
         stats = callback._own(devices.device_memory_stats())
@@ -124,7 +139,7 @@ def first_call_function(callback, train_function, capacity: int):
                           "planned for the device, swapping what later steps could run out of.")
             callback._plan_for_device(capacity)
         else:
-            model.train_function = train_function
+            model.train_function = plain[0]
             took = (f"{errors.fmt(measured)} of the device's {errors.fmt(capacity)}" if measured is not None
                     else f"it did not run out of the device's {errors.fmt(capacity)}")
             callback._say(f"dymem_tf: the train step fits the device ({took} in its first step): it trains as "
