@@ -55,15 +55,14 @@ def _build_optimizer(model) -> bool:
     Where plans may offload it (the CPU device with GTBM), the state is made in the host arena and then moved onto
     the device, packed (:func:`~dymem_tf.keras.variables.compact_weights`): each variable's handle stays where the
     variable was made, and a handle made on the device, next to its slot, would keep that slot's pageblock
-    reserved after a plan offloads the state (MobileNetV2 with Adam: 10 MiB of pageblocks held by 200-byte
-    handles after its state left a 50 MiB device)."""
+    reserved after a plan offloads the state."""
     if devices.training_gpus() or not allocator.is_active():
         return variables.build_optimizer(model, in_host_memory=False)
     optimizer = getattr(model, "optimizer", None)
     unbuilt = optimizer is not None and not getattr(optimizer, "built", True)
     if not variables.build_optimizer(model, in_host_memory=True):
         return False
-    if unbuilt:
+    if unbuilt and optimizer.built:  # this build made the state (not one left to the first step): move it
         try:
             variables.compact_weights(model)
         except tf.errors.ResourceExhaustedError:
@@ -98,8 +97,8 @@ def one_batch(iterator, steps_per_execution):
 
 def _run_or_none_if_out_of_memory(train_function, iterator):
     """``train_function(iterator)``, or None when it runs out of memory: the error and its traceback are gone when
-    this returns, and with them the frames that hold the function (and the constants its kernels hold on the
-    device) alive."""
+    this returns, and with them the frames that kept the function and the failed call's state (a Grappler
+    ``TemporaryVariable`` of a gradient sum, for one) on the device (docs/benchmarks.md, "Largest batch")."""
     try:
         return train_function(iterator)
     except tf.errors.ResourceExhaustedError:
@@ -112,7 +111,7 @@ def first_call_function(callback, train_function, capacity: int):
     out of memory (its variables put back) or comes within the slack is planned for the device by
     ``callback._plan_for_device``, and a step that ran out of memory is run again on the same batch."""
 
-    plain = [train_function]  # let go once the step is planned: its instantiation holds constants on the device
+    plain = [train_function]  # let go when the step is planned for the device: nothing needs it any more
 
     def first_call(iterator):
         model = callback.model
@@ -127,7 +126,7 @@ def first_call_function(callback, train_function, capacity: int):
                           f"step; the variables were put back{lost} and the step is planned for the device, "
                           "swapping what does not fit.")
             plain.clear()
-            gc.collect()  # the plain step's function and its kernels' constants, before the probe places its own
+            gc.collect()  # the plain step's function and what its failed call left, before the probe is placed
             callback._plan_for_device(capacity)
             return model.train_function(batch() if batch else iterator)
         stats = callback._own(devices.device_memory_stats())
