@@ -226,7 +226,9 @@ def test_state_built_for_a_first_plain_step_leaves_no_pageblock_behind_when_offl
         return allocator.memory_stats()["groups"]["persistent"]
 
     before = persistent()
-    assert fits_first._build_optimizer(model)  # pylint: disable=protected-access
+    assert fits_first._build_optimizer(model) is False  # pylint: disable=protected-access  (made in the host arena)
+    assert persistent()["in_use"] - before["in_use"] < state
+    fits_first._place_state(model, 1 << 30)  # pylint: disable=protected-access  (the first call places it)
     assert persistent()["in_use"] - before["in_use"] >= state  # on the device, as Keras would build it
     assert variables.offload_optimizer_state(model, 1 << 16) > 0
     variables.compact_weights(model)
@@ -239,22 +241,28 @@ PLAIN_STEP_OUT_OF_MEMORY = r"""
 import gc, json, weakref
 import numpy as np, keras
 import dymem_tf
-from dymem_tf.keras import callback as callback_module, fits_first
+from dymem_tf.keras import callback as callback_module, fits_first, variables
+from dymem_tf.memory import allocator, placement
 keras.utils.set_random_seed(0)
 inp = keras.Input((64, 64, 3))
 h = inp
 for _ in range(6):  # 16 MiB feature maps at batch 32: the plain step needs more than the 96 MiB device
     h = keras.layers.Conv2D(32, 3, padding="same", activation="relu")(h)
-model = keras.Model(inp, keras.layers.Dense(10)(keras.layers.GlobalAveragePooling2D()(h)))
+h = keras.layers.Dense(8192)(keras.layers.GlobalAveragePooling2D()(h))  # 1.3 MiB of weights, 2.6 MiB of Adam
+model = keras.Model(inp, keras.layers.Dense(10)(h))
 model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 plain, seen = [], {}
 wrap = fits_first.first_call_function
-fits_first.first_call_function = lambda cb, fn, cap: (plain.append(weakref.ref(fn)), wrap(cb, fn, cap))[1]
+fits_first.first_call_function = lambda cb, fn, cap, **kw: (plain.append(weakref.ref(fn)), wrap(cb, fn, cap, **kw))[1]
 begin = callback_module.DymemCallback._begin_planning
 def planning(self, capacity):
     gc.collect()
     seen["plain_alive_while_planning"] = bool(plain) and plain[0]() is not None
     begin(self, capacity)
+    stats = allocator.memory_stats()
+    seen["persistent_reserved"] = stats["groups"]["persistent"]["reserved"]
+    seen["persistent_needed"] = placement.PersistentGroup(0, 0, stats["block_size"]).reserved_with(
+        variables.device_resident_bytes(model))
 callback_module.DymemCallback._begin_planning = planning
 x = np.random.default_rng(0).normal(size=(64, 64, 64, 3)).astype("float32")
 cb = dymem_tf.DymemCallback(verbose=1)
@@ -277,4 +285,41 @@ def test_a_plain_first_step_that_ran_out_of_memory_is_let_go_before_the_step_is_
     result = json.loads(lines[-1][len("RESULT"):])
     assert "ran out of the device" in proc.stdout, proc.stdout[-2000:]
     assert result["plain_alive_while_planning"] is False
+    # Regression: the state was placed on the device before fit's iterator and the plain step's instantiation
+    # made their long-lived small tensors, which went into the pageblocks above the state and kept them reserved
+    # once the plan offloaded it (U-Net under 53 MiB: the probe measured one pageblock more and was refused)
+    assert result["persistent_reserved"] <= result["persistent_needed"], result
     assert result["trained"] and result["stages"][0] == "probe"
+
+
+BELOW_THE_PAGEBLOCK_FLOOR = r"""
+import json
+import numpy as np, keras
+import dymem_tf
+keras.utils.set_random_seed(0)
+model = keras.Sequential([keras.Input((6, 8)), keras.layers.LSTM(16), keras.layers.Dense(10)])
+model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+before = [w.numpy() for w in model.weights]
+from dymem_tf.memory import allocator
+allocator.set_memory_limit(3 << 20)  # the device shrunk under GTBM's 2 MiB pageblocks (its block size is kept)
+try:
+    model.fit(np.ones((16, 6, 8), "float32"), np.arange(16) % 10, batch_size=8, verbose=0,
+              callbacks=[dymem_tf.DymemCallback(verbose=1)])
+    outcome = "trained"
+except dymem_tf.BudgetTooSmallError as err:
+    outcome = str(err)
+unchanged = all(np.array_equal(a, w.numpy()) for a, w in zip(before, model.weights))
+print("RESULT" + json.dumps({"outcome": outcome, "unchanged": unchanged}), flush=True)
+"""
+
+
+def test_a_device_below_gtbms_pageblock_floor_is_refused_before_the_plain_step(python_subprocess):
+    # Regression: the plain first step of "auto" ran before the pageblock-floor check of a planned step, and on a
+    # 3 MiB device TF's iterator failed instead ("Cannot parse tensor from proto", budget_reliability's LSTM)
+    proc = python_subprocess(BELOW_THE_PAGEBLOCK_FLOOR, env={"DYMEM_DEVICE_MEMORY_LIMIT": "1GiB",
+                                                            "TF_ENABLE_ONEDNN_OPTS": "0"})
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
+    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-3000:]
+    result = json.loads(lines[-1][len("RESULT"):])
+    assert "smaller than the least GTBM can train in: 6.0 MiB" in result["outcome"], result
+    assert result["unchanged"]

@@ -43,37 +43,51 @@ def begin(callback) -> None:
                       f"the device's {errors.fmt(capacity)}; the step is planned for the device.")
         callback._plan_for_device(capacity)
         return
+    if variables.pageblock_floor(stats, step_pass.persistent_bytes(model) + (state or 0)) > capacity:
+        callback._say(f"dymem_tf: the model's weights and optimizer state need more of GTBM's pageblocks than the "
+                      f"device's {errors.fmt(capacity)} hold; the step is planned for the device.")
+        callback._plan_for_device(capacity)  # refused there if even the variables that must stay do not fit
+        return
     errors.warn_onednn_out_of_memory_crash()
-    if not _build_optimizer(model):
+    placed = _build_optimizer(model)
+    if placed is None:
         raise errors.state_does_not_fit(capacity, step_pass.persistent_bytes(model))
-    model.train_function = first_call_function(callback, model.train_function, capacity)
+    model.train_function = first_call_function(callback, model.train_function, capacity, place_state=not placed)
 
 
-def _build_optimizer(model) -> bool:
-    """Build the optimizer's state on the device, as Keras would at the first step; False when it does not fit.
+def _build_optimizer(model) -> bool | None:
+    """Build the optimizer's state, as Keras would at the first step: True when it is on the device (or left to
+    the first step), False when it was made in the host arena and is still to be placed on the device
+    (:func:`_place_state`), None when it does not fit.
 
-    Where plans may offload it (the CPU device with GTBM), the state is made in the host arena and then moved onto
-    the device, packed (:func:`~dymem_tf.keras.variables.compact_weights`): each variable's handle stays where the
-    variable was made, and a handle made on the device, next to its slot, would keep that slot's pageblock
-    reserved after a plan offloads the state."""
+    Where plans may offload it (the CPU device with GTBM), the state is made in the host arena: each variable's
+    handle stays where the variable was made, and a handle made on the device, next to its slot, would keep that
+    slot's pageblock reserved after a plan offloads the state."""
     if devices.training_gpus() or not allocator.is_active():
-        return variables.build_optimizer(model, in_host_memory=False)
+        return True if variables.build_optimizer(model, in_host_memory=False) else None
     optimizer = getattr(model, "optimizer", None)
     unbuilt = optimizer is not None and not getattr(optimizer, "built", True)
     if not variables.build_optimizer(model, in_host_memory=True):
-        return False
-    if unbuilt and optimizer.built:  # this build made the state (not one left to the first step): move it
-        try:
-            variables.compact_weights(model)
-        except tf.errors.ResourceExhaustedError:
-            return False
-    return True
+        return None
+    return not (unbuilt and optimizer.built)  # False: this build made the state (not one left to the first step)
+
+
+def _place_state(model, capacity: int) -> None:
+    """Move the state made in the host arena onto the device, packed with the weights
+    (:func:`~dymem_tf.keras.variables.compact_weights`). Done at the first call, once ``fit``'s iterator has made
+    its long-lived small tensors: made after the state, they would sit in the pageblocks above it and keep them
+    reserved after a plan offloads the state (U-Net under 53 MiB: one pageblock more at the probe's peak)."""
+    try:
+        variables.compact_weights(model)
+    except tf.errors.ResourceExhaustedError:
+        raise errors.state_does_not_fit(capacity, step_pass.persistent_bytes(model)) from None
 
 
 def one_batch(iterator, steps_per_execution):
     """The next batch of ``iterator`` as a maker of one-element iterators whose type is ``iterator``'s (so the
-    train function traced for one serves the other); None where that cannot be done (not a ``tf.data`` iterator,
-    several steps per call, a batch that is not dense tensors), and then nothing is taken off ``iterator``."""
+    train function traced for one serves the other; ``maker(empty=True)`` makes one that has no element); None
+    where that cannot be done (not a ``tf.data`` iterator, several steps per call, a batch that is not dense
+    tensors), and then nothing is taken off ``iterator``."""
     if steps_per_execution != 1 or type(iterator).__name__ != "OwnedIterator":
         return None
     spec = iterator.element_spec
@@ -92,7 +106,16 @@ def one_batch(iterator, steps_per_execution):
     if dataset.element_spec != spec:
         raise RuntimeError(f"dymem_tf: the first batch cannot be served again as {spec} (got "
                            f"{dataset.element_spec}); please report this.")
-    return lambda: iter(dataset)
+    return lambda empty=False: iter(dataset.take(0) if empty else dataset)
+
+
+def _instantiate(train_function, batch) -> None:
+    """Make TensorFlow instantiate ``train_function`` for ``batch``'s iterators without training a step: it runs on
+    an iterator with no element and stops at its first read (``OutOfRangeError``, which is expected here)."""
+    try:
+        train_function(batch(empty=True))
+    except (tf.errors.OutOfRangeError, StopIteration):
+        pass
 
 
 def _run_or_none_if_out_of_memory(train_function, iterator):
@@ -105,11 +128,12 @@ def _run_or_none_if_out_of_memory(train_function, iterator):
         return None
 
 
-def first_call_function(callback, train_function, capacity: int):
+def first_call_function(callback, train_function, capacity: int, place_state: bool = False):
     """``train_function`` whose first call runs guarded on the first batch and decides: a step that fits
     ``capacity`` with its slack to spare keeps ``train_function`` as the model's train function; one that runs
     out of memory (its variables put back) or comes within the slack is planned for the device by
-    ``callback._plan_for_device``, and a step that ran out of memory is run again on the same batch."""
+    ``callback._plan_for_device``, and a step that ran out of memory is run again on the same batch.
+    ``place_state``: the optimizer's state is in the host arena and moves onto the device first (:func:`_place_state`)."""
 
     plain = [train_function]  # let go when the step is planned for the device: nothing needs it any more
 
@@ -117,6 +141,11 @@ def first_call_function(callback, train_function, capacity: int):
         model = callback.model
         batch = one_batch(iterator, getattr(model, "steps_per_execution", 1))
         snapshot = first_step.VariableSnapshot(model)
+        if place_state:
+            if batch is not None:  # what the instantiation keeps for good goes below the state, not above it
+                _instantiate(plain[0], batch)
+                snapshot.restore(changed_only=True)  # ops that read no batch may have run (a seed's update)
+            _place_state(model, capacity)
         devices.reset_device_peaks()
         outputs = _run_or_none_if_out_of_memory(plain[0], batch() if batch else iterator)
         if outputs is None:

@@ -12,6 +12,7 @@ import tensorflow as tf
 from dymem_tf import compat
 from dymem_tf.memory import allocator, placement
 from dymem_tf.passes import step_pass
+from dymem_tf.planning import first_step
 
 
 def offload_variables(variables, min_bytes: int) -> int:
@@ -69,12 +70,13 @@ def compact_weights(model) -> int:
 
 
 def device_resident_bytes(model) -> int:
-    """Bytes of the model's and its optimizer's variables that are in device memory now (not offloaded; CPU
+    """Bytes of the model's and its optimizers' variables that are in device memory now (not offloaded; CPU
     device, where the offloading kernels run)."""
     from dymem_tf.ops import swap_ops
 
-    optimizer = getattr(model, "optimizer", None)
-    variables = list(model.variables) + list(getattr(optimizer, "variables", []) if optimizer is not None else [])
+    variables = list(model.variables)
+    for optimizer in [getattr(model, "optimizer", None)] + first_step.other_optimizers(model):
+        variables += list(getattr(optimizer, "variables", []) if optimizer is not None else [])
     seen, total = set(), 0
     for var in swap_ops.variable_components(variables):
         if id(var) not in seen and var.dtype != tf.string:

@@ -596,9 +596,13 @@ def _install_mobility(mobility: dict) -> None:
 
 
 def persistent_bytes(model, optimizer: bool = True) -> int:
-    """Bytes of the model's variables and (``optimizer``) its optimizer's variables: what lives across steps."""
+    """Bytes of the model's variables, of its other optimizers'
+    (:func:`~dymem_tf.planning.first_step.other_optimizers`) and (``optimizer``) of ``model.optimizer``'s: what
+    lives across steps."""
     seen, total = set(), 0
     variables = list(model.variables)
+    for other in first_step.other_optimizers(model):
+        variables += list(other.variables)
     optimizer = getattr(model, "optimizer", None) if optimizer else None
     if optimizer is not None:
         variables += list(getattr(optimizer, "variables", []))

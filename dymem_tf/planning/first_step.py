@@ -247,29 +247,42 @@ def calibrated_headroom(budget_bytes: int, predicted_peak: int, measured_peak: i
     return min(MAX_HEADROOM, max(margin, 1.0 - allowed / max(int(budget_bytes), 1)))
 
 
+def other_optimizers(model) -> list:
+    """Keras optimizers held as attributes of ``model`` besides ``model.optimizer`` (a GAN's generator and
+    discriminator optimizers, made in its ``compile``): their state lives across steps too, but Keras tracks it
+    nowhere on the model, and plans never offload it."""
+    import keras
+
+    main = getattr(model, "optimizer", None)
+    return [value for value in vars(model).values()
+            if isinstance(value, keras.optimizers.Optimizer) and value is not main]
+
+
 class VariableSnapshot:
-    """Host copies of a model's, its optimizer's and its metrics' variables, to put back after a failed step (the
-    metrics too: the loss a failed step added to the running mean must not count)."""
+    """Host copies of a model's, its optimizers' and its metrics' variables, to put back after a failed step (the
+    metrics too: the loss a failed step added to the running mean must not count; and the optimizers a custom
+    ``train_step`` keeps as attributes, whose updates a failed step may have made)."""
 
     def __init__(self, model):
         variables = list(model.variables) + list(getattr(model, "metrics_variables", []))
-        optimizer = getattr(model, "optimizer", None)
-        if optimizer is not None:
-            variables += list(getattr(optimizer, "variables", []))
+        for optimizer in [getattr(model, "optimizer", None)] + other_optimizers(model):
+            if optimizer is not None:
+                variables += list(getattr(optimizer, "variables", []))
         seen, self._saved = set(), []
         for var in variables:
             if id(var) not in seen:
                 seen.add(id(var))
                 self._saved.append((var, np.array(var.numpy(), copy=True)))
 
-    def restore(self) -> int:
-        """Assign every saved value back; returns how many variables changed (a failed step may have updated some
-        before it ran out of memory)."""
+    def restore(self, changed_only: bool = False) -> int:
+        """Assign every saved value back (``changed_only``: only those that differ); returns how many variables
+        changed (a failed step may have updated some before it ran out of memory)."""
         changed = 0
         for var, value in self._saved:
-            if not np.array_equal(var.numpy(), value):
-                changed += 1
-            var.assign(value)
+            differs = not np.array_equal(var.numpy(), value)
+            changed += differs
+            if differs or not changed_only:
+                var.assign(value)
         return changed
 
     def __len__(self) -> int:
