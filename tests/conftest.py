@@ -1,4 +1,5 @@
 """Shared test set-up: dymem_tf is imported first so the GTBM allocator is registered before TF allocates."""
+import json
 import os
 import subprocess
 import sys
@@ -43,6 +44,19 @@ def run_python(code: str, env: dict | None = None, timeout: int = 600) -> subpro
     full_env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})}
     return subprocess.run([sys.executable, "-c", code], env=full_env, capture_output=True, text=True,
                           timeout=timeout, cwd=REPO)
+
+
+def script_result(returncode: int, stdout: str, stderr: str, name: str = "the script") -> dict:
+    """The JSON a test script printed on its last ``RESULT`` line, after asserting that it exited cleanly and
+    printed one (the tails of its output in the failure message)."""
+    lines = [line for line in stdout.splitlines() if line.startswith("RESULT")]
+    assert returncode == 0 and lines, f"{name} failed (rc={returncode}):\n{stdout[-2000:]}\n{stderr[-4000:]}"
+    return json.loads(lines[-1][len("RESULT"):])
+
+
+def proc_result(proc: subprocess.CompletedProcess, name: str = "the script") -> dict:
+    """:func:`script_result` of a finished ``subprocess.run``."""
+    return script_result(proc.returncode, proc.stdout, proc.stderr, name)
 
 
 @pytest.fixture

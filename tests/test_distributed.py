@@ -12,6 +12,7 @@ import sys
 import textwrap
 
 import pytest
+from conftest import script_result  # the tests folder is on sys.path (pytest's default import mode)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 240
@@ -165,10 +166,7 @@ def procs():
                         p.kill()
                 stdout, stderr = proc.communicate()
                 pytest.fail(f"{name} did not finish within {TIMEOUT_S} s:\n{stdout[-2000:]}\n{stderr[-3000:]}")
-            lines = [line for line in stdout.splitlines() if line.startswith("RESULT")]
-            assert proc.returncode == 0 and lines, \
-                f"{name} failed (rc={proc.returncode}):\n{stdout[-2000:]}\n{stderr[-5000:]}"
-            done[name] = json.loads(lines[-1][len("RESULT"):])
+            done[name] = script_result(proc.returncode, stdout, stderr, name)
         return done[name]
 
     yield result

@@ -17,6 +17,7 @@ import pytest
 import keras
 
 from dymem_tf.planning import first_step, first_step_control
+from conftest import proc_result  # the tests folder is on sys.path (pytest's default import mode)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MiB = 1 << 20
@@ -224,9 +225,7 @@ def budget_run():
     env.update(DYMEM_DEVICE_MEMORY_LIMIT="64MiB", TF_ENABLE_ONEDNN_OPTS="0", TF_CPP_MIN_LOG_LEVEL="2")
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(SCRIPT)], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=600)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
-    assert proc.returncode == 0 and lines, f"rc={proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    return json.loads(lines[-1][len("RESULT"):])
+    return proc_result(proc)
 
 
 def test_a_budget_the_least_memory_plan_cannot_meet_is_refused_after_measuring_and_nothing_changes(budget_run):
@@ -290,9 +289,7 @@ def test_a_budgeted_fit_records_predicted_and_measured_peaks_of_each_plan(tmp_pa
     env.update(DYMEM_DEVICE_MEMORY_LIMIT="128MiB", TF_ENABLE_ONEDNN_OPTS="0", TF_CPP_MIN_LOG_LEVEL="2")
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(MEASURED_SCRIPT), str(tmp_path)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
-    assert proc.returncode == 0 and lines, f"rc={proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    out = json.loads(lines[-1][len("RESULT"):])
+    out = proc_result(proc)
     probe, calibrated = out["plans"]
     assert (probe["stage"], calibrated["stage"]) == ("probe", "calibrated")
     for plan in (probe, calibrated):

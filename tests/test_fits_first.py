@@ -5,7 +5,6 @@ not fit is covered by ``tests/test_first_step.py`` (its first step runs out of t
 trains bit-identically to a run without Dymem on a larger device).
 """
 import inspect
-import json
 import warnings
 
 import numpy as np
@@ -16,7 +15,7 @@ import keras
 import dymem_tf
 from dymem_tf.keras import arguments, callback, fits_first
 
-from conftest import xla  # the tests folder is on sys.path (pytest's default import mode)
+from conftest import proc_result, xla  # the tests folder is on sys.path (pytest's default import mode)
 
 
 def _cnn(jit: bool) -> keras.Model:
@@ -196,9 +195,7 @@ def test_weights_and_state_larger_than_the_device_are_offloaded_not_a_crash(pyth
     for mode, limit in (("auto", "96MiB"), ("plain", "1GiB")):
         proc = python_subprocess(WEIGHTS_OVER_DEVICE.replace("sys.argv[1]", repr(mode)),
                                  env={"DYMEM_DEVICE_MEMORY_LIMIT": limit, "TF_ENABLE_ONEDNN_OPTS": "0"})
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
-        assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-3000:]
-        results[mode] = json.loads(lines[-1][len("RESULT"):])
+        results[mode] = proc_result(proc)
         if mode == "auto":
             assert "do not fit the device" in proc.stdout, proc.stdout[-2000:]
     assert results["auto"]["limit"] == 96 * 2**20
@@ -280,9 +277,7 @@ def test_a_plain_first_step_that_ran_out_of_memory_is_let_go_before_the_step_is_
     # measured 485 MiB of a 512 MiB device and refused batch 258 (largest_batch: 258 trained at 18b349f).
     proc = python_subprocess(PLAIN_STEP_OUT_OF_MEMORY, env={"DYMEM_DEVICE_MEMORY_LIMIT": "96MiB",
                                                            "TF_ENABLE_ONEDNN_OPTS": "0"})
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
-    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-3000:]
-    result = json.loads(lines[-1][len("RESULT"):])
+    result = proc_result(proc)
     assert "ran out of the device" in proc.stdout, proc.stdout[-2000:]
     assert result["plain_alive_while_planning"] is False
     # Regression: the state was placed on the device before fit's iterator and the plain step's instantiation
@@ -318,8 +313,6 @@ def test_a_device_below_gtbms_pageblock_floor_is_refused_before_the_plain_step(p
     # 3 MiB device TF's iterator failed instead ("Cannot parse tensor from proto", budget_reliability's LSTM)
     proc = python_subprocess(BELOW_THE_PAGEBLOCK_FLOOR, env={"DYMEM_DEVICE_MEMORY_LIMIT": "1GiB",
                                                             "TF_ENABLE_ONEDNN_OPTS": "0"})
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
-    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-3000:]
-    result = json.loads(lines[-1][len("RESULT"):])
+    result = proc_result(proc)
     assert "smaller than the least GTBM can train in: 6.0 MiB" in result["outcome"], result
     assert result["unchanged"]

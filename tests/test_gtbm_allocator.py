@@ -14,6 +14,7 @@ import textwrap
 import pytest
 
 from dymem_tf.memory import allocator
+from conftest import script_result  # the tests folder is on sys.path (pytest's default import mode)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -166,12 +167,8 @@ def procs(tmp_path_factory):
 
 
 def _result(procs, name) -> dict:
-    import json
-
     rc, stdout, stderr = procs[name]
-    lines = [line for line in stdout.splitlines() if line.startswith("RESULT")]
-    assert rc == 0 and lines, f"{name} failed (rc={rc}):\n{stdout[-2000:]}\n{stderr[-4000:]}"
-    return json.loads(lines[-1][len("RESULT"):])
+    return script_result(rc, stdout, stderr, name)
 
 
 def test_live_training_stats_and_trace(procs):

@@ -12,6 +12,7 @@ from test_gtbm_allocator import _env as _gtbm_env
 from test_gtbm_allocator import _result, run_together
 
 from dymem_tf.memory import allocator
+from conftest import proc_result  # the tests folder is on sys.path (pytest's default import mode)
 
 MiB = 1 << 20
 
@@ -249,11 +250,7 @@ print("RESULT" + json.dumps({"same": bool(np.array_equal(t.numpy(), np.array(val
 def test_a_tensor_from_a_python_value_beyond_the_budget_is_served_from_host_memory(python_subprocess):
     """TF_NewTensor copies a Python value into its new buffer without checking the allocation: a refusal there would
     crash the process, so GTBM serves such a refused allocation (no op annotation) from its host arena and says so."""
-    import json
-
     proc = python_subprocess(PYTHON_VALUE_SCRIPT, env={"DYMEM_DEVICE_MEMORY_LIMIT": "8MiB"})
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
-    assert proc.returncode == 0 and lines, (proc.returncode, proc.stderr[-2000:])
-    out = json.loads(lines[-1][len("RESULT"):])
+    out = proc_result(proc)
     assert out["same"] and out["host"] >= 16 * MiB and out["overflow"] >= 16 * MiB, out
     assert "a tensor made from a Python value (TF_NewTensor)" in proc.stderr

@@ -7,6 +7,7 @@ import pytest
 
 from dymem_tf.planning import offload, pipeline, planner, simulator
 from dymem_tf.planning.analysis import StepGraph
+from conftest import proc_result  # the tests folder is on sys.path (pytest's default import mode)
 
 MB = 1 << 20
 
@@ -256,12 +257,8 @@ print("RESULT" + json.dumps(out), flush=True)
 
 
 def test_adam_state_offloaded_under_a_budget_trains_bit_identically(python_subprocess):
-    import json
-
     proc = python_subprocess(OFFLOAD_SCRIPT, env={"DYMEM_DEVICE_MEMORY_LIMIT": "256MiB", "TF_ENABLE_ONEDNN_OPTS": "0"})
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    out = json.loads(lines[-1][len("RESULT"):])
+    out = proc_result(proc)
     assert out["same_losses"] and out["same_state"], out
     assert len(out["planned"]) == 1 and 1 <= out["planned"][0] <= 8  # of the m and v of the 1024x1024 kernels
     # between steps, exactly the variables the plan offloads live in host memory
@@ -312,12 +309,8 @@ def test_weights_are_packed_again_after_the_state_leaves_the_device(python_subpr
     """With Adam's m and v offloaded, the weights they were interleaved with pin half-empty pageblocks: moving every
     variable that stays to host and back packs them, the persistent group's reserved bytes drop, its bytes in use
     and every value stay the same, and the offloaded state stays in host memory."""
-    import json
-
     proc = python_subprocess(COMPACT_SCRIPT, env={"TF_ENABLE_ONEDNN_OPTS": "0"})
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    out = json.loads(lines[-1][len("RESULT"):])
+    out = proc_result(proc)
     assert out["offloaded"] == 24 and out["still_offloaded"] == 24 and out["same"], out
     assert out["moved"] >= 24  # 12 kernels, 12 biases, the optimizer's scalars
     before, after = out["before"], out["after"]

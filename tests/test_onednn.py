@@ -2,14 +2,13 @@
 partitioning; the pass then plans the partition oneDNN left (stage "after_partitioning"), so that no swap op or
 ordering edge keeps a pair of ops from fusing as they fuse in the plain step, and the planned order is applied too.
 ``TF_ENABLE_ONEDNN_OPTS`` is read once per process: each setting other than this process's runs in a subprocess."""
-import json
 import os
 import subprocess
 import sys
 
 import pytest
 
-from conftest import REPO, run_python
+from conftest import REPO, proc_result, run_python
 from dymem_tf import compat
 
 # A convolution behind a ZeroPadding2D (oneDNN merges Pad + Conv2D "VALID" only when the Pad feeds nothing else),
@@ -51,9 +50,7 @@ print("RESULT" + json.dumps({
 
 
 def _result(proc: subprocess.CompletedProcess) -> dict:
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT"):])
+    return proc_result(proc)
 
 
 @pytest.mark.parametrize("setting", ["1", "0"])

@@ -23,6 +23,7 @@ import dymem_tf
 from dymem_tf.memory import host_pool
 from dymem_tf.passes import graph_pass, step_pass
 from dymem_tf.planning import pipeline
+from conftest import script_result  # the tests folder is on sys.path (pytest's default import mode)
 
 tf.config.experimental.enable_op_determinism()
 
@@ -720,9 +721,7 @@ class Subprocesses:
 
     def result(self, name):
         rc, stdout, stderr = self.output(name)
-        lines = [line for line in stdout.splitlines() if line.startswith("RESULT")]
-        assert rc == 0 and lines, f"{name} failed (rc={rc}):\n{stdout[-2000:]}\n{stderr[-4000:]}"
-        return json.loads(lines[-1][len("RESULT"):])
+        return script_result(rc, stdout, stderr, name)
 
     def close(self):
         for proc in self.procs.values():

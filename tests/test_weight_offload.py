@@ -1,8 +1,6 @@
 """Weights in host memory between their uses (issue #14, item 2): dymem_tf.planning.offload's weights, the planner's
 and the simulator's "weight" decisions, the rewrite's vin/vout/vread/clone/reroute records and the kernels behind
 them (DymemVariableSwapIn keep_host, DymemVariableSwapOut discard, DymemVariableRead)."""
-import json
-
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -11,6 +9,7 @@ from dymem_tf.passes import graph_pass
 from dymem_tf.planning import offload, pipeline, planner, simulator
 from dymem_tf.planning.analysis import StepGraph
 from dymem_tf.planning.plan import Plan
+from conftest import proc_result  # the tests folder is on sys.path (pytest's default import mode)
 
 MB = 1 << 20
 
@@ -249,9 +248,7 @@ print("RESULT" + json.dumps({
 def test_weights_offloaded_under_a_budget_train_bit_identically(python_subprocess, kind, budget):
     script = f"import sys; sys.argv[1:] = [{kind!r}, {budget!r}]\n" + WEIGHTS_SCRIPT
     proc = python_subprocess(script, env={"DYMEM_DEVICE_MEMORY_LIMIT": "256MiB", "TF_ENABLE_ONEDNN_OPTS": "0"})
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    out = json.loads(lines[-1][len("RESULT"):])
+    out = proc_result(proc)
     assert out["skipped"] == [], out
     assert out["same_losses"] and out["same_state"], out
     assert out["stages"][0] == "probe" and out["weights"][0] >= 4, out  # the probe keeps every big weight off
