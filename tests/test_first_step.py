@@ -15,7 +15,9 @@ import textwrap
 import numpy as np
 import pytest
 import keras
+import tensorflow as tf
 
+from dymem_tf.passes import step_pass
 from dymem_tf.planning import first_step, first_step_control
 from conftest import proc_result  # the tests folder is on sys.path (pytest's default import mode)
 
@@ -137,6 +139,27 @@ def test_snapshot_restores_weights_optimizer_state_and_metrics():
     for v, b in zip(saved, before):
         np.testing.assert_array_equal(v.numpy(), b)
     assert len(snap) == len(before)
+
+
+def test_optimizers_kept_as_model_attributes_count_and_are_restored():
+    # Regression: a GAN's two optimizers (attributes set in its compile) were left out of the model's persistent
+    # bytes, so fits_first took their 3.1 MiB of Adam state for other models' memory and cut it from the device,
+    # and a failed first step did not put their state back
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    model.compile(loss="mse")
+    model.g_optimizer = keras.optimizers.Adam(0.1)
+    model.g_optimizer.build(model.trainable_variables)
+    assert first_step.other_optimizers(model) == [model.g_optimizer]
+    state = sum(step_pass.variable_bytes(v) for v in model.g_optimizer.variables)
+    weights = sum(step_pass.variable_bytes(v) for v in model.variables)
+    assert state > 0 and step_pass.persistent_bytes(model, optimizer=False) == weights + state  # never offloaded
+    snap = first_step.VariableSnapshot(model)
+    before = [v.numpy().copy() for v in model.g_optimizer.variables]
+    model.g_optimizer.apply([tf.ones_like(v) for v in model.trainable_variables], model.trainable_variables)
+    assert snap.restore() >= 3  # the iteration count, m and v changed
+    for v, b in zip(model.g_optimizer.variables, before):
+        np.testing.assert_array_equal(v.numpy(), b)
 
 
 SCRIPT = r"""
