@@ -141,6 +141,13 @@ def test_snapshot_restores_weights_optimizer_state_and_metrics():
     assert len(snap) == len(before)
 
 
+def test_a_plain_step_keeps_its_largest_buffer_free_where_that_is_more_than_its_slack():
+    mib = 1 << 20
+    assert first_step.plain_step_margin(74 * mib, 30 * mib) == 30 * mib  # the GAN's convolution workspace
+    assert first_step.plain_step_margin(74 * mib, 1 * mib) == int(first_step.step_slack(74 * mib) * 74 * mib)
+    assert first_step.plain_step_margin(1 << 40, None) == int(first_step.PROBE_SLACK * (1 << 40))
+
+
 def test_optimizers_kept_as_model_attributes_count_and_are_restored():
     # Regression: a GAN's two optimizers (attributes set in its compile) were left out of the model's persistent
     # bytes, so fits_first took their 3.1 MiB of Adam state for other models' memory and cut it from the device,

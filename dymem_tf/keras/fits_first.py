@@ -160,10 +160,11 @@ def first_call_function(callback, train_function, capacity: int, place_state: bo
             return model.train_function(batch() if batch else iterator)
         stats = callback._own(devices.device_memory_stats())
         measured = stats["peak_bytes_reserved"] if stats is not None else None
-        slack = first_step.step_slack(capacity)
-        if measured is not None and measured > (1 - slack) * capacity:
+        margin = first_step.plain_step_margin(capacity, stats.get("largest_alloc_size") if stats else None)
+        if measured is not None and measured > capacity - margin:
             callback._say(f"dymem_tf: the train step measured {errors.fmt(measured)} in its first step, within "
-                          f"{slack:.0%} of the device's {errors.fmt(capacity)}; from its next step on it is "
+                          f"{errors.fmt(margin)} of the device's {errors.fmt(capacity)} (what a later step may "
+                          "hold more: its largest buffer or a share of the device); from its next step on it is "
                           "planned for the device, swapping what later steps could run out of.")
             callback._plan_for_device(capacity)
         else:

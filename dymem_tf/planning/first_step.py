@@ -154,6 +154,15 @@ def step_slack(budget_bytes: int | None = None) -> float:
     return min(max(PROBE_SLACK, STEP_VARIATION_BYTES / int(budget_bytes)), MAX_HEADROOM / 2)
 
 
+def plain_step_margin(budget_bytes: int, largest_alloc: int | None = None) -> int:
+    """Bytes a plain (unplanned) step's first step must leave free of ``budget_bytes`` to run as compiled: its
+    :func:`step_slack`, or its largest buffer (``largest_alloc``) where that is more. Nothing orders an unplanned
+    step's independent ops, so a later step may run its largest buffer (a convolution's workspace) beside tensors
+    the first step had already freed: the GAN's plain step measured 64 MiB in its first two steps and ran out of a
+    74 MiB device in its third, allocating a 22 MiB Conv2DBackpropFilter workspace with 57 MiB in use."""
+    return max(int(step_slack(budget_bytes) * budget_bytes), int(largest_alloc or 0))
+
+
 def calibration_margin(predicted_peak: int, measured_in_use: int = 0, budget_bytes: int | None = None) -> float:
     """Share of the budget a calibrated plan keeps free: :func:`step_slack` of ``budget_bytes`` plus the
     simulator's error on the probe's bytes in use (within :data:`MIN_MODEL_ERROR` .. :data:`MAX_MODEL_ERROR`);
