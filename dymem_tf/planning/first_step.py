@@ -259,12 +259,11 @@ def calibrated_headroom(budget_bytes: int, predicted_peak: int, measured_peak: i
 def other_optimizers(model) -> list:
     """Keras optimizers held as attributes of ``model`` besides ``model.optimizer`` (a GAN's generator and
     discriminator optimizers, made in its ``compile``): their state lives across steps too, but Keras tracks it
-    nowhere on the model, and plans never offload it."""
-    import keras
-
+    nowhere on the model, and plans never offload it. Known by what their class has (``apply_gradients``,
+    ``iterations``, ``variables``): planning imports no Keras."""
     main = getattr(model, "optimizer", None)
-    return [value for value in vars(model).values()
-            if isinstance(value, keras.optimizers.Optimizer) and value is not main]
+    return [value for value in vars(model).values() if value is not main
+            and all(hasattr(type(value), name) for name in ("apply_gradients", "iterations", "variables"))]
 
 
 class VariableSnapshot:
