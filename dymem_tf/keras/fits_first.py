@@ -26,8 +26,8 @@ def begin(callback) -> None:
     fit the device, plan the step for the device at once."""
     model = callback.model
     stats = devices.device_memory_stats()
-    callback._others_bytes = max(int(stats["bytes_in_use"]) - step_pass.persistent_bytes(model), 0) \
-        if stats is not None else 0
+    held = step_pass.persistent_bytes(model)  # the variables there are before the optimizer builds its state
+    callback._others_bytes = max(int(stats["bytes_in_use"]) - held, 0) if stats is not None else 0
     capacity = devices.device_memory_capacity()
     if capacity is None or callback.policy == "none":
         callback._say("dymem_tf: the train step runs as compiled: "
@@ -38,12 +38,12 @@ def begin(callback) -> None:
         callback._begin_planning(capacity)
         return
     state = variables.optimizer_state_bytes(model)
-    if state is not None and step_pass.persistent_bytes(model) + state > capacity:
+    if state is not None and held + state > capacity:
         callback._say(f"dymem_tf: the model's weights and optimizer state ({errors.fmt(state)} of it) do not fit "
                       f"the device's {errors.fmt(capacity)}; the step is planned for the device.")
         callback._plan_for_device(capacity)
         return
-    if variables.pageblock_floor(stats, step_pass.persistent_bytes(model) + (state or 0)) > capacity:
+    if variables.pageblock_floor(stats, held + (state or 0)) > capacity:
         callback._say(f"dymem_tf: the model's weights and optimizer state need more of GTBM's pageblocks than the "
                       f"device's {errors.fmt(capacity)} hold; the step is planned for the device.")
         callback._plan_for_device(capacity)  # refused there if even the variables that must stay do not fit

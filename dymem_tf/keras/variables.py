@@ -74,9 +74,7 @@ def device_resident_bytes(model) -> int:
     device, where the offloading kernels run)."""
     from dymem_tf.ops import swap_ops
 
-    variables = list(model.variables)
-    for optimizer in [getattr(model, "optimizer", None)] + first_step.other_optimizers(model):
-        variables += list(getattr(optimizer, "variables", []) if optimizer is not None else [])
+    variables = list(model.variables) + first_step.optimizer_variables(model)
     seen, total = set(), 0
     for var in swap_ops.variable_components(variables):
         if id(var) not in seen and var.dtype != tf.string:

@@ -600,13 +600,7 @@ def persistent_bytes(model, optimizer: bool = True) -> int:
     (:func:`~dymem_tf.planning.first_step.other_optimizers`) and (``optimizer``) of ``model.optimizer``'s: what
     lives across steps."""
     seen, total = set(), 0
-    variables = list(model.variables)
-    for other in first_step.other_optimizers(model):
-        variables += list(other.variables)
-    optimizer = getattr(model, "optimizer", None) if optimizer else None
-    if optimizer is not None:
-        variables += list(getattr(optimizer, "variables", []))
-    for var in variables:
+    for var in list(model.variables) + first_step.optimizer_variables(model, main=optimizer):
         key = id(var)
         if key in seen:
             continue

@@ -266,16 +266,19 @@ def other_optimizers(model) -> list:
             and all(hasattr(type(value), name) for name in ("apply_gradients", "iterations", "variables"))]
 
 
+def optimizer_variables(model, main: bool = True) -> list:
+    """The variables of ``model``'s optimizers: ``model.optimizer``'s (with ``main``) and :func:`other_optimizers`'."""
+    optimizers = ([getattr(model, "optimizer", None)] if main else []) + other_optimizers(model)
+    return [var for optimizer in optimizers if optimizer is not None for var in getattr(optimizer, "variables", [])]
+
+
 class VariableSnapshot:
     """Host copies of a model's, its optimizers' and its metrics' variables, to put back after a failed step (the
     metrics too: the loss a failed step added to the running mean must not count; and the optimizers a custom
     ``train_step`` keeps as attributes, whose updates a failed step may have made)."""
 
     def __init__(self, model):
-        variables = list(model.variables) + list(getattr(model, "metrics_variables", []))
-        for optimizer in [getattr(model, "optimizer", None)] + other_optimizers(model):
-            if optimizer is not None:
-                variables += list(getattr(optimizer, "variables", []))
+        variables = list(model.variables) + list(getattr(model, "metrics_variables", [])) + optimizer_variables(model)
         seen, self._saved = set(), []
         for var in variables:
             if id(var) not in seen:
