@@ -142,9 +142,8 @@ def test_snapshot_restores_weights_optimizer_state_and_metrics():
 
 
 def test_a_plain_step_keeps_its_largest_buffer_free_where_that_is_more_than_its_slack():
-    mib = 1 << 20
-    assert first_step.plain_step_margin(74 * mib, 30 * mib) == 30 * mib  # the GAN's convolution workspace
-    assert first_step.plain_step_margin(74 * mib, 1 * mib) == int(first_step.step_slack(74 * mib) * 74 * mib)
+    assert first_step.plain_step_margin(74 * MiB, 30 * MiB) == 30 * MiB  # the GAN's convolution workspace
+    assert first_step.plain_step_margin(74 * MiB, 1 * MiB) == int(first_step.step_slack(74 * MiB) * 74 * MiB)
     assert first_step.plain_step_margin(1 << 40, None) == int(first_step.PROBE_SLACK * (1 << 40))
 
 
