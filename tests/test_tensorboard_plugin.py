@@ -275,6 +275,9 @@ def train_run(log_dir, policy, device=None, budget=None, size=32, batch=16, step
 
     import dymem_tf
 
+    # the same layer names in every run: the planner orders the ops of a dependency layer by name, and the fixture's
+    # refusal and its tightest budget must be about the same plan
+    keras.backend.clear_session()
     keras.utils.set_random_seed(3)
     model = small_cnn(size)
     model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
