@@ -7,6 +7,8 @@ any Python runs, follows the same rules; ``tests/test_gtbm_allocator.py`` checks
 """
 from __future__ import annotations
 
+import math
+
 import os
 import re
 from typing import Union
@@ -70,16 +72,25 @@ def _parse_text(text: str) -> int:
     return int(whole or "0") * mult + (int(frac) * mult // 10 ** len(frac) if frac else 0)
 
 
-def format_bytes(n: float) -> str:
-    """``1536`` → ``"1.5 KiB"``: binary units, one decimal, for messages and tables."""
+def format_bytes(n: float, up: bool = False) -> str:
+    """``1536`` → ``"1.5 KiB"``: binary units, one decimal, for messages and tables. ``up``: rounded up, never
+    below ``n`` (for "at least" figures: a least budget shown rounded to the nearest could name one that is short)."""
     value = float(n)
     for unit in _UNITS:
         if abs(value) < 1024 or unit == _UNITS[-1]:
-            return f"{int(value)} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+            return f"{math.ceil(value) if up else int(value)} {unit}" if unit == "B" else _one_decimal(value, unit, up)
         value /= 1024
-    return f"{value:.1f} TiB"
+    return _one_decimal(value, "TiB", up)
 
 
-def mib(n: float) -> str:
-    """``3145728`` → ``"3.0 MiB"``: the fixed unit of plan summaries and planner messages (easy to compare)."""
-    return f"{n / 2**20:.1f} MiB"
+def mib(n: float, up: bool = False) -> str:
+    """``3145728`` → ``"3.0 MiB"``: the fixed unit of plan summaries and planner messages (easy to compare);
+    ``up`` as in :func:`format_bytes`."""
+    return _one_decimal(n / 2**20, "MiB", up)
+
+
+def _one_decimal(value: float, unit: str, up: bool) -> str:
+    """``value`` with one decimal (rounded up with ``up``) and ``unit``."""
+    if up:
+        value = math.ceil(round(value * 10, 9)) / 10  # round(): 3.0000000001 MiB of float error is 3.0, not 3.1
+    return f"{value:.1f} {unit}"

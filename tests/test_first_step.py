@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -90,6 +91,24 @@ def test_a_small_budget_keeps_whole_pageblocks_free_for_later_steps():
     assert cal.margin >= 8 / 73 and cal.headroom >= cal.margin
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_the_least_budget_is_the_least_that_leaves_the_step_slack(seed):
+    """The refusal's "raise the budget to at least" figure: that budget passes the check a probe's first step
+    must pass, one byte less does not (the GPT decoder's 22 MiB probe was told 30 MiB, the budget it was refused
+    under, before least_budget)."""
+    import random
+
+    rng = random.Random(seed)
+    leaves = lambda budget, used: first_step_control.FirstStepControl(budget).leaves_slack(used)
+    for used in [22 * MiB, 18 * MiB + 123, 125 * MiB] + [rng.randrange(1, 4 << 30) for _ in range(300)]:
+        least = first_step.least_budget(used)
+        assert leaves(least, used) and (least == 1 or not leaves(least - 1, used)), used
+    assert first_step.least_budget(22 * MiB) == 30 * MiB  # 8 MiB of slack: 4 pageblocks
+    # exactly the slack left passes (in floating point, (1 - 8 MiB / B) * B falls short of B - 8 MiB for this B)
+    assert (1 - 8 * MiB / 38939324) * 38939324 < 38939324 - 8 * MiB
+    assert leaves(38939324, 38939324 - 8 * MiB) and not leaves(38939324, 38939324 - 8 * MiB + 1)
+
+
 def test_a_measurement_is_exact_only_when_the_peaks_grew_in_the_step():
     from dymem_tf.planning.plan import Measurement
 
@@ -143,8 +162,8 @@ def test_snapshot_restores_weights_optimizer_state_and_metrics():
 
 def test_a_plain_step_keeps_its_largest_buffer_free_where_that_is_more_than_its_slack():
     assert first_step.plain_step_margin(74 * MiB, 30 * MiB) == 30 * MiB  # the GAN's convolution workspace
-    assert first_step.plain_step_margin(74 * MiB, 1 * MiB) == int(first_step.step_slack(74 * MiB) * 74 * MiB)
-    assert first_step.plain_step_margin(1 << 40, None) == int(first_step.PROBE_SLACK * (1 << 40))
+    assert first_step.plain_step_margin(74 * MiB, 1 * MiB) == first_step.slack_bytes(74 * MiB) == 8 * MiB
+    assert first_step.plain_step_margin(1 << 40, None) == math.ceil(first_step.PROBE_SLACK * (1 << 40))
 
 
 def test_optimizers_kept_as_model_attributes_count_and_are_restored():

@@ -32,6 +32,22 @@ def test_parse_bytes_names_the_bad_text(text, reason):
     assert f"invalid byte count {text!r}" in str(err.value) and reason in str(err.value)
 
 
+def test_rounded_up_figures_are_never_below_the_bytes():
+    """An "at least" figure rounded to the nearest named the refused budget: planner.py's "use a budget of at
+    least 3.3 MiB" under a 3.3 MiB budget (CI at 7d482dc)."""
+    import random
+
+    format_bytes, mib, parse_bytes = units.format_bytes, units.mib, units.parse_bytes
+    assert mib(3 * 2**20) == mib(3 * 2**20, up=True) == "3.0 MiB"
+    assert mib(3 * 2**20 + 1, up=True) == "3.1 MiB" and mib(3 * 2**20 + 1) == "3.0 MiB"
+    assert format_bytes(1536, up=True) == "1.5 KiB" and format_bytes(1537, up=True) == "1.6 KiB"
+    assert format_bytes(1000, up=True) == "1000 B"
+    rng = random.Random(0)
+    for n in [rng.randrange(1, 1 << 40) for _ in range(2000)]:
+        assert parse_bytes(format_bytes(n, up=True).replace(" ", "")) >= n - 1  # the parser truncates a fraction
+        assert float(mib(n, up=True).split()[0]) * 2**20 >= n
+
+
 def test_allocator_parse_bytes_is_the_units_parser():
     assert allocator.parse_bytes is units.parse_bytes
 

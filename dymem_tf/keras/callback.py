@@ -141,15 +141,21 @@ class DymemCallback(keras.callbacks.Callback):
                 self._writer.start_allocator_trace(device=None if traced is False else traced)
 
     def _plan_for_device(self, capacity: int) -> None:
-        """The step does not fit the device: plan it for ``capacity`` from the next call of the train function on
-        (and in later fits of this callback)."""
+        """The step does not fit the device: plan it for the device from the next call of the train function on
+        (and in later fits of this callback). ``capacity``: the device's bytes less what it held besides this model
+        when the fit began (``_others_bytes``)."""
         self._device_too_small = True
-        self._begin_planning(capacity)
+        self._begin_planning(None, device_bytes=capacity + getattr(self, "_others_bytes", 0))
 
-    def _begin_planning(self, budget_bytes: int | None):
+    def _begin_planning(self, budget_bytes: int | None, device_bytes: int | None = None):
         """Plan the train step for ``budget_bytes`` (None: swap every tensor worth swapping) from its next call:
-        place the variables, and under a budget make that call the guarded probe."""
+        place the variables, and under a budget make that call the guarded probe. ``device_bytes``: plan for the
+        device instead: its bytes less what it holds besides this model, measured here, where the device's cap and
+        the first steps' measurements take the same bytes off (measured earlier, they may differ by what a plain
+        first step left)."""
         model = self.model
+        if device_bytes is not None:
+            budget_bytes = device_bytes  # until what the device holds besides the model is known, below
         self.plan_request = dataclasses.replace(self.plan_request, budget_bytes=budget_bytes)
         offload, offload_weights = self._offloading()
         # what the device holds besides this model (other models of the process): not this fit's to budget; read
@@ -158,6 +164,9 @@ class DymemCallback(keras.callbacks.Callback):
         stats = devices.device_memory_stats()
         held = variables.device_resident_bytes(model) if offload else step_pass.persistent_bytes(model)
         self._others_bytes = max(int(stats["bytes_in_use"]) - held, 0) if stats is not None else 0
+        if device_bytes is not None:
+            self.plan_request = dataclasses.replace(self.plan_request,
+                                                    budget_bytes=max(device_bytes - self._others_bytes, 1))
         variables.build_optimizer(model, in_host_memory=offload and allocator.is_active())
         weights = step_pass.persistent_bytes(model)
         resident = step_pass.persistent_bytes(model, optimizer=not offload)  # what must stay on the device

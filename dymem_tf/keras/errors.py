@@ -44,11 +44,11 @@ def too_close(cb, measured: int) -> planner.BudgetTooSmallError:
     suggested = planner.suggested_batch(batch, cb.budget_bytes, measured, cb.plan_request.persistent_bytes,
                                         margin=2 * slack)
     hint = batch_hint(batch, suggested)
-    needed = int(measured / (1 - slack)) + 1
+    needed = first_step.least_budget(measured)
     return planner.BudgetTooSmallError(
         f"memory_budget {fmt(cb.budget_bytes)} is too small to train reliably: with every tensor that can leave "
         f"the device swapped out, the first step used {fmt(measured)}, and later steps can use "
-        f"{slack:.0%} more. The variables were restored. Raise the budget to at least {fmt(needed)} or {hint}.",
+        f"{slack:.0%} more. The variables were restored. Raise the budget to at least {fmt(needed, up=True)} or {hint}.",
         min_peak_bytes=measured, budget_bytes=cb.budget_bytes, suggested_batch=suggested)
 
 
@@ -158,5 +158,5 @@ def batch_hint(batch: int | None, suggested: int | None) -> str:
         "reduce the batch size"
 
 
-def fmt(n: int) -> str:
-    return units.format_bytes(n)
+def fmt(n: int, up: bool = False) -> str:
+    return units.format_bytes(n, up)

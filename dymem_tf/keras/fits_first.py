@@ -35,7 +35,7 @@ def begin(callback) -> None:
         return
     capacity = max(capacity - callback._others_bytes, 1)  # other models of the process keep their memory
     if getattr(callback, "_device_too_small", False):
-        callback._begin_planning(capacity)
+        callback._plan_for_device(capacity)
         return
     state = variables.optimizer_state_bytes(model)
     if state is not None and held + state > capacity:

@@ -31,6 +31,7 @@ summary and the dashboard show its predicted against its measured device peak.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -154,13 +155,45 @@ def step_slack(budget_bytes: int | None = None) -> float:
     return min(max(PROBE_SLACK, STEP_VARIATION_BYTES / int(budget_bytes)), MAX_HEADROOM / 2)
 
 
+def slack_bytes(budget_bytes: int) -> int:
+    """:func:`step_slack` of ``budget_bytes`` in whole bytes: what a first step must leave free of the budget. In
+    integers, so a step that leaves exactly the slack passes: ``(1 - 8 MiB / B) * B`` can fall a fraction of a byte
+    short of ``B - 8 MiB`` in floating point, which refused a probe that measured exactly its limit."""
+    budget_bytes = int(budget_bytes)
+    share = max(math.ceil(PROBE_SLACK * budget_bytes), STEP_VARIATION_BYTES)
+    return min(share, int(MAX_HEADROOM / 2 * budget_bytes))
+
+
+def leaves_slack(measured: int, budget_bytes: int) -> bool:
+    """Whether a first step that reserved ``measured`` bytes leaves its :func:`slack_bytes` of ``budget_bytes``."""
+    return int(measured) + slack_bytes(budget_bytes) <= int(budget_bytes)
+
+
+def least_budget(measured: int) -> int:
+    """The least budget that a first step which reserved ``measured`` bytes leaves the slack of
+    (:func:`leaves_slack`); the budget minus its slack grows with the budget."""
+    measured = int(measured)
+    small = STEP_VARIATION_BYTES / (MAX_HEADROOM / 2)  # below it the slack is capped at MAX_HEADROOM / 2
+    large = STEP_VARIATION_BYTES / PROBE_SLACK  # above it the slack is the share PROBE_SLACK
+    if measured <= (1 - MAX_HEADROOM / 2) * small:
+        budget = measured / (1 - MAX_HEADROOM / 2)
+    elif measured <= large - STEP_VARIATION_BYTES:
+        budget = measured + STEP_VARIATION_BYTES
+    else:
+        budget = measured / (1 - PROBE_SLACK)
+    budget = max(math.floor(budget) - 2, 1)
+    while not leaves_slack(measured, budget):  # the float estimate is within a byte or two
+        budget += 1
+    return budget
+
+
 def plain_step_margin(budget_bytes: int, largest_alloc: int | None = None) -> int:
     """Bytes a plain (unplanned) step's first step must leave free of ``budget_bytes`` to run as compiled: its
     :func:`step_slack`, or its largest buffer (``largest_alloc``) where that is more. Nothing orders an unplanned
     step's independent ops, so a later step may run its largest buffer (a convolution's workspace) beside tensors
     the first step had already freed: the GAN's plain step measured 64 MiB in its first two steps and ran out of a
     74 MiB device in its third, allocating a 22 MiB Conv2DBackpropFilter workspace with 57 MiB in use."""
-    return max(int(step_slack(budget_bytes) * budget_bytes), int(largest_alloc or 0))
+    return max(slack_bytes(budget_bytes), int(largest_alloc or 0))
 
 
 def calibration_margin(predicted_peak: int, measured_in_use: int = 0, budget_bytes: int | None = None) -> float:

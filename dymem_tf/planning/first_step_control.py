@@ -72,8 +72,8 @@ class FirstStepControl:
 
     def leaves_slack(self, measured: int | None) -> bool:
         """Whether a step that reserved ``measured`` bytes (None: not measured) leaves the room later steps need
-        (:func:`first_step.step_slack` of the budget)."""
-        return measured is None or measured <= (1 - first_step.step_slack(self.budget_bytes)) * self.budget_bytes
+        (:func:`first_step.slack_bytes` of the budget)."""
+        return measured is None or first_step.leaves_slack(measured, self.budget_bytes)
 
     def stepped(self, measured: int | None, in_use: int | None = None) -> Decision:
         """A guarded first step ran and reserved ``measured`` bytes at its peak (``in_use`` of them in use)."""

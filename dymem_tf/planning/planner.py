@@ -879,7 +879,7 @@ def _too_small(min_peak: int, budget: int, persistent: int, batch: int | None, n
     kept = f" (the planner keeps {headroom:.0%} of it free)" if headroom else ""
     msg = (f"budget {mib(budget)}{kept} is too small for policy {policy}: even swapping all {n} eligible tensors "
            f"the predicted peak is {mib(min_peak)} ({min_peak} bytes, of which {mib(persistent)} persistent); "
-           f"use a budget of at least {mib(needed)} {hint}")
+           f"use a budget of at least {mib(needed, up=True)} {hint}")
     err = BudgetTooSmallError(msg, min_peak, budget, suggested)
     err.eligible = n
     return err
