@@ -44,8 +44,9 @@ def offload_weights(model, min_bytes: int) -> int:
 
 
 def compact_weights(model) -> int:
-    """Place what stays on the device (the model's variables, the optimizer's small ones) next to each other again
-    after the optimizer state left it; returns how many variables moved.
+    """Place what stays on the device (the model's variables, its optimizers' small ones and the state of those a
+    custom ``train_step`` keeps as attributes) next to each other again after the optimizer state left it; returns
+    how many variables moved.
 
     Keras creates each weight's slots right after it, so weights and state share GTBM's persistent pageblocks, and
     a pageblock stays reserved while any buffer in it lives: with the state offloaded, a 12-block GPT's persistent
@@ -54,8 +55,7 @@ def compact_weights(model) -> int:
     pool before the variables are placed again, packed, in the persistent group."""
     from dymem_tf.ops import swap_ops
 
-    optimizer = getattr(model, "optimizer", None)
-    candidates = list(model.variables) + list(getattr(optimizer, "variables", []) if optimizer is not None else [])
+    candidates = list(model.variables) + first_step.optimizer_variables(model)  # attribute optimizers' too
     seen, variables = set(), []
     for var in swap_ops.variable_components(candidates):
         if id(var) not in seen and var.dtype != tf.string and not swap_ops.variable_is_offloaded(var):
