@@ -275,9 +275,6 @@ def train_run(log_dir, policy, device=None, budget=None, size=32, batch=16, step
 
     import dymem_tf
 
-    # the same layer names in every run: the planner orders the ops of a dependency layer by name, and the fixture's
-    # refusal and its tightest budget must be about the same plan
-    keras.backend.clear_session()
     keras.utils.set_random_seed(3)
     model = small_cnn(size)
     model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
@@ -294,6 +291,22 @@ def train_run(log_dir, policy, device=None, budget=None, size=32, batch=16, step
 
 
 CALIBRATED_BUDGET = 256 << 20
+
+
+def tightest_run(log_dir, min_peak: int, device, tries: int = 3):
+    """``train_run`` under the tightest budget that a plan with a least peak of ``min_peak`` meets. TF lists some
+    nodes of each new instantiation in another order, and the plan of the next one may need a few KB more (3,148,316
+    against 3,152,728 bytes here): its refusal's least peak is then the next try's."""
+    from dymem_tf.planning.planner import BudgetTooSmallError
+
+    for attempt in range(tries):
+        tightest = math.ceil(min_peak / (1 - planner.DEFAULT_HEADROOM)) + 1
+        try:
+            return train_run(log_dir, "dymem", budget=tightest, device=device)
+        except BudgetTooSmallError as err:
+            if attempt == tries - 1 or err.min_peak_bytes <= min_peak:
+                raise
+            min_peak = err.min_peak_bytes
 
 
 @pytest.fixture(scope="module")
@@ -316,8 +329,7 @@ def trained_logdir(tmp_path_factory):
         train_run(None, "dymem", budget=1 << 20, device=link)
     # the tightest budget the planner can meet swaps tensors whose copies the slow link cannot hide
     # the callback plans with DEFAULT_HEADROOM of the budget kept free
-    tightest = math.ceil(too_small.value.min_peak_bytes / (1 - planner.DEFAULT_HEADROOM)) + 1
-    slow = train_run(root / "slow-link", "dymem", budget=tightest, device=link)
+    slow = tightest_run(root / "slow-link", too_small.value.min_peak_bytes, link)
     assert slow.plan.predicted.stall_s > 0, "the tightest budget over a 1 GB/s link should stall the step"
     calibrated = train_run(root / "calibrated", "dymem", budget=CALIBRATED_BUDGET, calibrate=True)
     assert [r.plan.params.stage for r in calibrated.records] == ["probe", "calibrated"]

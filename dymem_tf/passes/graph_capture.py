@@ -360,9 +360,9 @@ def _mark_conditional(sg: StepGraph) -> None:
     whole step inside one branch, where every op is live together.
     """
     depth: dict[str, int] = {}
-    for name in sg.execution_order():
+    for name in sg.topological_order():  # every predecessor first (the execution order bypasses identities)
         op = sg.ops[name]
-        preds = [depth[p] for p in sg.graph.predecessors(name) if p in depth]
+        preds = [depth[p] for p in sg.graph.predecessors(name)]
         d = max(preds, default=0)
         if op.type == "Merge":
             d = max(d - 1, 0)

@@ -592,9 +592,7 @@ def analyse(step_graph: StepGraph) -> StepGraph:
     Layer ``k`` holds the ops whose longest path from a source has ``k`` edges, counted on the run-time order
     (:func:`_runtime_predecessors`: identities bypassed): networkx's topological generations of that graph, computed
     in one pass over a topological order of the step graph (which orders the run-time graph too: every bypassed
-    edge comes from an ancestor). Inside a layer ops are in name order: the program order is not deterministic (TF
-    lists the nodes its rewrites append in an order that changes from one instantiation of the same function to the
-    next), and the plan of one graph must not change with it.
+    edge comes from an ancestor). Inside a layer ops keep program order, so the result is deterministic.
     """
     g = step_graph.graph
     try:
@@ -611,11 +609,9 @@ def analyse(step_graph: StepGraph) -> StepGraph:
             preds = pred[name]
         level[name] = 1 + max(map(level.__getitem__, preds)) if preds else 0
     layers: list[list[str]] = [[] for _ in range(max(level.values(), default=-1) + 1)]
-    for name, op in step_graph.ops.items():
+    for name, op in step_graph.ops.items():  # program order inside each layer
         op.layer = level[name]
         layers[op.layer].append(name)
-    for layer in layers:
-        layer.sort()
     step_graph.layers = layers
     step_graph._order = None
     step_graph._position = None
