@@ -8,7 +8,6 @@ any Python runs, follows the same rules; ``tests/test_gtbm_allocator.py`` checks
 from __future__ import annotations
 
 import math
-
 import os
 import re
 from typing import Union
@@ -75,22 +74,34 @@ def _parse_text(text: str) -> int:
 def format_bytes(n: float, up: bool = False) -> str:
     """``1536`` → ``"1.5 KiB"``: binary units, one decimal, for messages and tables. ``up``: rounded up, never
     below ``n`` (for "at least" figures: a least budget shown rounded to the nearest could name one that is short)."""
-    value = float(n)
-    for unit in _UNITS:
-        if abs(value) < 1024 or unit == _UNITS[-1]:
-            return f"{math.ceil(value) if up else int(value)} {unit}" if unit == "B" else _one_decimal(value, unit, up)
-        value /= 1024
-    return _one_decimal(value, "TiB", up)
+    for k, unit in enumerate(_UNITS):
+        if abs(n) < 1024 ** (k + 1) or unit == _UNITS[-1]:
+            if unit == "B":
+                return f"{math.ceil(n) if up else int(n)} B"
+            return _one_decimal(n, 1024 ** k, unit, up)
+    raise AssertionError("unreachable: the last unit takes any size")
 
 
 def mib(n: float, up: bool = False) -> str:
     """``3145728`` → ``"3.0 MiB"``: the fixed unit of plan summaries and planner messages (easy to compare);
     ``up`` as in :func:`format_bytes`."""
-    return _one_decimal(n / 2**20, "MiB", up)
+    return _one_decimal(n, 2**20, "MiB", up)
 
 
-def _one_decimal(value: float, unit: str, up: bool) -> str:
-    """``value`` with one decimal (rounded up with ``up``) and ``unit``."""
-    if up:
-        value = math.ceil(round(value * 10, 9)) / 10  # round(): 3.0000000001 MiB of float error is 3.0, not 3.1
-    return f"{value:.1f} {unit}"
+def at_least(needed: int, refused: int, formatter=format_bytes) -> str:
+    """``needed`` bytes for an "at least" hint, rounded up by ``formatter`` (:func:`format_bytes` or :func:`mib`),
+    and with its exact bytes where it reads as the ``refused`` figure rounded to the nearest (3.36 and 3.38 MiB
+    both read "3.4 MiB")."""
+    shown = formatter(needed, up=True)
+    return f"{shown} ({int(needed)} bytes)" if shown == formatter(refused) else shown
+
+
+def _one_decimal(n: float, scale: int, unit: str, up: bool) -> str:
+    """``n / scale`` with one decimal (rounded up with ``up``, exactly for whole bytes) and ``unit``."""
+    if not up:
+        return f"{n / scale:.1f} {unit}"
+    if isinstance(n, int) or float(n).is_integer():
+        tenths = -(-int(n) * 10 // scale)  # ceil in integers: a float quotient can round a byte's excess away
+    else:
+        tenths = math.ceil(n * 10 / scale)
+    return f"{tenths / 10:.1f} {unit}"

@@ -9,6 +9,7 @@ import dataclasses
 import json
 import math
 import os
+import random
 import subprocess
 import sys
 import textwrap
@@ -91,22 +92,25 @@ def test_a_small_budget_keeps_whole_pageblocks_free_for_later_steps():
     assert cal.margin >= 8 / 73 and cal.headroom >= cal.margin
 
 
+def _leaves(budget: int, used: int) -> bool:
+    return first_step_control.FirstStepControl(budget).leaves_slack(used)
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_the_least_budget_is_the_least_that_leaves_the_step_slack(seed):
     """The refusal's "raise the budget to at least" figure: that budget passes the check a probe's first step
-    must pass, one byte less does not (the GPT decoder's 22 MiB probe was told 30 MiB, the budget it was refused
-    under, before least_budget)."""
-    import random
-
+    must pass, one byte less does not; and the check's slack in bytes is the share :func:`step_slack` gives, in
+    each of its three regions (a capped share, 8 MiB, 6%)."""
     rng = random.Random(seed)
-    leaves = lambda budget, used: first_step_control.FirstStepControl(budget).leaves_slack(used)
     for used in [22 * MiB, 18 * MiB + 123, 125 * MiB] + [rng.randrange(1, 4 << 30) for _ in range(300)]:
         least = first_step.least_budget(used)
-        assert leaves(least, used) and (least == 1 or not leaves(least - 1, used)), used
+        assert _leaves(least, used) and (least == 1 or not _leaves(least - 1, used)), used
     assert first_step.least_budget(22 * MiB) == 30 * MiB  # 8 MiB of slack: 4 pageblocks
-    # exactly the slack left passes (in floating point, (1 - 8 MiB / B) * B falls short of B - 8 MiB for this B)
-    assert (1 - 8 * MiB / 38939324) * 38939324 < 38939324 - 8 * MiB
-    assert leaves(38939324, 38939324 - 8 * MiB) and not leaves(38939324, 38939324 - 8 * MiB + 1)
+    for budget in [rng.randrange(1, 28 * MiB), rng.randrange(28 * MiB, 133 * MiB), rng.randrange(134 * MiB, 1 << 40)]:
+        assert abs(first_step.slack_bytes(budget) - first_step.step_slack(budget) * budget) <= 1, budget
+    # exactly the slack left passes: in floats, (1 - 8 MiB / B) * B falls a fraction of a byte short of B - 8 MiB
+    # for this B, and a probe that measured B - 8 MiB was refused
+    assert _leaves(38939324, 38939324 - 8 * MiB) and not _leaves(38939324, 38939324 - 8 * MiB + 1)
 
 
 def test_a_measurement_is_exact_only_when_the_peaks_grew_in_the_step():

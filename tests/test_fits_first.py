@@ -252,10 +252,12 @@ plain, seen = [], {}
 wrap = fits_first.first_call_function
 fits_first.first_call_function = lambda cb, fn, cap, **kw: (plain.append(weakref.ref(fn)), wrap(cb, fn, cap, **kw))[1]
 begin = callback_module.DymemCallback._begin_planning
-def planning(self, capacity):
+def planning(self, *args, **kwargs):
     gc.collect()
     seen["plain_alive_while_planning"] = bool(plain) and plain[0]() is not None
-    begin(self, capacity)
+    begin(self, *args, **kwargs)
+    seen["cap"], seen["device"] = allocator.get_memory_limit(), 96 << 20
+    seen["budget_and_others"] = self.budget_bytes + self._others_bytes
     stats = allocator.memory_stats()
     seen["persistent_reserved"] = stats["groups"]["persistent"]["reserved"]
     seen["persistent_needed"] = placement.PersistentGroup(0, 0, stats["block_size"]).reserved_with(
@@ -285,6 +287,8 @@ def test_a_plain_first_step_that_ran_out_of_memory_is_let_go_before_the_step_is_
     # once the plan offloaded it (U-Net under 53 MiB: the probe measured one pageblock more and was refused)
     assert result["persistent_reserved"] <= result["persistent_needed"], result
     assert result["trained"] and result["stages"][0] == "probe"
+    # planned for the device: its budget and what else it holds, measured together, make up the device's cap
+    assert result["budget_and_others"] == result["cap"] == result["device"], result
 
 
 BELOW_THE_PAGEBLOCK_FLOOR = r"""

@@ -206,3 +206,26 @@ def test_reach_follows_edges_down_or_up_from_every_seed():
     assert reach(g, ["c"], "up") == {"a", "b", "c", "x"}
     assert reach(g, ["d", "z"], "up") == {"a", "b", "c", "d", "x", "y", "z"}
     assert reach(g, [], "down") == set()
+
+
+def test_an_op_fed_through_a_branch_identity_is_in_the_branch_whatever_its_layer():
+    """The execution order bypasses identities: ``v`` reads the branch's pivot ``u`` but takes the Switch's layer,
+    ahead of ``u`` (which waits for a deep op), so walking that order met ``v`` before ``u`` and left ``v`` out of
+    the branch; a dead op marked live may join the chain and kill the step."""
+    from dymem_tf.passes import graph_capture
+
+    sg = StepGraph.from_spec({
+        "x": {"bytes": 8}, "pred": {"bytes": 1},
+        "d1": {"inputs": ["x:0"], "bytes": 8}, "d2": {"inputs": ["d1:0"], "bytes": 8},
+        "d3": {"inputs": ["d2:0"], "bytes": 8},
+        "s": {"type": "Switch", "inputs": ["x:0", "pred:0"], "bytes": [8, 8]},
+        "u": {"type": "Identity", "inputs": ["s:0"], "control": ["d3"], "bytes": 8},
+        "v": {"inputs": ["u:0"], "bytes": 8},
+        "m": {"type": "Merge", "inputs": ["v:0", "s:1"], "bytes": 8},
+        "g": {"inputs": ["m:0"], "bytes": 8, "backward": True},
+    })
+    order = sg.execution_order()
+    assert order.index("v") < order.index("u")  # the case: v's layer is the Switch's, u's is after d3
+    graph_capture._mark_conditional(sg)
+    assert sg.ops["u"].conditional and sg.ops["v"].conditional
+    assert not sg.ops["g"].conditional and not sg.ops["d3"].conditional

@@ -288,11 +288,12 @@ model.optimizer.build(model.trainable_variables)  # each kernel's m and v right 
 # an optimizer a custom train_step keeps as an attribute (a GAN's): its momentum stays on the device, packed too
 model.extra_optimizer = keras.optimizers.SGD(momentum=0.9)
 model.extra_optimizer.build(model.trainable_variables)
-for v in model.optimizer.variables:
+every = list(model.variables) + list(model.optimizer.variables) + list(model.extra_optimizer.variables)
+for v in list(model.optimizer.variables) + list(model.extra_optimizer.variables):
     if len(v.shape):
         v.assign(tf.random.normal(v.shape))
 # copies: an array from .numpy() may share the variable's buffer and keep it alive
-values = [np.array(v.numpy(), copy=True) for v in list(model.variables) + list(model.optimizer.variables)]
+values = [np.array(v.numpy(), copy=True) for v in every]
 
 def persistent():
     return allocator.memory_stats()["groups"]["persistent"]
@@ -301,7 +302,7 @@ offloaded = variables.offload_optimizer_state(model, 1 << 16)
 before = persistent()
 moved = variables.compact_weights(model)
 after = persistent()
-same = all(np.array_equal(a, v.numpy()) for a, v in zip(values, list(model.variables) + list(model.optimizer.variables)))
+same = all(np.array_equal(a, v.numpy()) for a, v in zip(values, every))
 print("RESULT" + json.dumps({"offloaded": offloaded, "moved": moved, "before": before, "after": after,
                              "same": same, "staying": len(model.variables) + len(model.optimizer.variables)
                              - offloaded + len(model.extra_optimizer.variables),

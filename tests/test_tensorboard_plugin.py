@@ -295,8 +295,8 @@ CALIBRATED_BUDGET = 256 << 20
 
 def tightest_run(log_dir, min_peak: int, device, tries: int = 3):
     """``train_run`` under the tightest budget that a plan with a least peak of ``min_peak`` meets. TF lists some
-    nodes of each new instantiation in another order, and the plan of the next one may need a few KB more (3,148,316
-    against 3,152,728 bytes here): its refusal's least peak is then the next try's."""
+    nodes of each new instantiation in another order, and the plan of the next one may need a few KB more: its
+    refusal's least peak is then the next try's."""
     from dymem_tf.planning.planner import BudgetTooSmallError
 
     for attempt in range(tries):
@@ -304,7 +304,7 @@ def tightest_run(log_dir, min_peak: int, device, tries: int = 3):
         try:
             return train_run(log_dir, "dymem", budget=tightest, device=device)
         except BudgetTooSmallError as err:
-            if attempt == tries - 1 or err.min_peak_bytes <= min_peak:
+            if attempt == tries - 1 or err.min_peak_bytes is None or err.min_peak_bytes <= min_peak:
                 raise
             min_peak = err.min_peak_bytes
 

@@ -1,6 +1,7 @@
 """Byte sizes are read by one parser (dymem_tf.units): the library's budgets and environment variables, the host
 pool's cache limit and the bench's configuration all agree on what "MB" and "MiB" mean."""
 import os
+import random
 
 import pytest
 
@@ -33,19 +34,21 @@ def test_parse_bytes_names_the_bad_text(text, reason):
 
 
 def test_rounded_up_figures_are_never_below_the_bytes():
-    """An "at least" figure rounded to the nearest named the refused budget: planner.py's "use a budget of at
-    least 3.3 MiB" under a 3.3 MiB budget (CI at 7d482dc)."""
-    import random
-
+    """An "at least" figure rounded to the nearest can name less than is needed, even the refused budget itself:
+    ``up=True`` rounds up, in every unit; where the two still read alike, the hint gives the bytes."""
     format_bytes, mib, parse_bytes = units.format_bytes, units.mib, units.parse_bytes
-    assert mib(3 * 2**20) == mib(3 * 2**20, up=True) == "3.0 MiB"
-    assert mib(3 * 2**20 + 1, up=True) == "3.1 MiB" and mib(3 * 2**20 + 1) == "3.0 MiB"
+    assert mib(3 * MiB) == mib(3 * MiB, up=True) == "3.0 MiB"
+    assert mib(3 * MiB + 1, up=True) == "3.1 MiB" and mib(3 * MiB + 1) == "3.0 MiB"
     assert format_bytes(1536, up=True) == "1.5 KiB" and format_bytes(1537, up=True) == "1.6 KiB"
-    assert format_bytes(1000, up=True) == "1000 B"
+    assert format_bytes(1000, up=True) == "1000 B" and format_bytes(3 * TiB + 50, up=True) == "3.1 TiB"
     rng = random.Random(0)
-    for n in [rng.randrange(1, 1 << 40) for _ in range(2000)]:
-        assert parse_bytes(format_bytes(n, up=True).replace(" ", "")) >= n - 1  # the parser truncates a fraction
-        assert float(mib(n, up=True).split()[0]) * 2**20 >= n
+    for n in [rng.randrange(1, 1 << 50) >> rng.randrange(50) for _ in range(3000)]:
+        assert parse_bytes(format_bytes(n, up=True).replace(" ", "")) >= n, n
+        assert float(mib(n, up=True).split()[0]) * MiB >= n, n
+    assert units.at_least(3 * MiB + 1, 3 * MiB) == "3.1 MiB"
+    needed, refused = int(3.38 * MiB), int(3.36 * MiB)  # both read "3.4 MiB"
+    assert units.at_least(needed, refused) == f"3.4 MiB ({needed} bytes)"
+    assert units.at_least(needed, refused, units.mib) == f"3.4 MiB ({needed} bytes)"
 
 
 def test_allocator_parse_bytes_is_the_units_parser():

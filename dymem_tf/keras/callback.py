@@ -20,6 +20,16 @@ POLICIES, XLA_MODES, EXECUTION_ORDERS = arguments.POLICIES, arguments.XLA_MODES,
 _fmt = errors.fmt
 
 
+def _held_by_others(model, stats: dict | None, offload: bool) -> int:
+    """What the device holds besides ``model`` (other models of the process): not the fit's to budget. Read before
+    the optimizer builds, since offloaded state is made in host memory (a device that holds the weights need not
+    hold it all at once)."""
+    if stats is None:
+        return 0
+    held = variables.device_resident_bytes(model) if offload else step_pass.persistent_bytes(model)
+    return max(int(stats["bytes_in_use"]) - held, 0)
+
+
 class DymemCallback(keras.callbacks.Callback):
     """Plans and inserts feature-map swapping into the model's train step, on the graph TensorFlow runs.
 
@@ -140,33 +150,26 @@ class DymemCallback(keras.callbacks.Callback):
                 traced = devices.trace_device()
                 self._writer.start_allocator_trace(device=None if traced is False else traced)
 
-    def _plan_for_device(self, capacity: int) -> None:
+    def _plan_for_device(self) -> None:
         """The step does not fit the device: plan it for the device from the next call of the train function on
-        (and in later fits of this callback). ``capacity``: the device's bytes less what it held besides this model
-        when the fit began (``_others_bytes``)."""
+        (and in later fits of this callback)."""
         self._device_too_small = True
-        self._begin_planning(None, device_bytes=capacity + getattr(self, "_others_bytes", 0))
+        self._begin_planning(None, device_bytes=devices.device_memory_capacity())
 
-    def _begin_planning(self, budget_bytes: int | None, device_bytes: int | None = None):
+    def _begin_planning(self, budget_bytes: int | None, *, device_bytes: int | None = None):
         """Plan the train step for ``budget_bytes`` (None: swap every tensor worth swapping) from its next call:
-        place the variables, and under a budget make that call the guarded probe. ``device_bytes``: plan for the
-        device instead: its bytes less what it holds besides this model, measured here, where the device's cap and
-        the first steps' measurements take the same bytes off (measured earlier, they may differ by what a plain
-        first step left)."""
+        place the variables, and under a budget make that call the guarded probe. ``device_bytes`` (with no
+        ``budget_bytes``): plan for the device, whose budget is its bytes less what it holds besides this model,
+        measured here as the device's cap and the first steps' measurements are (the cap is the budget plus those
+        bytes: the whole device)."""
+        assert budget_bytes is None or device_bytes is None, "a budget or a device to plan for, not both"
         model = self.model
-        if device_bytes is not None:
-            budget_bytes = device_bytes  # until what the device holds besides the model is known, below
-        self.plan_request = dataclasses.replace(self.plan_request, budget_bytes=budget_bytes)
-        offload, offload_weights = self._offloading()
-        # what the device holds besides this model (other models of the process): not this fit's to budget; read
-        # before the optimizer builds, since offloaded state is made in host memory (a device that holds the
-        # weights need not hold it all at once)
+        offload, offload_weights = self._offloading(budget_bytes if device_bytes is None else device_bytes)
         stats = devices.device_memory_stats()
-        held = variables.device_resident_bytes(model) if offload else step_pass.persistent_bytes(model)
-        self._others_bytes = max(int(stats["bytes_in_use"]) - held, 0) if stats is not None else 0
+        self._others_bytes = _held_by_others(model, stats, offload)
         if device_bytes is not None:
-            self.plan_request = dataclasses.replace(self.plan_request,
-                                                    budget_bytes=max(device_bytes - self._others_bytes, 1))
+            budget_bytes = max(device_bytes - self._others_bytes, 1)
+        self.plan_request = dataclasses.replace(self.plan_request, budget_bytes=budget_bytes)
         variables.build_optimizer(model, in_host_memory=offload and allocator.is_active())
         weights = step_pass.persistent_bytes(model)
         resident = step_pass.persistent_bytes(model, optimizer=not offload)  # what must stay on the device
@@ -232,11 +235,11 @@ class DymemCallback(keras.callbacks.Callback):
             writer, self._writer = self._writer, None
             writer.close()  # also stops and saves an allocator trace
 
-    def _offloading(self) -> tuple[bool, bool]:
+    def _offloading(self, budget_bytes: int | None = None) -> tuple[bool, bool]:
         """Whether this fit's plans may keep optimizer state, and weights, in host memory between their uses
-        (:func:`dymem_tf.keras.arguments.offloading`)."""
-        return arguments.offloading(self.budget_bytes, self.policy, self.offload_optimizer_state,
-                                    self.offload_weights)
+        (:func:`dymem_tf.keras.arguments.offloading`), under ``budget_bytes`` (None: the budget in force)."""
+        budget = self.budget_bytes if budget_bytes is None else budget_bytes
+        return arguments.offloading(budget, self.policy, self.offload_optimizer_state, self.offload_weights)
 
     def _wrap_train_function(self, train_function, guard: bool = False, fallback=None):
         """``train_function`` run with the graph pass armed (its instantiation is planned and rewritten after

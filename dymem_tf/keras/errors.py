@@ -48,7 +48,8 @@ def too_close(cb, measured: int) -> planner.BudgetTooSmallError:
     return planner.BudgetTooSmallError(
         f"memory_budget {fmt(cb.budget_bytes)} is too small to train reliably: with every tensor that can leave "
         f"the device swapped out, the first step used {fmt(measured)}, and later steps can use "
-        f"{slack:.0%} more. The variables were restored. Raise the budget to at least {fmt(needed, up=True)} or {hint}.",
+        f"{slack:.0%} more. The variables were restored. Raise the budget to at least "
+        f"{units.at_least(needed, cb.budget_bytes)} or {hint}.",
         min_peak_bytes=measured, budget_bytes=cb.budget_bytes, suggested_batch=suggested)
 
 
@@ -158,5 +159,5 @@ def batch_hint(batch: int | None, suggested: int | None) -> str:
         "reduce the batch size"
 
 
-def fmt(n: int, up: bool = False) -> str:
-    return units.format_bytes(n, up)
+def fmt(n: int) -> str:
+    return units.format_bytes(n)

@@ -35,18 +35,18 @@ def begin(callback) -> None:
         return
     capacity = max(capacity - callback._others_bytes, 1)  # other models of the process keep their memory
     if getattr(callback, "_device_too_small", False):
-        callback._plan_for_device(capacity)
+        callback._plan_for_device()
         return
     state = variables.optimizer_state_bytes(model)
     if state is not None and held + state > capacity:
         callback._say(f"dymem_tf: the model's weights and optimizer state ({errors.fmt(state)} of it) do not fit "
                       f"the device's {errors.fmt(capacity)}; the step is planned for the device.")
-        callback._plan_for_device(capacity)
+        callback._plan_for_device()
         return
     if variables.pageblock_floor(stats, held + (state or 0)) > capacity:
         callback._say(f"dymem_tf: the model's weights and optimizer state need more of GTBM's pageblocks than the "
                       f"device's {errors.fmt(capacity)} hold; the step is planned for the device.")
-        callback._plan_for_device(capacity)  # refused there if even the variables that must stay do not fit
+        callback._plan_for_device()  # refused there if even the variables that must stay do not fit
         return
     errors.warn_onednn_out_of_memory_crash()
     placed = _build_optimizer(model)
@@ -156,7 +156,7 @@ def first_call_function(callback, train_function, capacity: int, place_state: bo
                           "swapping what does not fit.")
             plain.clear()
             gc.collect()  # the plain step's function and what its failed call left, before the probe is placed
-            callback._plan_for_device(capacity)
+            callback._plan_for_device()
             return model.train_function(batch() if batch else iterator)
         stats = callback._own(devices.device_memory_stats())
         measured = stats["peak_bytes_reserved"] if stats is not None else None
@@ -166,7 +166,7 @@ def first_call_function(callback, train_function, capacity: int, place_state: bo
                           f"{errors.fmt(margin)} of the device's {errors.fmt(capacity)} (what a later step may "
                           "hold more: its largest buffer or a share of the device); from its next step on it is "
                           "planned for the device, swapping what later steps could run out of.")
-            callback._plan_for_device(capacity)
+            callback._plan_for_device()
         else:
             model.train_function = plain[0]
             took = (f"{errors.fmt(measured)} of the device's {errors.fmt(capacity)}" if measured is not None

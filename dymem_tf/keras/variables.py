@@ -103,10 +103,9 @@ def resident_weight_bytes(model, min_bytes: int) -> int:
 
 
 def bring_back_offloaded(model, weights: bool = False) -> int:
-    """Swap every optimizer variable (and with ``weights`` every model variable) that a plan left in host memory
-    back onto the device; returns how many."""
-    optimizer = getattr(model, "optimizer", None)
-    variables = list(getattr(optimizer, "variables", [])) if optimizer is not None else []
+    """Swap every variable of the model's optimizers (and with ``weights`` every model variable) that a plan, or
+    :func:`compact_weights` cut short, left in host memory back onto the device; returns how many."""
+    variables = first_step.optimizer_variables(model)
     if weights:
         variables += [v for v in model.variables if all(v is not u for u in variables)]
     if not variables:

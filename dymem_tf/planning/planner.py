@@ -44,6 +44,7 @@ from typing import Literal, Mapping, Sequence
 
 import numpy as np
 
+from dymem_tf import units
 from dymem_tf.planning.analysis import ALIAS_OP_TYPES, FREE_OP_TYPES, StepGraph, analyse, no_autograph
 from dymem_tf.planning.cost_model import CostModel, as_cost_model
 from dymem_tf.planning.device_profiles import DeviceProfile
@@ -879,7 +880,7 @@ def _too_small(min_peak: int, budget: int, persistent: int, batch: int | None, n
     kept = f" (the planner keeps {headroom:.0%} of it free)" if headroom else ""
     msg = (f"budget {mib(budget)}{kept} is too small for policy {policy}: even swapping all {n} eligible tensors "
            f"the predicted peak is {mib(min_peak)} ({min_peak} bytes, of which {mib(persistent)} persistent); "
-           f"use a budget of at least {mib(needed, up=True)} {hint}")
+           f"use a budget of at least {units.at_least(needed, budget, mib)} {hint}")
     err = BudgetTooSmallError(msg, min_peak, budget, suggested)
     err.eligible = n
     return err
