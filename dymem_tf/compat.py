@@ -107,20 +107,11 @@ def local_device_memory(device_type: str = "GPU") -> list[tuple[str, int]]:
     a second allocator per device) to answer the same question. Initialises the eager context if it is not yet,
     which creates the devices TF would create at its first op anyway.
     """
-    import ctypes
-
-    from tensorflow.python.eager import context
-
-    ctx = context.context()
-    ctx.ensure_initialized()
     lib = _tf_c_api()
-    get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
-    get_pointer.restype, get_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
-    handle = ctx._context_handle  # pylint: disable=protected-access  (a PyCapsule holding the TFE_Context*)
     status = lib.TF_NewStatus()
     devices = None
     try:
-        devices = lib.TFE_ContextListDevices(get_pointer(handle, None), status)
+        devices = lib.TFE_ContextListDevices(_eager_context_pointer(), status)
         if lib.TF_GetCode(status) != 0:
             raise RuntimeError(f"TFE_ContextListDevices failed: {lib.TF_Message(status).decode()}")
         found = []
@@ -134,6 +125,34 @@ def local_device_memory(device_type: str = "GPU") -> list[tuple[str, int]]:
         if devices:
             lib.TF_DeleteDeviceList(devices)
         lib.TF_DeleteStatus(status)
+
+
+def release_step_resources() -> None:
+    """Empty the eager context's step container after a failed call of a train function.
+
+    Every ``tf.function`` call of the eager context shares one step container (``__per_step_0``), which TF empties
+    only when a step ends (``TFE_ContextEndStep``, which nothing in Keras calls). A call that failed between a
+    Grappler ``TemporaryVariable`` (an ``AddN`` of a gradient sum accumulated in place) and its
+    ``DestroyTemporaryVariable`` leaves the variable there, and the next call of a graph with that node, a plan of
+    the same step, fails with ``AlreadyExistsError``. Starting and ending a step empties the container (when no
+    other step is open).
+    """
+    lib, ctx = _tf_c_api(), _eager_context_pointer()
+    lib.TFE_ContextStartStep(ctx)
+    lib.TFE_ContextEndStep(ctx)
+
+
+def _eager_context_pointer() -> int:
+    """The eager context's ``TFE_Context*`` (initialising the context if it is not yet)."""
+    import ctypes
+
+    from tensorflow.python.eager import context
+
+    ctx = context.context()
+    ctx.ensure_initialized()
+    get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+    get_pointer.restype, get_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    return get_pointer(ctx._context_handle, None)  # pylint: disable=protected-access  (a PyCapsule)
 
 
 @functools.lru_cache(maxsize=1)
@@ -150,7 +169,8 @@ def _tf_c_api():
             ("TF_Message", ctypes.c_char_p, [vp]), ("TFE_ContextListDevices", vp, [vp, vp]),
             ("TF_DeviceListCount", i, [vp]), ("TF_DeviceListName", ctypes.c_char_p, [vp, i, vp]),
             ("TF_DeviceListType", ctypes.c_char_p, [vp, i, vp]),
-            ("TF_DeviceListMemoryBytes", ctypes.c_int64, [vp, i, vp]), ("TF_DeleteDeviceList", None, [vp])):
+            ("TF_DeviceListMemoryBytes", ctypes.c_int64, [vp, i, vp]), ("TF_DeleteDeviceList", None, [vp]),
+            ("TFE_ContextStartStep", None, [vp]), ("TFE_ContextEndStep", None, [vp])):
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = restype, argtypes
     return lib

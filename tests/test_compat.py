@@ -234,3 +234,30 @@ def test_the_readme_dry_run_plans_swaps():
     assert "[fits]" in proc.stdout and "the step fits the budget without swapping" not in proc.stdout
     stall = {policy: float(row[-1]) for policy, row in rows.items()}  # stall ms, the last column
     assert stall["dymem"] == 0.0 and stall["vdnn"] > 0 and stall["tflms"] > 0
+
+
+def test_a_failed_calls_per_step_variable_is_released():
+    """Every tf.function call of the eager context shares one step container: a call that fails between a
+    TemporaryVariable (Grappler's in-place gradient sum) and its destruction leaves the variable there, and the
+    next call of the same graph failed with AlreadyExistsError (InceptionV3's plan after its plain step ran out
+    of memory under memory_budget="auto"). After release_step_resources the graph runs again."""
+    import tensorflow as tf
+
+    from dymem_tf import compat
+
+    @tf.function
+    def accumulate(fail):
+        v = tf.raw_ops.TemporaryVariable(shape=[4], dtype=tf.float32, var_name="dymem_test_sum")
+        v = tf.raw_ops.Assign(ref=v, value=tf.ones([4]))
+        # the failure, after the variable was made and before it is destroyed
+        check = tf.debugging.assert_equal(tf.logical_and(fail, tf.reduce_sum(v) > 0), False)
+        with tf.control_dependencies([check]):
+            return tf.raw_ops.DestroyTemporaryVariable(ref=v, var_name="dymem_test_sum")
+
+    with pytest.raises(tf.errors.InvalidArgumentError):
+        accumulate(tf.constant(True))
+    with pytest.raises(tf.errors.AlreadyExistsError):
+        accumulate(tf.constant(False))
+    compat.release_step_resources()
+    assert accumulate(tf.constant(False)).numpy().tolist() == [1.0] * 4
+    assert accumulate(tf.constant(False)).numpy().tolist() == [1.0] * 4  # destroyed by a call that ran through

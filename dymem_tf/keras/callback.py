@@ -270,6 +270,7 @@ class DymemCallback(keras.callbacks.Callback):
                     raise outcome.refusal from None  # the step never ran: no training state changed
                 raise
             except tf.errors.ResourceExhaustedError:
+                compat.release_step_resources()  # what the failed step left for the next call (see compat)
                 callback._measure_first_step(seen_records, before, "out_of_memory")
                 raise
             callback._measure_first_step(seen_records, before)

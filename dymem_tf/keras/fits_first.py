@@ -12,6 +12,7 @@ import gc
 
 import tensorflow as tf
 
+from dymem_tf import compat
 from dymem_tf.keras import errors, variables
 from dymem_tf.memory import allocator, devices
 from dymem_tf.passes import step_pass
@@ -125,6 +126,7 @@ def _run_or_none_if_out_of_memory(train_function, iterator):
     try:
         return train_function(iterator)
     except tf.errors.ResourceExhaustedError:
+        compat.release_step_resources()  # what the failed step left for the next call (a gradient sum's variable)
         return None
 
 
