@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -373,12 +374,12 @@ def report(results: list[dict], args, seconds: float) -> str:
                                  / auto["calibrated_first"])
             if auto.get("calibrated_in_use"):
                 use_err.append(abs(auto["in_use_predicted"] - auto["calibrated_in_use"]) / auto["calibrated_in_use"])
-            if auto["outcome"] == "oom" or auto["over_budget_steps"]:
+            if auto["outcome"] in ("oom", "error") or auto["over_budget_steps"]:
                 violations.append(f"{r['model']} f={run['fraction']}: {_outcome(auto)}")
             if auto["outcome"] == "refused" and none["outcome"] == "trained":
                 violations.append(f"{r['model']} f={run['fraction']}: auto refused what none trained")
-    lines += ["", f"- Budget violations (an out-of-memory error after the first step, a step over B, or a refusal "
-              f"where `None` trained): {len(violations)}" + (": " + "; ".join(violations) if violations else ".")]
+    lines += ["", f"- Budget violations (an out-of-memory error after the first step, any other error, a step over B, "
+              f"or a refusal where `None` trained): {len(violations)}" + (": " + "; ".join(violations) if violations else ".")]
     no_budget = [f"{r['model']} {_mib(r['p_dymem'])} MiB ({r['p_dymem'] / r['p0']:.2f}x)" for r in results
                  if "error" not in r and r.get("p_dymem")]
     if no_budget:
@@ -426,7 +427,8 @@ def _outcome(run: dict) -> str:
     if run["outcome"] == "not run":
         return "–"
     if run["outcome"] == "error":
-        return f"error: {run['error'][-80:]!r}"
+        kinds = re.findall(r"\b(\w+(?:Error|Exception))\b", run["error"])
+        return f"**error** ({kinds[-1] if kinds else repr(run['error'][-80:])})"
     return f"**out of memory** in step {run['steps_run'] + 1}"
 
 

@@ -361,6 +361,12 @@ def test_budget_reliability_cli_checks_its_arguments_and_renders_a_saved_run(tmp
     assert "steady peak (1 of 1 predicted by the plan's placement" in budget_reliability.report([result], args, 60.0)
     del run["auto"]["calibrated_first"]  # a run saved before the first step was recorded
     assert "over 1 runs." in budget_reliability.report([result], args, 60.0)
+    # an error is a violation too (a run that neither trained nor refused), named by its kind
+    run["auto"] = {"outcome": "error", "error": "rc=1: ...\nAlreadyExistsError: Graph execution error: ...",
+                   "peaks": [], "steps_run": 0, "over_budget_steps": 0}
+    text = budget_reliability.report([result], args, 60.0)
+    assert "**error** (AlreadyExistsError)" in text
+    assert "trained): 1: gan f=0.5: **error** (AlreadyExistsError)" in text
 
 
 
