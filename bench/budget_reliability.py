@@ -378,8 +378,9 @@ def report(results: list[dict], args, seconds: float) -> str:
                 violations.append(f"{r['model']} f={run['fraction']}: {_outcome(auto)}")
             if auto["outcome"] == "refused" and none["outcome"] == "trained":
                 violations.append(f"{r['model']} f={run['fraction']}: auto refused what none trained")
+    found = ": " + "; ".join(violations) if violations else "."
     lines += ["", f"- Budget violations (an out-of-memory error after the first step, any other error, a step over B, "
-              f"or a refusal where `None` trained): {len(violations)}" + (": " + "; ".join(violations) if violations else ".")]
+              f"or a refusal where `None` trained): {len(violations)}{found}"]
     no_budget = [f"{r['model']} {_mib(r['p_dymem'])} MiB ({r['p_dymem'] / r['p0']:.2f}x)" for r in results
                  if "error" not in r and r.get("p_dymem")]
     if no_budget:

@@ -74,12 +74,12 @@ def _parse_text(text: str) -> int:
 def format_bytes(n: float, up: bool = False) -> str:
     """``1536`` → ``"1.5 KiB"``: binary units, one decimal, for messages and tables. ``up``: rounded up, never
     below ``n`` (for "at least" figures: a least budget shown rounded to the nearest could name one that is short)."""
-    for k, unit in enumerate(_UNITS):
-        if abs(n) < 1024 ** (k + 1) or unit == _UNITS[-1]:
-            if unit == "B":
-                return f"{math.ceil(n) if up else int(n)} B"
-            return _one_decimal(n, 1024 ** k, unit, up)
-    raise AssertionError("unreachable: the last unit takes any size")
+    k = 0
+    while k < len(_UNITS) - 1 and abs(n) >= 1024 ** (k + 1):
+        k += 1
+    if k == 0:
+        return f"{math.ceil(n) if up else int(n)} B"
+    return _one_decimal(n, 1024 ** k, _UNITS[k], up)
 
 
 def mib(n: float, up: bool = False) -> str:

@@ -20,16 +20,6 @@ POLICIES, XLA_MODES, EXECUTION_ORDERS = arguments.POLICIES, arguments.XLA_MODES,
 _fmt = errors.fmt
 
 
-def _held_by_others(model, stats: dict | None, offload: bool) -> int:
-    """What the device holds besides ``model`` (other models of the process): not the fit's to budget. Read before
-    the optimizer builds, since offloaded state is made in host memory (a device that holds the weights need not
-    hold it all at once)."""
-    if stats is None:
-        return 0
-    held = variables.device_resident_bytes(model) if offload else step_pass.persistent_bytes(model)
-    return max(int(stats["bytes_in_use"]) - held, 0)
-
-
 class DymemCallback(keras.callbacks.Callback):
     """Plans and inserts feature-map swapping into the model's train step, on the graph TensorFlow runs.
 
@@ -165,8 +155,11 @@ class DymemCallback(keras.callbacks.Callback):
         assert budget_bytes is None or device_bytes is None, "a budget or a device to plan for, not both"
         model = self.model
         offload, offload_weights = self._offloading(budget_bytes if device_bytes is None else device_bytes)
+        # what the device holds besides this model, read before the optimizer builds: offloaded state is made in
+        # host memory (a device that holds the weights need not hold it all at once)
         stats = devices.device_memory_stats()
-        self._others_bytes = _held_by_others(model, stats, offload)
+        held = variables.device_resident_bytes(model) if offload else step_pass.persistent_bytes(model)
+        self._others_bytes = devices.others_bytes(stats, held)
         if device_bytes is not None:
             budget_bytes = max(device_bytes - self._others_bytes, 1)
         self.plan_request = dataclasses.replace(self.plan_request, budget_bytes=budget_bytes)

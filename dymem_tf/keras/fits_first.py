@@ -28,7 +28,7 @@ def begin(callback) -> None:
     model = callback.model
     stats = devices.device_memory_stats()
     held = step_pass.persistent_bytes(model)  # the variables there are before the optimizer builds its state
-    callback._others_bytes = max(int(stats["bytes_in_use"]) - held, 0) if stats is not None else 0
+    callback._others_bytes = devices.others_bytes(stats, held)
     capacity = devices.device_memory_capacity()
     if capacity is None or callback.policy == "none":
         callback._say("dymem_tf: the train step runs as compiled: "

@@ -104,6 +104,12 @@ def restore_limits(saved: dict) -> None:
         allocator.set_memory_limit(limit, device=device)
 
 
+def others_bytes(stats: dict | None, held: int) -> int:
+    """Bytes the device holds in use (``stats``, None: unknown) besides the ``held`` bytes of the model's own
+    variables: what other models of the process hold, not the fit's to budget (0 when unknown)."""
+    return max(int(stats["bytes_in_use"]) - int(held), 0) if stats is not None else 0
+
+
 def less_others(stats: dict | None, others: int) -> dict | None:
     """``stats`` less ``others`` bytes (what the device held besides the model when ``fit`` began) in use, at the
     peak and reserved, never below 0; GTBM's persistent group holds those bytes, and loses them too."""
