@@ -3,13 +3,13 @@
     python bench/execution_order.py                          # ResNet-50 and DenseNet-121, 64px, 3 rounds
     python bench/execution_order.py --models resnet50 --rounds 1 --onednn on
 
-``DymemCallback(memory_budget=None, execution_order="planned")``
-chains the step's ops with control edges in the simulator's order
-(``dymem_tf/planning/sequencing.py``); ``"free"`` leaves the order to TF's executor. Each run is a fresh
-interpreter, with oneDNN's CPU kernels off and on (``--onednn``), that trains 6 steps of batch 16 with SGD and
-momentum, no budget; its step time is the median after the first step, its peak spread the largest step peak over
-the median step peak, less one (GTBM's reserved bytes, steps after the first). The two orders alternate within each
-round, and the report gives planned / free per round and their median.
+``DymemCallback(memory_budget=None, execution_order="planned")`` chains the step's ops with control edges in the
+simulator's order, in bands whose ops may run side by side (``dymem_tf/planning/sequencing.py``); ``"strict"``
+chains every op; ``"free"`` leaves the order to TF's executor. Each run is a fresh interpreter, with oneDNN's CPU
+kernels off and on (``--onednn``), that trains ``--steps`` steps (default 24) of batch 16 with SGD and momentum, no
+budget; its step time is the median after the first step, its peak the largest step peak after the first (GTBM's
+reserved bytes) and its peak spread that peak over the median step peak, less one. The three orders alternate
+within each round, and the report gives planned / free and strict / free per round and their medians.
 """
 from __future__ import annotations
 
@@ -21,10 +21,10 @@ import subprocess
 import sys
 
 MODELS = ("resnet50", "densenet121")
-ORDERS = ("planned", "free")
+ORDERS = ("planned", "strict", "free")
 
 
-def child(name: str, order: str, image_size: int) -> dict:
+def child(name: str, order: str, image_size: int, steps: int = 24) -> dict:
     """One run in this interpreter: the median step time after the first, and the plan's swap count."""
     import keras
     import numpy as np
@@ -41,24 +41,28 @@ def child(name: str, order: str, image_size: int) -> dict:
     model = app(weights=None, input_shape=(image_size, image_size, 3), classes=10)
     model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
                   loss=keras.losses.SparseCategoricalCrossentropy())
-    x = np.random.default_rng(0).normal(size=(96, image_size, image_size, 3)).astype("float32")
-    y = np.zeros(96, dtype="int64")
+    x = np.random.default_rng(0).normal(size=(16 * steps, image_size, image_size, 3)).astype("float32")
+    y = np.zeros(16 * steps, dtype="int64")
     cb = dymem_tf.DymemCallback(memory_budget=None, verbose=0, execution_order=order)
     timer, peaks = StepTimer(), StepPeaks()
     model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[cb, timer, peaks])
     steady = peaks.peaks[1:] or peaks.peaks
     return {"model": name, "order": order, "onednn": bool(dymem_tf.compat.onednn_enabled()),
             "step_s": timer.median_step_s(), "peak_spread": max(steady) / statistics.median(steady) - 1.0,
+            "peak_mib": max(steady) / 2**20,
             "chained": next((int(n.split()[0]) for n in (cb.plan.notes if cb.plan is not None else ())
                              if " ops chained in the planned order" in n), 0),
+            "bands": next((int(n.split(", in ")[1].split()[0]) for n in (cb.plan.notes if cb.plan is not None else ())
+                           if " ops chained in the planned order, in " in n), None),
             "swaps": len(cb.plan.swaps) if cb.plan is not None else 0}
 
 
-def run(name: str, order: str, image_size: int, onednn: str = "off") -> dict:
+def run(name: str, order: str, image_size: int, onednn: str = "off", steps: int = 24) -> dict:
     """:func:`child` in a fresh interpreter, oneDNN ``"on"`` or ``"off"``."""
     env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="1" if onednn == "on" else "0", TF_CPP_MIN_LOG_LEVEL="3",
                DYMEM_DEVICE_MEMORY_LIMIT=os.environ.get("DYMEM_DEVICE_MEMORY_LIMIT", "4GiB"))
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", name, order, "--image-size", str(image_size)]
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", name, order, "--image-size", str(image_size),
+           "--steps", str(steps)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
@@ -67,20 +71,24 @@ def run(name: str, order: str, image_size: int, onednn: str = "off") -> dict:
 
 
 def report(results: list[dict]) -> str:
-    """planned / free step time per model and oneDNN setting: each round's ratio and their median; the largest
-    step-to-step spread of the peak of each order."""
-    lines = ["| model | oneDNN | planned s | free s | planned / free [per round] | median | peak spread planned / "
-             "free (max) |",
-             "| --- | --- | ---: | ---: | --- | ---: | --- |"]
+    """Step time per model and oneDNN setting: each order's median, planned / free and strict / free per round and
+    their medians; the largest step-to-step spread of the peak and the largest peak of each order."""
+    lines = ["| model | oneDNN | planned / strict / free s | planned / free [per round] | median | strict / free "
+             "[per round] | median | peak spread planned / strict / free | peak MiB planned / strict / free |",
+             "| --- | --- | --- | --- | ---: | --- | ---: | --- | --- |"]
     for name, onednn in dict.fromkeys((r["model"], r.get("onednn", False)) for r in results):
         rounds = [r for r in results if r["model"] == name and r.get("onednn", False) == onednn]
-        planned = [r["step_s"] for r in rounds if r["order"] == "planned"]
-        free = [r["step_s"] for r in rounds if r["order"] == "free"]
-        ratios = [p / f for p, f in zip(planned, free)]
-        spread = {o: max((r.get("peak_spread") or 0.0) for r in rounds if r["order"] == o) for o in ORDERS}
-        lines.append(f"| {name} | {'on' if onednn else 'off'} | {statistics.median(planned):.3f} | "
-                     f"{statistics.median(free):.3f} | [{', '.join(f'{x:.2f}' for x in ratios)}] | "
-                     f"{statistics.median(ratios):.2f}x | {spread['planned']:.1%} / {spread['free']:.1%} |")
+        step = {o: [r["step_s"] for r in rounds if r["order"] == o] for o in ORDERS}
+        ratios = {o: [a / f for a, f in zip(step[o], step["free"])] for o in ("planned", "strict")}
+        spread = {o: max([r.get("peak_spread") or 0.0 for r in rounds if r["order"] == o], default=0.0)
+                  for o in ORDERS}
+        peak = {o: max([r.get("peak_mib") or 0.0 for r in rounds if r["order"] == o], default=0.0) for o in ORDERS}
+        cells = [" / ".join(f"{statistics.median(step[o]):.3f}" if step[o] else "-" for o in ORDERS)]
+        for o in ("planned", "strict"):
+            cells += [f"[{', '.join(f'{x:.2f}' for x in ratios[o])}]",
+                      f"{statistics.median(ratios[o]):.2f}x" if ratios[o] else "-"]
+        cells += [" / ".join(f"{spread[o]:.1%}" for o in ORDERS), " / ".join(f"{peak[o]:.0f}" for o in ORDERS)]
+        lines.append(f"| {name} | {'on' if onednn else 'off'} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -89,22 +97,23 @@ def main(argv=None) -> int:
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--image-size", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=24, help="steps per run (the first is not timed)")
     parser.add_argument("--onednn", choices=("off", "on", "both"), default="both")
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "ORDER"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(child(args.child[0], args.child[1], args.image_size)))
+        print(json.dumps(child(args.child[0], args.child[1], args.image_size, args.steps)))
         return 0
     models = [m.strip() for m in args.models.split(",") if m.strip()]
-    if any(m not in MODELS for m in models) or args.rounds < 1:
-        parser.error(f"--models: choose from {', '.join(MODELS)}; --rounds at least 1")
+    if any(m not in MODELS for m in models) or args.rounds < 1 or args.steps < 3:
+        parser.error(f"--models: choose from {', '.join(MODELS)}; --rounds at least 1; --steps at least 3")
     results = []
     settings = ("off", "on") if args.onednn == "both" else (args.onednn,)
     for _ in range(args.rounds):
         for name in models:
             for onednn in settings:
                 for order in ORDERS:
-                    results.append(run(name, order, args.image_size, onednn))
+                    results.append(run(name, order, args.image_size, onednn, args.steps))
                     print(json.dumps(results[-1]), flush=True)
     print(f"python bench/execution_order.py {' '.join(sys.argv[1:] if argv is None else argv)}")
     print(report(results))

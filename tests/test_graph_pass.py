@@ -97,6 +97,12 @@ def _versioned(records: str) -> str:
     return plan_message.message([]) + records
 
 
+def _seq(names, bands=None) -> str:
+    """``seq`` records of chain 0 for ``names``, each in a band of its own unless ``bands`` are given."""
+    bands = range(len(names)) if bands is None else bands
+    return "".join(f"seq\t0\t{n}\t{b}\n" for n, b in zip(names, bands))
+
+
 def _relu_swap_plan(view, consumers=None, trigger=""):
     relu = [op for op in view.get_operations() if op.type == "Relu"][0]
     readers = consumers or [op.name for op in relu.outputs[0].consumers() if "gradient_tape/" in op.name]
@@ -126,9 +132,12 @@ def test_a_plan_inserts_swap_ops_and_the_step_computes_the_same_values():
     ("bogus line\n", "unknown record kind 'bogus line'"),
     ("out\tno_such_node\t0\tx/dymem_swap_out_0\n", "no_such_node"),
     ("in\tmissing_out\tx/in\t\tconsumer\n", "unknown swap-out"),
-    ("seq\t0\tno_such_node\n", "no_such_node"),
-    ("seq\tnot_a_chain\tx\n", "malformed"),
-    ("seq\t-1\tx\n", "malformed"),
+    ("seq\t0\tno_such_node\t0\n", "no_such_node"),
+    ("seq\tnot_a_chain\tx\t0\n", "malformed"),
+    ("seq\t-1\tx\t0\n", "malformed"),
+    ("seq\t0\tx\t-1\n", "malformed"),
+    ("seq\t0\tx\t1\nseq\t0\ty\t0\n", "malformed"),
+    ("seq\t0\tx\t\n", "malformed"),
     ("seqadded\n", "a 'seqadded' record has 1 fields (chain), not 0"),
     ("out\tx\t0\n", "a 'out' record has 3 fields (producer, port, swap_out), not 2"),
 ])
@@ -231,8 +240,8 @@ def test_seq_records_chain_independent_ops_in_the_listed_order_and_bend_to_the_g
         ops = [n for n in nx.topological_sort(g) if g.in_degree(n) > 0]
         a, b = next((a, b) for i, a in enumerate(ops) for b in ops[i + 1:]
                     if not nx.has_path(g, a, b) and not nx.has_path(g, b, a))
-        text = "".join(f"seq\t0\t{n}\n" for n in ops[::-1])
-        rewritten = call.apply(_versioned("".join(f"seq\t0\t{n}\n" for n in [b, a]))).view()
+        text = _seq(ops[::-1])
+        rewritten = call.apply(_versioned(_seq([b, a]))).view()
         seen["pair"] = (a, b, _control_inputs(rewritten, a))
         seen["backwards"] = _dag(call.apply(_versioned(text)).view())
 
@@ -244,6 +253,47 @@ def test_seq_records_chain_independent_ops_in_the_listed_order_and_bend_to_the_g
         np.testing.assert_array_equal(x, y)
 
 
+def test_bands_leave_their_ops_unordered_and_wait_for_the_whole_band_before():
+    """Two bands of several ops: no edge inside a band, one NoOp that every op of the first precedes and that
+    precedes every op of the second, no other edge; the step computes the same."""
+    base = _offered(lambda call: None)
+    seen = {}
+
+    def apply(call):
+        view = call.graph()
+        g = _dag(view)
+        ops = [n for n in nx.topological_sort(g) if g.in_degree(n) > 0 and not n.startswith("Identity")
+               and view.get_operation_by_name(n).type != "_Retval"]
+        half = len(ops) // 2
+        seen["bands"] = (ops[:half], ops[half:])
+        seen["before"] = set(g.edges)
+        seen["after"] = _dag(call.apply(_versioned(_seq(ops, [0] * half + [1] * (len(ops) - half)))).view())
+
+    out = _offered(apply)
+    first, second = seen["bands"]
+    assert len(first) > 1 and len(second) > 1
+    barrier = f"{second[0]}/dymem_band_start"
+    g = seen["after"]
+    assert set(g.predecessors(barrier)) == set(first) and set(g.successors(barrier)) == set(second)
+    assert set(g.edges) - seen["before"] == {(a, barrier) for a in first} | {(barrier, b) for b in second}
+    for x, y in zip(out, base):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_a_chain_numbering_more_bands_than_nodes_is_refused():
+    errors = []
+
+    def apply(call):
+        ops = [n for n in nx.topological_sort(_dag(call.graph())) if n.startswith("MatMul")]
+        try:
+            call.apply(_versioned(_seq(ops, [0, 7])))
+        except graph_pass.PlanApplyError as err:
+            errors.append(str(err))
+
+    _offered(apply)
+    assert len(errors) == 1 and "numbers its bands up to 7 for 2 nodes" in errors[0]
+
+
 def test_a_seqadded_record_chains_the_plans_own_ops_as_soon_as_they_are_ready():
     seen = {}
 
@@ -251,7 +301,7 @@ def test_a_seqadded_record_chains_the_plans_own_ops_as_soon_as_they_are_ready():
         def apply(call):
             view = call.graph()
             g = _dag(view)
-            chain = "".join(f"seq\t0\t{n}\n" for n in nx.topological_sort(g) if g.in_degree(n) > 0)
+            chain = _seq([n for n in nx.topological_sort(g) if g.in_degree(n) > 0])
             text = _relu_swap_plan(view, trigger="MatMul_1") + chain + ("seqadded\t0\n" if added else "")
             rewritten = _dag(call.apply(_versioned(text)).view())
             swaps = [n for n in rewritten if "/dymem_swap_" in n]
@@ -299,8 +349,7 @@ def test_seqadded_leaves_swap_ops_on_an_untaken_branch_out_of_the_chain():
         branch = set().union(*(nx.descendants(beyond, n) for n in g if types[n] == "Switch"))
         chain = [n for n in nx.topological_sort(g) if g.in_degree(n) > 0 and n not in branch
                  and types[n] not in ("_Retval", "Switch", "Merge")]
-        text = (_relu_swap_plan(view, consumers=[consumer]) + "".join(f"seq\t0\t{n}\n" for n in chain)
-                + "seqadded\t0\n")
+        text = _relu_swap_plan(view, consumers=[consumer]) + _seq(chain) + "seqadded\t0\n"
         seen["graph"] = _dag(call.apply(_versioned(text)).view())
         seen["swaps"] = {n for n in seen["graph"] if "/dymem_swap_" in n}
         seen["consumer"] = consumer
@@ -541,7 +590,7 @@ def test_a_plan_of_every_record_kind_applies_and_trains_the_same():
             record("ctrl", "w/out", "w/in"), record("ctrl", "w/in", "w/keep"), record("ctrl", "w/in", "w/read"),
             *[record("ctrl", "w/keep", u) for u in w_users],
             record("clone", relu.name, "relu/copy", ""), record("reroute", reader, relu.name, 0, "relu/copy"),
-            record("seq", 0, matmul), record("seq", 0, relu.name), record("seqadded", 0)]
+            record("seq", 0, matmul, 0), record("seq", 0, relu.name, 1), record("seqadded", 0)]
         kinds.update(line.split("\t")[0] for line in lines)
         rewritten.append(call.apply(plan_message.message(lines)).view())
 
@@ -558,8 +607,8 @@ def test_a_plan_of_every_record_kind_applies_and_trains_the_same():
 
 
 @pytest.mark.parametrize("text, fragment", [
-    ("out\tx\t0\tx/out\n", "does not start with its version line (dymem-plan 2)"),
-    ("dymem-plan\t1\nout\tx\t0\tx/out\n", "version 1 and this graph pass reads version 2"),
+    ("out\tx\t0\tx/out\n", "does not start with its version line (dymem-plan 3)"),
+    ("dymem-plan\t2\nout\tx\t0\tx/out\n", "version 2 and this graph pass reads version 3"),
     ("", "needs at least its version line"),
 ])
 def test_a_message_of_another_version_is_refused_and_the_graph_is_unchanged(text, fragment):
@@ -571,7 +620,7 @@ def test_a_message_of_another_version_is_refused_and_the_graph_is_unchanged(text
         except graph_pass.PlanApplyError as err:
             errors.append(str(err))
 
-    assert plan_message.schema().version == 2
+    assert plan_message.schema().version == 3
     base = _offered(lambda call: None)
     out = _offered(apply)
     assert len(errors) == 1 and fragment in errors[0], errors

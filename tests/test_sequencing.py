@@ -85,6 +85,7 @@ def test_swap_ops_join_the_chain_only_where_their_copies_are_synchronous(device,
 
 @pytest.mark.parametrize("settings, chained", [
     (dict(), True),
+    (dict(execution_order="strict"), True),
     (dict(execution_order="free"), False),
     (dict(policy="vdnn"), False),
     (dict(policy="none"), False),
@@ -105,9 +106,66 @@ def test_a_cpu_step_that_onednn_rewrites_after_the_plan_keeps_tfs_order_and_says
     assert any("oneDNN's layout pass" in n for n in planned.plan.notes) is not chained
 
 
+def _banded_graph(conv_window: int = 1) -> StepGraph:
+    """Small independent ops early (far below the peak), then three 8 MB feature maps built up to the peak and
+    freed by their gradients; ``c2``, a convolution of ``conv_window`` (kernel height x width), reads one."""
+    spec = {"x": {"type": "Placeholder", "bytes": MB}}
+    spec.update({f"s{i}": {"type": "Relu", "inputs": ["x"], "bytes": 1024} for i in range(4)})
+    spec["w"] = {"type": "Const", "bytes": 36, "shape": (conv_window, 1, 3, 3)}
+    spec["f1"] = {"type": "Relu", "inputs": ["x", "s0", "s1", "s2", "s3"], "bytes": 8 * MB}
+    spec["c2"] = {"type": "Conv2D", "inputs": ["f1", "w"], "bytes": 8 * MB, "shape": (16, 32, 32, 128)}
+    spec["f3"] = {"type": "Relu", "inputs": ["c2"], "bytes": 8 * MB}
+    spec["g3"] = {"type": "ReluGrad", "inputs": ["f3", "c2"], "bytes": MB, "backward": True}
+    spec["g2"] = {"type": "ReluGrad", "inputs": ["g3", "f1"], "bytes": MB, "backward": True}
+    spec["out"] = {"type": "_Retval", "inputs": ["g2"], "bytes": []}
+    return StepGraph.from_spec(spec)
+
+
+def _bands(sg: StepGraph, measured: bool = False) -> dict[str, int]:
+    from dymem_tf.planning.simulator import simulate
+
+    seq = sequencing.find_sequence(sg)
+    return dict(zip(seq.ops, sequencing.find_bands(sg, seq.ops, simulate(sg, None), measured=measured)))
+
+
+def test_bands_group_the_ops_far_from_the_peak_and_chain_those_near_it():
+    # the peak is 25 MB (x, the three maps, g3). The small ops, f1 and c2 reach 17 MB at most in any order; f3 would
+    # take that band to 25 + 8 MB, so it starts a band of its own, at 24 MB; g2 writes into g3's buffer, so g3 and
+    # g2 stay within the peak together
+    assert _bands(_banded_graph()) == {"s0": 0, "s1": 0, "s2": 0, "s3": 0, "f1": 0, "c2": 0, "f3": 1, "g3": 2,
+                                       "g2": 2}
+
+
+def test_the_planned_order_comes_in_bands_and_the_strict_one_op_by_op():
+    planned = pipeline.plan_step(_banded_graph(), pipeline.PlanSettings(), copy=True)
+    strict = pipeline.plan_step(_banded_graph(), pipeline.PlanSettings(execution_order="strict"), copy=True)
+    assert planned.sequence.ops == strict.sequence.ops
+    assert planned.sequence.band_count() == 3 and strict.sequence.band_count() == len(strict.sequence.ops)
+    assert any("in 3 bands" in n for n in planned.plan.notes)
+    assert not any(" bands " in n for n in strict.plan.notes)
+
+
+def test_an_unmeasured_convolution_counts_its_im2col_buffer_and_a_measured_one_does_not():
+    wide = _banded_graph(conv_window=9)
+    assert sequencing.workspace_bound(_banded_graph(), "c2") == 8 * MB  # a 1x1 window: its largest map
+    assert sequencing.workspace_bound(wide, "c2") == sequencing.UNMEASURED_WORKSPACE_BYTES  # 9 x 8 MB, capped
+    assert sequencing.workspace_bound(wide, "f3") == 0
+    # one workspace per band is what the strict chain holds too: a band of one convolution is unchanged
+    assert _bands(wide) == _bands(_banded_graph())
+
+
+def test_a_band_of_two_convolutions_needs_room_for_both_workspaces():
+    sg = _banded_graph()
+    spec_ops = [op for op in sg.ops.values() if op.name.startswith("s")]
+    for op in spec_ops:  # the early small ops made convolutions of an unknown window: 32 MiB each
+        op.type = "Conv2D"
+    assert len({b for n, b in _bands(sg).items() if n.startswith("s")}) == 4
+    assert len({b for n, b in _bands(sg, measured=True).items() if n.startswith("s")}) == 1
+
+
 def test_the_callback_stores_execution_order_as_given_and_refuses_unknown_values():
     assert dymem_tf.DymemCallback(memory_budget=None, execution_order="free", verbose=0).execution_order == "free"
-    with pytest.raises(ValueError, match="execution_order 'random'.*planned, free"):
+    with pytest.raises(ValueError, match="execution_order 'random'.*planned, strict, free"):
         dymem_tf.DymemCallback(memory_budget=None, execution_order="random")
 
 
@@ -156,11 +214,13 @@ def _step_peaks(order: str, interop_threads: int | None) -> list[int]:
 
 def test_a_chained_step_repeats_its_peak_whatever_the_executors_thread_count():
     """The planned order is the order: the steps after the first (which also builds the optimizer's state) peak at
-    the same bytes in use, with the default inter-op threads and with one (where TF's executor, left free, runs
-    depth-first instead of layer by layer)."""
+    the same bytes in use to within 1%, with the default inter-op threads and with one (where TF's executor, left
+    free, runs depth-first instead of layer by layer). Not to the byte: the ops of a band may take their turns in
+    any order, under the band's bound."""
     default, one_thread = _step_peaks("planned", None), _step_peaks("planned", 1)
     assert len(default) == len(one_thread) == 4
-    assert len(set(default[1:] + one_thread[1:])) == 1, (default, one_thread)
+    steady = default[1:] + one_thread[1:]
+    assert max(steady) <= 1.01 * min(steady), (default, one_thread)
 
 
 def test_a_step_inside_a_loop_keeps_tfs_order():

@@ -38,8 +38,10 @@ class DymemCallback(keras.callbacks.Callback):
         policy: ``"dymem"`` (dependency-layer schedule), or a baseline: ``"vdnn"``, ``"tflms"``, ``"none"``.
         execution_order: ``"planned"`` (default, for the ``"dymem"`` policy): the step's ops run in the order the
             planner simulated them, chained by control edges, so every step's peak is the one predicted, whatever the
-            executor's thread count (see :mod:`dymem_tf.planning.sequencing`; the values are unchanged).
-            ``"free"``: TF's executor orders the ops as they become ready; steps then differ by a few % in memory.
+            executor's thread count; where the bytes in use stay far enough below the peak, ops of a band run side
+            by side (see :mod:`dymem_tf.planning.sequencing`; the values are unchanged either way). ``"strict"``:
+            every op chained, one at a time: the bytes in use repeat to the byte, for a slower step. ``"free"``:
+            TF's executor orders the ops as they become ready; steps then differ by several % in memory.
         xla: ``None`` (default): a step that swaps runs without XLA (an XLA cluster would swallow the swap ops); a
             step that swaps nothing keeps your XLA settings. ``"auto"``: the pass plans before XLA's clustering and
             the step is auto-clustered around the swap ops (on the CPU only with

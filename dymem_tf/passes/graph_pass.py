@@ -203,8 +203,9 @@ def encode_plan(swaps, control_edges=(), resident=(), sequences=()) -> str:
     :func:`variable_op_names`; one with ``kind == "weight"`` the records of :func:`_weight_records`. ``resident``:
     ``(resource, users)`` of variables the plan keeps, each brought back before its users by a ``vkeep`` (a
     ``vin`` whose buffer GTBM places in its persistent group: the variable stays on the device from then on).
-    ``sequences``: ``(names, with_added)`` pairs, each list chained in its order as far as the graph allows (``seq``
-    records), with the nodes the plan adds on its device when ``with_added`` (``seqadded``).
+    ``sequences``: ``(names, with_added, bands)`` triples, each list chained in its order as far as the graph
+    allows (``seq`` records), with the nodes the plan adds on its device when ``with_added`` (``seqadded``), in
+    ``bands`` (each name's band, non-decreasing; empty: each name its own).
     """
     lines = []
     for decision in swaps:
@@ -243,8 +244,10 @@ def encode_plan(swaps, control_edges=(), resident=(), sequences=()) -> str:
         lines.append(record("vkeep", producer, port, name, 0))  # a vin into GTBM's persistent group
         lines += [record("ctrl", name, user) for user in users]
     lines += [record("ctrl", a, b) for a, b in control_edges]
-    for k, (sequence, with_added) in enumerate(sequences):
-        lines += [record("seq", k, name) for name in sequence] + ([record("seqadded", k)] if with_added else [])
+    for k, (sequence, with_added, bands) in enumerate(sequences):
+        bands = bands or range(len(sequence))
+        lines += [record("seq", k, name, band) for name, band in zip(sequence, bands)]
+        lines += [record("seqadded", k)] if with_added else []
     return message(lines)
 
 

@@ -323,7 +323,8 @@ class StepPass:
         swaps = [d for _, step in planned for d in step.plan.swaps]
         edges = [e for _, step in planned for e in step.deferrals]
         resident = [r for _, step in planned for r in step.resident]
-        sequences = [(step.sequence.ops, step.sequence.with_added) for _, step in planned if step.sequence.ops]
+        sequences = [(step.sequence.ops, step.sequence.with_added, step.sequence.bands) for _, step in planned
+                     if step.sequence.ops]
         try:
             with stages.stage("rewrite"):
                 rewritten = call.apply(graph_pass.encode_plan(swaps, edges, resident, sequences))

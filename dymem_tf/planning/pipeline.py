@@ -17,6 +17,7 @@ from dymem_tf.planning.cost_model import CostModel
 from dymem_tf.planning.device_profiles import DeviceProfile
 from dymem_tf.planning.memory_model import MeasuredMemory
 from dymem_tf.planning.plan import Plan
+from dymem_tf.planning.simulator import simulate
 from dymem_tf.planning.stages import stage
 
 
@@ -33,8 +34,8 @@ class PlanSettings:
     swapin_ahead: int | None = 1  # TFLMS' level distance; for dymem a cap on how late a trigger may sit
     headroom: float = planner.DEFAULT_HEADROOM  # share of the budget kept free
     defer_updates: bool = True  # see dymem_tf.planning.update_deferral
-    #: "planned": the rewrite chains the ops in the simulated order (dymem policy only, see
-    #: dymem_tf.planning.sequencing); "free": the executor orders them
+    #: "planned": the rewrite chains the ops in the simulated order, in bands; "strict": op by op (dymem policy only,
+    #: see dymem_tf.planning.sequencing); "free": the executor orders them
     execution_order: str = "planned"
     #: let the dymem policy offload optimizer state between its uses (dymem_tf.planning.offload); the pass enables
     #: it under a budget only
@@ -95,12 +96,19 @@ def holds_for(step_graph: StepGraph, settings: PlanSettings) -> list[tuple[str, 
     return _outside_conditionals(step_graph, backward_ordering.find_holds(step_graph))
 
 
-def sequence_for(step_graph: StepGraph, settings: PlanSettings) -> sequencing.Sequence:
-    """The order the rewrite makes the executor follow: with ``execution_order="planned"``, for the dymem policy
-    (the baselines keep TF's order, as the systems they stand for do)."""
-    if settings.execution_order != "planned" or settings.policy != "dymem":
+def sequence_for(step_graph: StepGraph, settings: PlanSettings, plan: Plan | None = None) -> sequencing.Sequence:
+    """The order the rewrite makes the executor follow: with ``execution_order`` "planned" or "strict", for the dymem
+    policy (the baselines keep TF's order, as the systems they stand for do); "planned" in bands where ``plan`` is
+    given (its simulation bounds them)."""
+    if settings.execution_order == "free" or settings.policy != "dymem":
         return sequencing.Sequence()
-    return sequencing.find_sequence(step_graph, onednn_later=settings.onednn_later)
+    sequence = sequencing.find_sequence(step_graph, onednn_later=settings.onednn_later)
+    if not (sequence.ops and settings.execution_order == "planned" and plan is not None):
+        return sequence
+    temporaries = settings.memory.held_during(step_graph) if settings.memory is not None else None
+    sim = simulate(step_graph, plan, settings.profile, timeline=False, temporaries=temporaries)
+    bands = sequencing.find_bands(step_graph, sequence.ops, sim, measured=temporaries is not None)
+    return dataclasses.replace(sequence, bands=bands)
 
 
 def _adds_edges(settings: PlanSettings) -> bool:
@@ -259,10 +267,12 @@ def finish_plan(prepared: PreparedStep, settings: PlanSettings) -> PlannedStep:
         offloaded = {s.tensor for s in plan.swaps if s.kind in ("variable", "weight")}
         resident = [(t, users) for t, users in offload.variable_resources(graph) if t not in offloaded]
     with stage("sequence"):
-        sequence = sequence_for(graph, settings)
+        sequence = sequence_for(graph, settings, plan)
     if sequence.ops:
+        bands = sequence.band_count()
         plan.notes.append(f"{len(sequence.ops)} ops chained in the planned order" +
-                          (", swap ops as soon as they are ready" if sequence.with_added else ""))
+                          (f", in {bands} bands (ops of a band run side by side)" if bands < len(sequence.ops) else "")
+                          + (", swap ops as soon as they are ready" if sequence.with_added else ""))
     elif sequence.skipped:
         plan.notes.append(sequence.skipped)
     accumulation = sequencing.accumulation_note(graph)

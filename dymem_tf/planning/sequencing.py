@@ -34,16 +34,33 @@ Left out of the chain, as Grappler's memory optimizer leaves what it cannot hand
 branches (a dead op would never release its successor), control-flow ops, ops in another loop frame than the
 step's (TF forbids edges across frames), ops on another device than the step's (an edge across devices costs a
 send and a receive), and ops without inputs (constants, arguments: ready at the start whatever is done).
+
+Bands. A strict chain also serialises ops that could run side by side without changing the peak: far from the
+step's peak the order of a few ops moves the bytes in use by less than the distance to the peak. :func:`find_bands`
+cuts the chain into *bands* of consecutive ops; the rewrite orders the bands (every op of a band waits for every op
+of the band before it) and leaves the order inside a band to TF's executor. Whatever that order, the bytes in use
+inside a band stay below the bytes in use when it starts plus every allocation its ops make, and a band is only as
+long as that bound stays within the simulated peak. Near the peak the bands are single ops: the strict chain, so
+the step's peak is still the simulated one. Kernel workspaces the plan did not measure count for every
+convolution of a band (:func:`workspace_bound`: TF's CPU convolution gradients take an im2col buffer of up to
+30 MiB), so a band holding one lies that far below the simulated peak, which the strict chain's real peak (the
+simulated bytes and a workspace) exceeds anyway; where no band has room, such ops stay strictly chained, and the
+bytes in use when each starts are the same in every step.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
 
-from dymem_tf.planning.analysis import StepGraph
+import numpy as np
 
-#: ``execution_order`` values: "planned" chains the ops in the simulated order, "free" leaves the order to TF.
-EXECUTION_ORDERS = ("planned", "free")
+from dymem_tf.planning.analysis import StepGraph
+from dymem_tf.planning.simulator import SimResult
+
+#: ``execution_order`` values: "planned" chains the ops in the simulated order, in bands (:func:`find_bands`);
+#: "strict" chains every op (the bytes in use repeat to the byte, the executor's threads run one op at a time);
+#: "free" leaves the order to TF.
+EXECUTION_ORDERS = ("planned", "strict", "free")
 #: Why a CPU step with oneDNN's kernels on keeps TF's order.
 ONEDNN_SKIP = ("ops left in TF's order: oneDNN's layout pass runs after Dymem's and would fuse differently around "
                "the chain's edges (TF_ENABLE_ONEDNN_OPTS=0 lets Dymem chain them)")
@@ -60,6 +77,11 @@ ACCUMULATION_OP_TYPES = frozenset({"TemporaryVariable", "DestroyTemporaryVariabl
                                    "AssignSub"})
 #: A function's arguments and results: TF accepts no control edge out of a result.
 FUNCTION_BOUNDARY_OP_TYPES = frozenset({"_Arg", "_Retval", "_DeviceArg", "_DeviceRetval"})
+
+#: The most a convolution is taken to hold besides its outputs when the plan has no measured temporaries: TF's CPU
+#: convolution gradients size their im2col buffer to a 30 MiB working set (``target_working_set_size`` in
+#: ``conv_grad_input_ops.cc`` / ``conv_grad_filter_ops.cc``), a little more for the last unit of work.
+UNMEASURED_WORKSPACE_BYTES = 32 * 2**20
 
 _UNCHAINED_OP_TYPES = CONTROL_FLOW_OP_TYPES | FUNCTION_BOUNDARY_OP_TYPES | ACCUMULATION_OP_TYPES
 
@@ -88,6 +110,12 @@ class Sequence:
     with_added: bool = False
     #: why nothing is chained, when that is the reason (else "")
     skipped: str = ""
+    #: the band of each op (non-decreasing, from 0; :func:`find_bands`); empty: each op its own band
+    bands: tuple[int, ...] = ()
+
+    def band_count(self) -> int:
+        """How many bands the ops form (each op its own without :attr:`bands`)."""
+        return self.bands[-1] + 1 if self.bands else len(self.ops)
 
 
 def find_sequence(sg: StepGraph, onednn_later: bool = False) -> Sequence:
@@ -107,6 +135,46 @@ def find_sequence(sg: StepGraph, onednn_later: bool = False) -> Sequence:
         return Sequence(skipped=LOOP_SKIP)
     ops = tuple(n for n in sg.execution_order() if _chainable(sg, n, frame, device))
     return Sequence(ops, with_added=_is_cpu(device))
+
+
+def find_bands(sg: StepGraph, ops: tuple[str, ...], sim: SimResult, measured: bool = False) -> tuple[int, ...]:
+    """The band of each of ``ops`` (chainable ops in ``sim``'s order, as :func:`find_sequence` gives them): greedy
+    runs of consecutive ops whose bound (see above) stays within ``sim``'s peak. ``measured``: ``sim`` holds the
+    kernels' measured temporaries, so no workspace is added for ops running side by side."""
+    if not ops or sim.memory_curve is None or sim.op_start_s is None:
+        return ()
+    times, in_use = sim.memory_curve
+    persistent = int(sim.peak_by_group.get("persistent", 0))
+    grows = np.concatenate(([0], np.cumsum(np.maximum(np.diff(in_use, prepend=persistent), 0))))
+    position = {name: i for i, name in enumerate(sim.order)}
+    starts = np.searchsorted(times, sim.op_start_s[[position[n] for n in ops]], side="left")
+    ends = np.append(starts[1:], len(times))  # a band's ops, and the unchained ops up to the next band's start
+    workspace = [0 if measured else workspace_bound(sg, n) for n in ops]
+    bands, band, first, held = [0], 0, 0, workspace[0]
+    for k in range(1, len(ops)):
+        held += workspace[k]
+        before = int(in_use[starts[first] - 1]) if starts[first] else persistent
+        if before + int(grows[ends[k]] - grows[starts[first]]) + held - max(workspace[first:k + 1]) > sim.peak_bytes:
+            band, first, held = band + 1, k, workspace[k]
+        bands.append(band)
+    return tuple(bands)
+
+
+def workspace_bound(sg: StepGraph, name: str) -> int:
+    """What op ``name`` may hold besides its outputs, unmeasured: for a convolution (any kind, oneDNN's too) an
+    im2col buffer, at most the filter's window (all but its last two dimensions) times its largest feature map and
+    at most :data:`UNMEASURED_WORKSPACE_BYTES`; for other ops 0."""
+    op = sg.ops[name]
+    if "Conv" not in op.type:
+        return 0
+    filter_name = op.outputs[0] if "BackpropFilter" in op.type else (op.inputs[1:2] or [""])[0]
+    filt = sg.tensors.get(filter_name)
+    maps = [sg.tensors[t] for t in op.inputs + op.outputs if t != filter_name and t in sg.tensors]
+    if filt is None or len(filt.shape) < 3 or not all(isinstance(d, int) and d > 0 for d in filt.shape) \
+            or not maps or not all(t.shape_known for t in maps):
+        return UNMEASURED_WORKSPACE_BYTES
+    window = int(np.prod(filt.shape[:-2]))
+    return min(window * max(t.bytes for t in maps), UNMEASURED_WORKSPACE_BYTES)
 
 
 def accumulation_note(sg: StepGraph) -> str:

@@ -10,7 +10,7 @@
 //
 // DYMEM_PLAN_RECORD(kind, field names...)
 
-DYMEM_PLAN_VERSION(2)
+DYMEM_PLAN_VERSION(3)
 
 DYMEM_PLAN_RECORD(out, "producer", "port", "swap_out")
 DYMEM_PLAN_RECORD(in, "swap_out", "swap_in", "trigger", "consumers")
@@ -22,5 +22,5 @@ DYMEM_PLAN_RECORD(vout, "resource", "port", "name", "discard")
 DYMEM_PLAN_RECORD(vread, "resource", "port", "name", "like")
 DYMEM_PLAN_RECORD(clone, "node", "name", "inputs")
 DYMEM_PLAN_RECORD(reroute, "consumer", "source", "port", "target")
-DYMEM_PLAN_RECORD(seq, "chain", "node")
+DYMEM_PLAN_RECORD(seq, "chain", "node", "band")
 DYMEM_PLAN_RECORD(seqadded, "chain")

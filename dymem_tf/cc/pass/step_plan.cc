@@ -76,12 +76,18 @@ bool ParseCtrl(const std::vector<std::string>& f, StepPlan* plan) {
 // Parses one `seq` record; false on a malformed one.
 bool ParseSeq(const std::vector<std::string>& f, StepPlan* plan) {
   constexpr int kMaxChains = 1 << 16;
-  int chain = 0;
-  if (f[2].empty() || !absl::SimpleAtoi(f[1], &chain) || chain < 0 || chain >= kMaxChains) {
+  int chain = 0, band = 0;
+  if (f[2].empty() || !absl::SimpleAtoi(f[1], &chain) || chain < 0 || chain >= kMaxChains ||
+      !absl::SimpleAtoi(f[3], &band) || band < 0) {
     return false;
   }
-  if (plan->sequences.size() <= static_cast<size_t>(chain)) plan->sequences.resize(chain + 1);
+  if (plan->sequences.size() <= static_cast<size_t>(chain)) {
+    plan->sequences.resize(chain + 1);
+    plan->bands.resize(chain + 1);
+  }
+  if (!plan->bands[chain].empty() && band < plan->bands[chain].back()) return false;  // bands never go back
   plan->sequences[chain].push_back(f[2]);
+  plan->bands[chain].push_back(band);
   return true;
 }
 
@@ -308,12 +314,17 @@ bool Validate(const StepPlan& plan, const NodeIndex& index, std::string* error) 
       }
     }
   }
-  for (const std::vector<std::string>& sequence : plan.sequences) {
-    for (const std::string& name : sequence) {
+  for (size_t k = 0; k < plan.sequences.size(); ++k) {
+    for (const std::string& name : plan.sequences[k]) {
       if (!index.count(name)) {
         *error = absl::StrCat("the plan's order names node '", name, "', which is not in the graph");
         return false;
       }
+    }
+    if (!plan.bands[k].empty() && plan.bands[k].back() >= static_cast<int>(plan.bands[k].size())) {
+      *error = absl::StrCat("chain ", k, " of the plan's order numbers its bands up to ", plan.bands[k].back(),
+                            " for ", plan.bands[k].size(), " nodes: a chain has at most one band per node");
+      return false;
     }
   }
   return true;
@@ -636,9 +647,62 @@ std::vector<bool> MayBeDead(const Graph& graph) {
   return dead;
 }
 
+// `order` cut into runs of one band. A listed node's band is its record's (`band_of`, by node id), another node's
+// the band of the listed node before it in `order`; in a band of one listed node (`wide` false), and before any
+// listed node, every node is a run of its own (the strict chain).
+std::vector<std::vector<Node*>> BandRuns(const std::vector<Node*>& order, const std::vector<int>& band_of,
+                                         const std::vector<bool>& wide) {
+  std::vector<std::vector<Node*>> runs;
+  int band = -1, previous = 0, solo = -1;  // run keys: a wide band's number, or a negative one per solo node
+  for (Node* n : order) {
+    if (band_of[n->id()] >= 0) band = band_of[n->id()];
+    const int key = band >= 0 && wide[band] ? band : solo--;
+    if (runs.empty() || key != previous) runs.emplace_back();
+    runs.back().push_back(n);
+    previous = key;
+  }
+  return runs;
+}
+
+// A NoOp on `like`'s device that every node of `before` precedes and that precedes every node of `after`; false
+// with `error` if it cannot be added.
+bool AddBarrier(const std::vector<Node*>& before, const std::vector<Node*>& after, Graph* graph, UndoLog* log,
+                std::string* error) {
+  Node* barrier = nullptr;
+  const std::string name = absl::StrCat(after.front()->name(), "/dymem_band_start");
+  absl::Status s = tensorflow::NodeBuilder(name, "NoOp")
+                       .Device(after.front()->assigned_device_name())
+                       .Finalize(graph, &barrier, /*consume=*/true);
+  if (!s.ok()) {
+    *error = absl::StrCat("could not add NoOp '", name, "': ", s.message());
+    return false;
+  }
+  barrier->set_assigned_device_name(after.front()->assigned_device_name());
+  log->added_nodes.push_back(barrier);
+  for (Node* n : before) AddLoggedControlEdge(graph, n, barrier, log);
+  for (Node* n : after) AddLoggedControlEdge(graph, barrier, n, log);
+  return true;
+}
+
+// Makes every node of `after` wait for every node of `before` (runs of a chain, `before` first in a topological
+// order): direct edges where either run is one node (none where the graph has one), else through a barrier.
+bool LinkRuns(const std::vector<Node*>& before, const std::vector<Node*>& after, Graph* graph, UndoLog* log,
+              std::string* error) {
+  if (before.size() > 1 && after.size() > 1) return AddBarrier(before, after, graph, log, error);
+  for (Node* a : before) {
+    for (Node* b : after) {
+      bool linked = false;
+      for (const Edge* e : b->in_edges()) linked |= e->src() == a;
+      if (!linked) AddLoggedControlEdge(graph, a, b, log);
+    }
+  }
+  return true;
+}
+
 // Chains each of the plan's sequences with control edges (see `seq` in step_plan.h), skipping edges the graph has.
-// The plan's own nodes join a `seqadded` chain only where they cannot be dead (MayBeDead).
-void AddSequences(const StepPlan& plan, const NodeIndex& index, Graph* graph, UndoLog* log) {
+// The plan's own nodes join a `seqadded` chain only where they cannot be dead (MayBeDead). False with `error` if
+// a band's barrier cannot be added.
+bool AddSequences(const StepPlan& plan, const NodeIndex& index, Graph* graph, UndoLog* log, std::string* error) {
   const std::vector<Node*> added = log->added_nodes;  // copied: the chain's edges are logged too
   // MayBeDead, found once: chains link only nodes that cannot be dead, so they make no node dead.
   std::vector<bool> dead;
@@ -654,12 +718,20 @@ void AddSequences(const StepPlan& plan, const NodeIndex& index, Graph* graph, Un
       }
     }
     std::vector<Node*> order = OrderSequence(sequence, extra, index, *graph);
-    for (size_t i = 1; i < order.size(); ++i) {
-      bool linked = false;
-      for (const Edge* e : order[i]->in_edges()) linked |= e->src() == order[i - 1];
-      if (!linked) AddLoggedControlEdge(graph, order[i - 1], order[i], log);
+    std::vector<int> band_of(graph->num_node_ids(), -1);
+    std::vector<int> members(plan.bands[k].back() + 1, 0);
+    for (size_t i = 0; i < sequence.size(); ++i) {
+      band_of[index.at(sequence[i])->id()] = plan.bands[k][i];
+      ++members[plan.bands[k][i]];
+    }
+    std::vector<bool> wide(members.size());
+    for (size_t b = 0; b < members.size(); ++b) wide[b] = members[b] > 1;
+    const std::vector<std::vector<Node*>> runs = BandRuns(order, band_of, wide);
+    for (size_t r = 1; r < runs.size(); ++r) {
+      if (!LinkRuns(runs[r - 1], runs[r], graph, log, error)) return false;
     }
   }
+  return true;
 }
 
 // Adds the plan's control edges.
@@ -693,7 +765,7 @@ bool ApplyValidated(const StepPlan& plan, Graph* graph, UndoLog* log, std::strin
             AddVariableSwaps(plan, index, graph, &added, log, error) &&
             ApplyEdits(plan, index, graph, &added, log, error);
   if (ok) AddControlEdges(plan, index, added, graph, log);
-  if (ok) AddSequences(plan, index, graph, log);
+  if (ok) ok = AddSequences(plan, index, graph, log, error);
   if (ok) {
     std::string cycle = FindCycle(*graph);
     if (!cycle.empty()) {

@@ -28,10 +28,13 @@
 //                                                                    source now read `new source`:0
 //
 // The order the planner simulated, applied last, after every other record:
-//   seq   <chain> <node>          one record per node, in the simulated order; chains numbered from 0 (one per
+//   seq   <chain> <node> <band>   one record per node, in the simulated order; chains numbered from 0 (one per
 //                                 replica): each chain's nodes are linked with control edges in the topological
 //                                 order of the rewritten graph that follows its records as far as the graph's edges
-//                                 allow (other nodes run as soon as they are ready), so a chain closes no cycle
+//                                 allow (other nodes run as soon as they are ready), so a chain closes no cycle.
+//                                 Bands (numbers from 0, non-decreasing along a chain) relax the chain: the nodes of
+//                                 a run of one band along that order are not linked to each other, each waits for
+//                                 every node of the run before it (through one NoOp where both runs have several)
 //   seqadded <chain>              chain `chain` also takes the nodes the plan adds on its device (its first node's),
 //                                 each as soon as it is ready: for synchronous copies (the CPU kernels), which the
 //                                 executor could otherwise leave waiting behind the chain
@@ -111,6 +114,7 @@ struct StepPlan {
   std::vector<VariableRecord> variables;
   std::vector<NodeEditRecord> edits;
   std::vector<std::vector<std::string>> sequences;  // `seq` records: the nodes of each chain, in order
+  std::vector<std::vector<int>> bands;               // their bands, parallel to `sequences`
   std::vector<int> chains_with_added;                // `seqadded` records
 };
 
