@@ -12,11 +12,13 @@ import tensorflow as tf
 
 
 class StepPeaks(keras.callbacks.Callback):
-    """Records the GTBM device's peak (``peak_bytes_reserved``) of every training step in ``peaks``."""
+    """Records the GTBM device's peak (``peak_bytes_reserved``) of every training step in ``peaks``, and its peak
+    bytes in use in ``in_use``."""
 
     def __init__(self):
         super().__init__()
         self.peaks: list[int] = []
+        self.in_use: list[int] = []
 
     def on_train_batch_begin(self, batch, logs=None):
         from dymem_tf.memory import allocator
@@ -26,7 +28,9 @@ class StepPeaks(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         from dymem_tf.memory import allocator
 
-        self.peaks.append(int(allocator.memory_stats()["peak_bytes_reserved"]))
+        stats = allocator.memory_stats()
+        self.peaks.append(int(stats["peak_bytes_reserved"]))
+        self.in_use.append(int(stats["peak_bytes_in_use"]))
 
 
 def _images(samples: int, size: int, seed: int, classes: int = 10):

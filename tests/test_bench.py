@@ -584,13 +584,13 @@ def test_execution_order_cli_checks_its_arguments_and_reports_ratios():
     import execution_order
 
     runs = [{"model": "densenet121", "order": o, "step_s": s, "swaps": 213, "onednn": False, "peak_spread": p,
-             "peak_mib": m}
+             "peak_mib": m, "in_use_spread": p / 2, "in_use_mib": m - 10}
             for o, s, p, m in (("planned", 0.48, 0.01, 110), ("strict", 0.58, 0.0, 104), ("free", 0.46, 0.2, 118),
                                ("planned", 0.47, 0.03, 111), ("strict", 0.57, 0.0, 104), ("free", 0.46, 0.1, 116))]
     runs += [dict(r, onednn=True, step_s=0.5) for r in runs]
     text = execution_order.report(runs)
     assert ("| densenet121 | off | 0.475 / 0.575 / 0.460 | [1.04, 1.02] | 1.03x | [1.26, 1.24] | 1.25x | "
-            "3.0% / 0.0% / 20.0% | 111 / 104 / 118 |") in text
+            "1.5% / 0.0% / 10.0%, 101 / 94 / 108 | 3.0% / 0.0% / 20.0%, 111 / 104 / 118 |") in text
     assert "| densenet121 | on | 0.500 / 0.500 / 0.500 | [1.00, 1.00] | 1.00x | [1.00, 1.00] | 1.00x |" in text
 
 
