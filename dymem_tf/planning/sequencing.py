@@ -41,11 +41,11 @@ cuts the chain into *bands* of consecutive ops; the rewrite orders the bands (ev
 of the band before it) and leaves the order inside a band to TF's executor. Whatever that order, the bytes in use
 inside a band stay below the bytes in use when it starts plus every allocation its ops make, and a band is only as
 long as that bound stays within the simulated peak. Near the peak the bands are single ops: the strict chain, so
-the step's peak is still the simulated one. Kernel workspaces the plan did not measure count for every
-convolution of a band (:func:`workspace_bound`: TF's CPU convolution gradients take an im2col buffer of up to
-30 MiB), so a band holding one lies that far below the simulated peak, which the strict chain's real peak (the
-simulated bytes and a workspace) exceeds anyway; where no band has room, such ops stay strictly chained, and the
-bytes in use when each starts are the same in every step.
+the step's peak is still the simulated one. Kernel workspaces the plan did not measure (:func:`workspace_bound`:
+TF's CPU convolution gradients take an im2col buffer of up to 30 MiB) count for every convolution of a band but
+one (one is what the strict chain holds too), so a band holding two lies a workspace below the simulated peak;
+where no band has room, convolutions stay strictly chained. Under a budget the probe's measured temporaries
+replace the estimate.
 """
 from __future__ import annotations
 
@@ -161,12 +161,16 @@ def find_bands(sg: StepGraph, ops: tuple[str, ...], sim: SimResult, measured: bo
 
 
 def workspace_bound(sg: StepGraph, name: str) -> int:
-    """What op ``name`` may hold besides its outputs, unmeasured: for a convolution (any kind, oneDNN's too) an
-    im2col buffer, at most the filter's window (all but its last two dimensions) times its largest feature map and
-    at most :data:`UNMEASURED_WORKSPACE_BYTES`; for other ops 0."""
+    """What op ``name`` may hold besides its outputs, unmeasured: for a convolution's gradient
+    :data:`UNMEASURED_WORKSPACE_BYTES` (TF's CPU kernels fill their working set with as many images' im2col rows as
+    fit, whatever the batch: a 16x16 image's 3x3 gradient took 27 MiB); for another convolution (any kind, oneDNN's
+    too) an im2col buffer, at most the filter's window (all but its last two dimensions) times its largest feature
+    map and at most that much; for other ops 0."""
     op = sg.ops[name]
     if "Conv" not in op.type:
         return 0
+    if "Backprop" in op.type:
+        return UNMEASURED_WORKSPACE_BYTES
     filter_name = op.outputs[0] if "BackpropFilter" in op.type else (op.inputs[1:2] or [""])[0]
     filt = sg.tensors.get(filter_name)
     maps = [sg.tensors[t] for t in op.inputs + op.outputs if t != filter_name and t in sg.tensors]
