@@ -107,7 +107,7 @@ def sequence_for(step_graph: StepGraph, settings: PlanSettings, plan: Plan | Non
         return sequence
     temporaries = settings.memory.held_during(step_graph) if settings.memory is not None else None
     sim = simulate(step_graph, plan, settings.profile, timeline=False, temporaries=temporaries)
-    bands = sequencing.find_bands(step_graph, sequence.ops, sim, measured=temporaries is not None)
+    bands = sequencing.find_bands(step_graph, sequence.ops, sim)
     return dataclasses.replace(sequence, bands=bands)
 
 

@@ -41,11 +41,13 @@ cuts the chain into *bands* of consecutive ops; the rewrite orders the bands (ev
 of the band before it) and leaves the order inside a band to TF's executor. Whatever that order, the bytes in use
 inside a band stay below the bytes in use when it starts plus every allocation its ops make, and a band is only as
 long as that bound stays within the simulated peak. Near the peak the bands are single ops: the strict chain, so
-the step's peak is still the simulated one. Kernel workspaces the plan did not measure (:func:`workspace_bound`:
-TF's CPU convolution gradients take an im2col buffer of up to 30 MiB) count for every convolution of a band but
-one (one is what the strict chain holds too), so a band holding two lies a workspace below the simulated peak;
-where no band has room, convolutions stay strictly chained. Under a budget the probe's measured temporaries
-replace the estimate.
+the step's peak is still the simulated one. A contraction (:data:`CONTRACTION_MARKERS`) is always a band of its own:
+its kernel's workspace can be anything (TF's CPU convolution gradients fill a 30 MiB im2col working set whatever
+the batch; Eigen packs a convolution's or a matrix product's operands in blocks of its own), and it would sit on top
+of whatever the band's other ops allocated first. Bands holding one convolution each took the gated CNN's probe step
+(bench/model_zoo.py) from 75.7 MiB in use, strictly chained, to 91.7; with the probe's measured temporaries in the
+simulation, its calibrated plan measured 104.0 MiB for 82.0 predicted. Alone, a contraction starts on the bytes the
+strict chain would hold (75.7 MiB again), and the ops between contractions run side by side.
 """
 from __future__ import annotations
 
@@ -78,10 +80,9 @@ ACCUMULATION_OP_TYPES = frozenset({"TemporaryVariable", "DestroyTemporaryVariabl
 #: A function's arguments and results: TF accepts no control edge out of a result.
 FUNCTION_BOUNDARY_OP_TYPES = frozenset({"_Arg", "_Retval", "_DeviceArg", "_DeviceRetval"})
 
-#: The most a convolution is taken to hold besides its outputs when the plan has no measured temporaries: TF's CPU
-#: convolution gradients size their im2col buffer to a 30 MiB working set (``target_working_set_size`` in
-#: ``conv_grad_input_ops.cc`` / ``conv_grad_filter_ops.cc``), a little more for the last unit of work.
-UNMEASURED_WORKSPACE_BYTES = 32 * 2**20
+#: Op types whose kernels hold workspaces of their own (convolutions, matrix products, einsums; oneDNN's too):
+#: each is a band of its own.
+CONTRACTION_MARKERS = ("Conv", "MatMul", "Einsum")
 
 _UNCHAINED_OP_TYPES = CONTROL_FLOW_OP_TYPES | FUNCTION_BOUNDARY_OP_TYPES | ACCUMULATION_OP_TYPES
 
@@ -137,10 +138,9 @@ def find_sequence(sg: StepGraph, onednn_later: bool = False) -> Sequence:
     return Sequence(ops, with_added=_is_cpu(device))
 
 
-def find_bands(sg: StepGraph, ops: tuple[str, ...], sim: SimResult, measured: bool = False) -> tuple[int, ...]:
+def find_bands(sg: StepGraph, ops: tuple[str, ...], sim: SimResult) -> tuple[int, ...]:
     """The band of each of ``ops`` (chainable ops in ``sim``'s order, as :func:`find_sequence` gives them): greedy
-    runs of consecutive ops whose bound (see above) stays within ``sim``'s peak. ``measured``: ``sim`` holds the
-    kernels' measured temporaries, so no workspace is added for ops running side by side."""
+    runs of consecutive ops whose bound (see above) stays within ``sim``'s peak, each contraction alone."""
     if not ops or sim.memory_curve is None or sim.op_start_s is None:
         return ()
     times, in_use = sim.memory_curve
@@ -149,36 +149,19 @@ def find_bands(sg: StepGraph, ops: tuple[str, ...], sim: SimResult, measured: bo
     position = {name: i for i, name in enumerate(sim.order)}
     starts = np.searchsorted(times, sim.op_start_s[[position[n] for n in ops]], side="left")
     ends = np.append(starts[1:], len(times))  # a band's ops, and the unchained ops up to the next band's start
-    workspace = [0 if measured else workspace_bound(sg, n) for n in ops]
-    bands, band, first, held = [0], 0, 0, workspace[0]
+    alone = [is_contraction(sg.ops[n].type) for n in ops]
+    bands, band, first = [0], 0, 0
     for k in range(1, len(ops)):
-        held += workspace[k]
         before = int(in_use[starts[first] - 1]) if starts[first] else persistent
-        if before + int(grows[ends[k]] - grows[starts[first]]) + held - max(workspace[first:k + 1]) > sim.peak_bytes:
-            band, first, held = band + 1, k, workspace[k]
+        if alone[k] or alone[k - 1] or before + int(grows[ends[k]] - grows[starts[first]]) > sim.peak_bytes:
+            band, first = band + 1, k
         bands.append(band)
     return tuple(bands)
 
 
-def workspace_bound(sg: StepGraph, name: str) -> int:
-    """What op ``name`` may hold besides its outputs, unmeasured: for a convolution's gradient
-    :data:`UNMEASURED_WORKSPACE_BYTES` (TF's CPU kernels fill their working set with as many images' im2col rows as
-    fit, whatever the batch: a 16x16 image's 3x3 gradient took 27 MiB); for another convolution (any kind, oneDNN's
-    too) an im2col buffer, at most the filter's window (all but its last two dimensions) times its largest feature
-    map and at most that much; for other ops 0."""
-    op = sg.ops[name]
-    if "Conv" not in op.type:
-        return 0
-    if "Backprop" in op.type:
-        return UNMEASURED_WORKSPACE_BYTES
-    filter_name = op.outputs[0] if "BackpropFilter" in op.type else (op.inputs[1:2] or [""])[0]
-    filt = sg.tensors.get(filter_name)
-    maps = [sg.tensors[t] for t in op.inputs + op.outputs if t != filter_name and t in sg.tensors]
-    if filt is None or len(filt.shape) < 3 or not all(isinstance(d, int) and d > 0 for d in filt.shape) \
-            or not maps or not all(t.shape_known for t in maps):
-        return UNMEASURED_WORKSPACE_BYTES
-    window = int(np.prod(filt.shape[:-2]))
-    return min(window * max(t.bytes for t in maps), UNMEASURED_WORKSPACE_BYTES)
+def is_contraction(op_type: str) -> bool:
+    """Whether ``op_type`` is a contraction (:data:`CONTRACTION_MARKERS`), whose kernel holds a workspace."""
+    return any(marker in op_type for marker in CONTRACTION_MARKERS)
 
 
 def accumulation_note(sg: StepGraph) -> str:
