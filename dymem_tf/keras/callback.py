@@ -40,7 +40,7 @@ class DymemCallback(keras.callbacks.Callback):
             planner simulated them, chained by control edges, so every step's peak is the one predicted, whatever the
             executor's thread count; where the bytes in use stay far enough below the peak, ops of a band run side
             by side (see :mod:`dymem_tf.planning.sequencing`; the values are unchanged either way). ``"strict"``:
-            every op chained, one at a time: the bytes in use repeat to the byte, for a slower step. ``"free"``:
+            every op chained, one at a time: the bytes in use repeat by construction. ``"free"``:
             TF's executor orders the ops as they become ready; steps then differ by several % in memory.
         xla: ``None`` (default): a step that swaps runs without XLA (an XLA cluster would swallow the swap ops); a
             step that swaps nothing keeps your XLA settings. ``"auto"``: the pass plans before XLA's clustering and
