@@ -647,16 +647,21 @@ std::vector<bool> MayBeDead(const Graph& graph) {
   return dead;
 }
 
-// `order` cut into runs of one band. A listed node's band is its record's (`band_of`, by node id), another node's
-// the band of the listed node before it in `order`; in a band of one listed node (`wide` false), and before any
+// `order` cut into runs of one band. A listed node's band is its record's (`sequence[i]` is in band `bands[i]`),
+// another node's the band of the listed node before it in `order`; in a band of one listed node, and before any
 // listed node, every node is a run of its own (the strict chain).
-std::vector<std::vector<Node*>> BandRuns(const std::vector<Node*>& order, const std::vector<int>& band_of,
-                                         const std::vector<bool>& wide) {
+std::vector<std::vector<Node*>> BandRuns(const std::vector<Node*>& order, const std::vector<std::string>& sequence,
+                                         const std::vector<int>& bands, const NodeIndex& index, int num_node_ids) {
+  std::vector<int> band_of(num_node_ids, -1), members(bands.back() + 1, 0);
+  for (size_t i = 0; i < sequence.size(); ++i) {
+    band_of[index.at(sequence[i])->id()] = bands[i];
+    ++members[bands[i]];
+  }
   std::vector<std::vector<Node*>> runs;
   int band = -1, previous = 0, solo = -1;  // run keys: a wide band's number, or a negative one per solo node
   for (Node* n : order) {
     if (band_of[n->id()] >= 0) band = band_of[n->id()];
-    const int key = band >= 0 && wide[band] ? band : solo--;
+    const int key = band >= 0 && members[band] > 1 ? band : solo--;
     if (runs.empty() || key != previous) runs.emplace_back();
     runs.back().push_back(n);
     previous = key;
@@ -664,8 +669,8 @@ std::vector<std::vector<Node*>> BandRuns(const std::vector<Node*>& order, const 
   return runs;
 }
 
-// A NoOp on `like`'s device that every node of `before` precedes and that precedes every node of `after`; false
-// with `error` if it cannot be added.
+// A NoOp on the device of `after`'s first node that every node of `before` precedes and that precedes every node of
+// `after`; false with `error` if it cannot be added.
 bool AddBarrier(const std::vector<Node*>& before, const std::vector<Node*>& after, Graph* graph, UndoLog* log,
                 std::string* error) {
   Node* barrier = nullptr;
@@ -718,15 +723,7 @@ bool AddSequences(const StepPlan& plan, const NodeIndex& index, Graph* graph, Un
       }
     }
     std::vector<Node*> order = OrderSequence(sequence, extra, index, *graph);
-    std::vector<int> band_of(graph->num_node_ids(), -1);
-    std::vector<int> members(plan.bands[k].back() + 1, 0);
-    for (size_t i = 0; i < sequence.size(); ++i) {
-      band_of[index.at(sequence[i])->id()] = plan.bands[k][i];
-      ++members[plan.bands[k][i]];
-    }
-    std::vector<bool> wide(members.size());
-    for (size_t b = 0; b < members.size(); ++b) wide[b] = members[b] > 1;
-    const std::vector<std::vector<Node*>> runs = BandRuns(order, band_of, wide);
+    const std::vector<std::vector<Node*>> runs = BandRuns(order, sequence, plan.bands[k], index, graph->num_node_ids());
     for (size_t r = 1; r < runs.size(); ++r) {
       if (!LinkRuns(runs[r - 1], runs[r], graph, log, error)) return false;
     }
