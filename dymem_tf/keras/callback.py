@@ -37,9 +37,11 @@ class DymemCallback(keras.callbacks.Callback):
             default: this machine's (a GPU no profile matches gets ``"a100"``, with a warning naming it).
         policy: ``"dymem"`` (dependency-layer schedule), or a baseline: ``"vdnn"``, ``"tflms"``, ``"none"``.
         execution_order: ``"planned"`` (default, for the ``"dymem"`` policy): the step's ops run in the order the
-            planner simulated them, chained by control edges, so every step's peak is the one predicted, whatever the
-            executor's thread count; where the bytes in use stay far enough below the peak, ops of a band run side
-            by side (see :mod:`dymem_tf.planning.sequencing`; the values are unchanged either way). ``"strict"``:
+            planner simulated them, chained by control edges, so every step peaks alike; under a budget at the
+            peak predicted, whatever the executor's thread count. Where the bytes in use stay far enough below the
+            peak, ops of a band run side by side; without a budget convolutions and matrix products may too, whose
+            workspaces then coexist (see :mod:`dymem_tf.planning.sequencing`; the values are unchanged either way).
+            ``"strict"``:
             every op chained, one at a time: the bytes in use repeat by construction. ``"free"``:
             TF's executor orders the ops as they become ready; steps then differ by several % in memory.
         xla: ``None`` (default): a step that swaps runs without XLA (an XLA cluster would swallow the swap ops); a

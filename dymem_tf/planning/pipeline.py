@@ -99,7 +99,7 @@ def holds_for(step_graph: StepGraph, settings: PlanSettings) -> list[tuple[str, 
 def sequence_for(step_graph: StepGraph, settings: PlanSettings, plan: Plan | None = None) -> sequencing.Sequence:
     """The order the rewrite makes the executor follow: with ``execution_order`` "planned" or "strict", for the dymem
     policy (the baselines keep TF's order, as the systems they stand for do); "planned" in bands where ``plan`` is
-    given (its simulation bounds them)."""
+    given (its simulation bounds them), each contraction alone where the plan keeps a budget."""
     if settings.execution_order == "free" or settings.policy != "dymem":
         return sequencing.Sequence()
     sequence = sequencing.find_sequence(step_graph, onednn_later=settings.onednn_later)
@@ -107,7 +107,8 @@ def sequence_for(step_graph: StepGraph, settings: PlanSettings, plan: Plan | Non
         return sequence
     temporaries = settings.memory.held_during(step_graph) if settings.memory is not None else None
     sim = simulate(step_graph, plan, settings.profile, timeline=False, temporaries=temporaries)
-    bands = sequencing.find_bands(step_graph, sequence.ops, sim)
+    budgeted = settings.budget_bytes is not None or settings.least_memory or settings.memory is not None
+    bands = sequencing.find_bands(step_graph, sequence.ops, sim, contractions_alone=budgeted)
     return dataclasses.replace(sequence, bands=bands)
 
 

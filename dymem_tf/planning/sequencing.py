@@ -7,9 +7,10 @@ depends on that order: without the chain the plan's steps differed by up to 27% 
 ``TF_NUM_INTEROP_THREADS=1`` a plan that fitted in the simulator ran out of memory.
 
 This stage chains the step's ops with control edges in the simulated order, so every step runs them in that
-order and the prediction holds for every step, whatever the thread count. The values are unchanged (control edges
-only delay an op), so results stay bit-identical; intra-op parallelism is untouched, only the overlap of
-independent ops is given up (on a GPU the kernels go to one compute stream in order anyway; the swap ops are not
+order and, under a budget, the prediction holds for every step, whatever the thread count (without one, see
+"Bands" below). The values are unchanged (control edges only delay an op), so results stay bit-identical;
+intra-op parallelism is untouched, only the overlap of independent ops is given up, where bands do not give it
+back (on a GPU the kernels go to one compute stream in order anyway; the swap ops are not
 chained and still overlap compute on their own threads).
 
 With oneDNN's CPU kernels on (TF's default on some x86 CPUs), its layout pass rewrites the graph after
@@ -41,13 +42,25 @@ cuts the chain into *bands* of consecutive ops; the rewrite orders the bands (ev
 of the band before it) and leaves the order inside a band to TF's executor. Whatever that order, the bytes in use
 inside a band stay below the bytes in use when it starts plus every allocation its ops make, and a band is only as
 long as that bound stays within the simulated peak. Near the peak the bands are single ops: the strict chain, so
-the step's peak is still the simulated one. A contraction (:data:`CONTRACTION_MARKERS`) is always a band of its own:
-its kernel's workspace can be anything (TF's CPU convolution gradients fill a 30 MiB im2col working set whatever
-the batch; Eigen packs a convolution's or a matrix product's operands in blocks of its own), and it would sit on top
-of whatever the band's other ops allocated first. Bands holding one convolution each took the gated CNN's probe step
-(bench/model_zoo.py) from 75.7 MiB in use, strictly chained, to 91.7; with the probe's measured temporaries in the
-simulation, its calibrated plan measured 104.0 MiB for 82.0 predicted. Alone, a contraction starts on the bytes the
-strict chain would hold (75.7 MiB again), and the ops between contractions run side by side.
+the step's peak is still the simulated one, contractions aside.
+
+A contraction (:data:`CONTRACTION_MARKERS`) holds a workspace no graph shows: TF's CPU convolution gradients fill a
+30 MiB im2col working set whatever the batch (``target_working_set_size`` in TF's conv_grad_input_ops.h), Eigen
+packs a convolution's or a matrix product's operands in blocks of its own. In a band it sits on top of whatever
+the band's other ops allocated first, and two contractions of a band may hold theirs at once. Under a budget (the
+probe, and every plan after it) each contraction is therefore a band of its own and starts on the bytes the strict
+chain would hold: bands holding one convolution each took the gated CNN's probe step (bench/model_zoo.py) from
+75.7 MiB in use, strictly chained, to 91.7, and its calibrated plan, with the probe's temporaries measured, to 104.0
+MiB for 82.0 predicted.
+
+Without a budget the plan has no bound to keep, only a peak to repeat, and contractions share bands like any op.
+Alone, they cost DenseNet-121 (64 px, batch 16, two cores) 6-17% of its step time against TF's own order, 12% even
+with bands allowed half as high again as the peak, and 13-50% with at most one per band: what TF's executor gains
+by running ops side by side is mostly two contractions at once. Sharing, the bytes in use still repeat from step to
+step, but two contractions' workspaces may coexist, as often as the executor has threads: the two-branch convnet of
+tests/test_sequencing.py peaks at 54.7 MB with two inter-op threads (TF's own order: 54.8) and at 27.9 MB with one
+or strictly chained. DenseNet-121 peaked at 96.8 MiB, against 90.3 strictly chained and 104-108 in TF's order;
+ResNet-50 at TF's 233 MiB, against 213 (docs/reliability.md, "What the order costs on the CPU").
 """
 from __future__ import annotations
 
@@ -81,7 +94,7 @@ ACCUMULATION_OP_TYPES = frozenset({"TemporaryVariable", "DestroyTemporaryVariabl
 FUNCTION_BOUNDARY_OP_TYPES = frozenset({"_Arg", "_Retval", "_DeviceArg", "_DeviceRetval"})
 
 #: Op types whose kernels hold workspaces of their own (convolutions, matrix products, einsums; oneDNN's too):
-#: each is a band of its own.
+#: under a budget, each is a band of its own.
 CONTRACTION_MARKERS = ("Conv", "MatMul", "Einsum")
 
 _UNCHAINED_OP_TYPES = CONTROL_FLOW_OP_TYPES | FUNCTION_BOUNDARY_OP_TYPES | ACCUMULATION_OP_TYPES
@@ -138,9 +151,11 @@ def find_sequence(sg: StepGraph, onednn_later: bool = False) -> Sequence:
     return Sequence(ops, with_added=_is_cpu(device))
 
 
-def find_bands(sg: StepGraph, ops: tuple[str, ...], sim: SimResult) -> tuple[int, ...]:
+def find_bands(sg: StepGraph, ops: tuple[str, ...], sim: SimResult,
+               contractions_alone: bool = True) -> tuple[int, ...]:
     """The band of each of ``ops`` (chainable ops in ``sim``'s order, as :func:`find_sequence` gives them): greedy
-    runs of consecutive ops whose bound (see above) stays within ``sim``'s peak, each contraction alone."""
+    runs of consecutive ops whose bound (see above) stays within ``sim``'s peak; with ``contractions_alone`` (a
+    plan under a budget), each contraction a band of its own."""
     if not ops or sim.memory_curve is None or sim.op_start_s is None:
         return ()
     times, in_use = sim.memory_curve
@@ -149,7 +164,7 @@ def find_bands(sg: StepGraph, ops: tuple[str, ...], sim: SimResult) -> tuple[int
     position = {name: i for i, name in enumerate(sim.order)}
     starts = np.searchsorted(times, sim.op_start_s[[position[n] for n in ops]], side="left")
     ends = np.append(starts[1:], len(times))  # a band's ops, and the unchained ops up to the next band's start
-    alone = [is_contraction(sg.ops[n].type) for n in ops]
+    alone = [contractions_alone and is_contraction(sg.ops[n].type) for n in ops]
     bands, band, first = [0], 0, 0
     for k in range(1, len(ops)):
         before = int(in_use[starts[first] - 1]) if starts[first] else persistent
