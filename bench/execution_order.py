@@ -2,6 +2,7 @@
 
     python bench/execution_order.py                          # ResNet-50 and DenseNet-121, 64px, 3 rounds
     python bench/execution_order.py --models resnet50 --rounds 1 --onednn on
+    python bench/execution_order.py --orders planned,free --rounds 5     # more rounds of the two that matter
 
 ``DymemCallback(memory_budget=None, execution_order="planned")`` chains the step's ops with control edges in the
 simulator's order, in bands whose ops may run side by side (``dymem_tf/planning/sequencing.py``); ``"strict"``
@@ -82,18 +83,18 @@ def report(results: list[dict]) -> str:
     for name, onednn in dict.fromkeys((r["model"], r.get("onednn", False)) for r in results):
         rounds = [r for r in results if r["model"] == name and r.get("onednn", False) == onednn]
         step = {o: [r["step_s"] for r in rounds if r["order"] == o] for o in ORDERS}
-        ratios = {o: [a / f for a, f in zip(step[o], step["free"])] for o in ("planned", "strict")}
+        ratios = {o: [a / f for a, f in zip(step[o], step["free"])] for o in ("planned", "strict") if step["free"]}
 
         def most(key: str) -> dict:
-            return {o: max([r.get(key) or 0.0 for r in rounds if r["order"] == o], default=0.0) for o in ORDERS}
+            return {o: max([r.get(key) or 0.0 for r in rounds if r["order"] == o], default=None) for o in ORDERS}
 
         cells = [" / ".join(f"{statistics.median(step[o]):.3f}" if step[o] else "-" for o in ORDERS)]
         for o in ("planned", "strict"):
-            cells += [f"[{', '.join(f'{x:.2f}' for x in ratios[o])}]",
-                      f"{statistics.median(ratios[o]):.2f}x" if ratios[o] else "-"]
+            cells += [f"[{', '.join(f'{x:.2f}' for x in ratios.get(o, []))}]",
+                      f"{statistics.median(ratios[o]):.2f}x" if ratios.get(o) else "-"]
         for spread, peak in (most("in_use_spread"), most("in_use_mib")), (most("peak_spread"), most("peak_mib")):
-            cells.append(" / ".join(f"{spread[o]:.1%}" for o in ORDERS) + ", "
-                         + " / ".join(f"{peak[o]:.0f}" for o in ORDERS))
+            cells.append(" / ".join("-" if spread[o] is None else f"{spread[o]:.1%}" for o in ORDERS) + ", "
+                         + " / ".join("-" if peak[o] is None else f"{peak[o]:.0f}" for o in ORDERS))
         lines.append(f"| {name} | {'on' if onednn else 'off'} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -105,20 +106,24 @@ def main(argv=None) -> int:
     parser.add_argument("--image-size", type=int, default=64)
     parser.add_argument("--steps", type=int, default=24, help="steps per run (the first is not timed)")
     parser.add_argument("--onednn", choices=("off", "on", "both"), default="both")
+    parser.add_argument("--orders", default=",".join(ORDERS), help="orders to run, interleaved (free is the base)")
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "ORDER"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(child(args.child[0], args.child[1], args.image_size, args.steps)))
         return 0
     models = [m.strip() for m in args.models.split(",") if m.strip()]
-    if any(m not in MODELS for m in models) or args.rounds < 1 or args.steps < 3:
-        parser.error(f"--models: choose from {', '.join(MODELS)}; --rounds at least 1; --steps at least 3")
+    orders = [o.strip() for o in args.orders.split(",") if o.strip()]
+    if any(m not in MODELS for m in models) or args.rounds < 1 or args.steps < 3 or any(
+            o not in ORDERS for o in orders):
+        parser.error(f"--models: choose from {', '.join(MODELS)}; --orders from {', '.join(ORDERS)}; --rounds at "
+                     "least 1; --steps at least 3")
     results = []
     settings = ("off", "on") if args.onednn == "both" else (args.onednn,)
     for _ in range(args.rounds):
         for name in models:
             for onednn in settings:
-                for order in ORDERS:
+                for order in orders:
                     results.append(run(name, order, args.image_size, onednn, args.steps))
                     print(json.dumps(results[-1]), flush=True)
     print(f"python bench/execution_order.py {' '.join(sys.argv[1:] if argv is None else argv)}")

@@ -581,6 +581,8 @@ def test_execution_order_cli_checks_its_arguments_and_reports_ratios():
     script = os.path.join(REPO, "bench", "execution_order.py")
     bad = subprocess.run([sys.executable, script, "--models", "vgg16"], capture_output=True, text=True)
     assert bad.returncode == 2 and "--models: choose from resnet50, densenet121" in bad.stderr
+    bad = subprocess.run([sys.executable, script, "--orders", "planned,random"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--orders from planned, strict, free" in bad.stderr
     import execution_order
 
     runs = [{"model": "densenet121", "order": o, "step_s": s, "swaps": 213, "onednn": False, "peak_spread": p,
@@ -592,6 +594,9 @@ def test_execution_order_cli_checks_its_arguments_and_reports_ratios():
     assert ("| densenet121 | off | 0.475 / 0.575 / 0.460 | [1.04, 1.02] | 1.03x | [1.26, 1.24] | 1.25x | "
             "1.5% / 0.0% / 10.0%, 101 / 94 / 108 | 3.0% / 0.0% / 20.0%, 111 / 104 / 118 |") in text
     assert "| densenet121 | on | 0.500 / 0.500 / 0.500 | [1.00, 1.00] | 1.00x | [1.00, 1.00] | 1.00x |" in text
+    two = execution_order.report([r for r in runs if r["order"] != "strict" and not r["onednn"]])  # --orders
+    assert ("| densenet121 | off | 0.475 / - / 0.460 | [1.04, 1.02] | 1.03x | [] | - | "
+            "1.5% / - / 10.0%, 101 / - / 108 |") in two
 
 
 def test_pass_scaling_checks_its_arguments_and_reports_stages_ratios_and_before():
