@@ -3,14 +3,16 @@
     python bench/execution_order.py                          # ResNet-50 and DenseNet-121, 64px, 3 rounds
     python bench/execution_order.py --models resnet50 --rounds 1 --onednn on
     python bench/execution_order.py --orders planned,free --rounds 5     # more rounds of the two that matter
+    python bench/execution_order.py --models densenet121 --budget 80MiB  # the order under a budget
 
 ``DymemCallback(memory_budget=None, execution_order="planned")`` chains the step's ops with control edges in the
 simulator's order, in bands whose ops may run side by side (``dymem_tf/planning/sequencing.py``); ``"strict"``
 chains every op; ``"free"`` leaves the order to TF's executor. Each run is a fresh interpreter, with oneDNN's CPU
 kernels off and on (``--onednn``), that trains ``--steps`` steps (default 24) of batch 16 with SGD and momentum, no
-budget; its step time is the median after the first step, its peak the largest step peak after the first and its
-peak spread that peak over the median step peak, less one, of the bytes in use (what the order decides) and of
-GTBM's reserved bytes (which also creep over the first steps as variables move, docs/reliability.md). The three
+budget unless ``--budget`` gives one (then each contraction is a band of its own, and the first steps are the
+probe's and the calibrated plan's); its step time is the median after the first step, its peak the largest step
+peak after the first (the first three under a budget) and its peak spread that peak over the median step peak,
+less one, of the bytes in use (what the order decides) and of GTBM's reserved bytes (which also creep over the first steps as variables move, docs/reliability.md). The three
 orders alternate within each round, and the report gives planned / free and strict / free per round and their
 medians.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -27,7 +30,7 @@ MODELS = ("resnet50", "densenet121")
 ORDERS = ("planned", "strict", "free")
 
 
-def child(name: str, order: str, image_size: int, steps: int = 24) -> dict:
+def child(name: str, order: str, image_size: int, steps: int = 24, budget: str | None = None) -> dict:
     """One run in this interpreter: the median step time after the first, and the plan's swap count."""
     import keras
     import numpy as np
@@ -46,11 +49,12 @@ def child(name: str, order: str, image_size: int, steps: int = 24) -> dict:
                   loss=keras.losses.SparseCategoricalCrossentropy())
     x = np.random.default_rng(0).normal(size=(16 * steps, image_size, image_size, 3)).astype("float32")
     y = np.zeros(16 * steps, dtype="int64")
-    cb = dymem_tf.DymemCallback(memory_budget=None, verbose=0, execution_order=order)
+    cb = dymem_tf.DymemCallback(memory_budget=budget, verbose=0, execution_order=order)
     timer, peaks = StepTimer(), StepPeaks()
     model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[cb, timer, peaks])
-    steady, in_use = peaks.peaks[1:] or peaks.peaks, peaks.in_use[1:] or peaks.in_use
-    return {"model": name, "order": order, "onednn": bool(dymem_tf.compat.onednn_enabled()),
+    skip = 3 if budget else 1  # under a budget the probe's step and the calibrated plan's first come first
+    steady, in_use = peaks.peaks[skip:] or peaks.peaks, peaks.in_use[skip:] or peaks.in_use
+    return {"model": name, "order": order, "onednn": bool(dymem_tf.compat.onednn_enabled()), "budget": budget,
             "step_s": timer.median_step_s(), "peak_spread": max(steady) / statistics.median(steady) - 1.0,
             "peak_mib": max(steady) / 2**20,
             "in_use_spread": max(in_use) / statistics.median(in_use) - 1.0, "in_use_mib": max(in_use) / 2**20,
@@ -61,32 +65,45 @@ def child(name: str, order: str, image_size: int, steps: int = 24) -> dict:
             "swaps": len(cb.plan.swaps) if cb.plan is not None else 0}
 
 
-def run(name: str, order: str, image_size: int, onednn: str = "off", steps: int = 24) -> dict:
-    """:func:`child` in a fresh interpreter, oneDNN ``"on"`` or ``"off"``."""
+def run(name: str, order: str, image_size: int, onednn: str = "off", steps: int = 24,
+        budget: str | None = None) -> dict:
+    """:func:`child` in a fresh interpreter, oneDNN ``"on"`` or ``"off"``, under ``budget`` (None: no budget); a
+    run that failed (TF's order may run out of a budget's memory) gives its error's last line as ``"error"``."""
     env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="1" if onednn == "on" else "0", TF_CPP_MIN_LOG_LEVEL="3",
                DYMEM_DEVICE_MEMORY_LIMIT=os.environ.get("DYMEM_DEVICE_MEMORY_LIMIT", "4GiB"))
     cmd = [sys.executable, os.path.abspath(__file__), "--child", name, order, "--image-size", str(image_size),
-           "--steps", str(steps)]
+           "--steps", str(steps)] + (["--budget", budget] if budget else [])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"{name} {order} failed: {(proc.stderr or '').strip().splitlines()[-1:]}")
+        last = ((proc.stderr or "").strip().splitlines() or ["no output"])[-1]
+        return {"model": name, "order": order, "onednn": onednn == "on", "budget": budget, "error": last}
     return json.loads(lines[-1])
 
 
 def report(results: list[dict]) -> str:
     """Step time per model and oneDNN setting: each order's median, planned / free and strict / free per round and
-    their medians; the largest step-to-step spread of the peak and the largest peak of each order."""
+    their medians; the largest step-to-step spread of the peak and the largest peak of each order; then the runs
+    that failed."""
+    failed: list[str] = []
     lines = ["| model | oneDNN | planned / strict / free s | planned / free [per round] | median | strict / free "
              "[per round] | median | in use: peak spread, peak MiB | reserved: peak spread, peak MiB |",
              "| --- | --- | --- | --- | ---: | --- | ---: | --- | --- |"]
     for name, onednn in dict.fromkeys((r["model"], r.get("onednn", False)) for r in results):
         rounds = [r for r in results if r["model"] == name and r.get("onednn", False) == onednn]
-        step = {o: [r["step_s"] for r in rounds if r["order"] == o] for o in ORDERS}
-        ratios = {o: [a / f for a, f in zip(step[o], step["free"])] for o in ("planned", "strict") if step["free"]}
+        per_round = {o: [r.get("step_s") for r in rounds if r["order"] == o] for o in ORDERS}  # None: failed
+        step = {o: [x for x in per_round[o] if x is not None] for o in ORDERS}
+        ratios = {o: [a / f for a, f in zip(per_round[o], per_round["free"]) if a is not None and f is not None]
+                  for o in ("planned", "strict")}
+        for o in ORDERS:
+            errors = [r["error"] for r in rounds if r["order"] == o and "error" in r]
+            if errors:
+                failed.append(f"{name}, oneDNN {'on' if onednn else 'off'}, {o}: {len(errors)} of "
+                              f"{len(per_round[o])} runs failed: {errors[0]}")
 
         def most(key: str) -> dict:
-            return {o: max([r.get(key) or 0.0 for r in rounds if r["order"] == o], default=None) for o in ORDERS}
+            return {o: max([r[key] or 0.0 for r in rounds if r["order"] == o and "error" not in r], default=None)
+                    for o in ORDERS}
 
         cells = [" / ".join(f"{statistics.median(step[o]):.3f}" if step[o] else "-" for o in ORDERS)]
         for o in ("planned", "strict"):
@@ -96,7 +113,7 @@ def report(results: list[dict]) -> str:
             cells.append(" / ".join("-" if spread[o] is None else f"{spread[o]:.1%}" for o in ORDERS) + ", "
                          + " / ".join("-" if peak[o] is None else f"{peak[o]:.0f}" for o in ORDERS))
         lines.append(f"| {name} | {'on' if onednn else 'off'} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return "\n".join(lines + [""] * bool(failed) + failed)
 
 
 def main(argv=None) -> int:
@@ -107,10 +124,11 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=24, help="steps per run (the first is not timed)")
     parser.add_argument("--onednn", choices=("off", "on", "both"), default="both")
     parser.add_argument("--orders", default=",".join(ORDERS), help="orders to run, interleaved (free is the base)")
+    parser.add_argument("--budget", help="memory_budget of every run, such as 80MiB (default: none)")
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "ORDER"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(child(args.child[0], args.child[1], args.image_size, args.steps)))
+        print(json.dumps(child(args.child[0], args.child[1], args.image_size, args.steps, args.budget)))
         return 0
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     orders = [o.strip() for o in args.orders.split(",") if o.strip()]
@@ -118,13 +136,15 @@ def main(argv=None) -> int:
             o not in ORDERS for o in orders):
         parser.error(f"--models: choose from {', '.join(MODELS)}; --orders from {', '.join(ORDERS)}; --rounds at "
                      "least 1; --steps at least 3")
+    if args.budget and (not re.fullmatch(r"\d+(\.\d+)?\s*(B|KiB|MiB|GiB)", args.budget) or args.steps < 6):
+        parser.error("--budget: bytes with a unit, such as 80MiB, and --steps at least 6")
     results = []
     settings = ("off", "on") if args.onednn == "both" else (args.onednn,)
     for _ in range(args.rounds):
         for name in models:
             for onednn in settings:
                 for order in orders:
-                    results.append(run(name, order, args.image_size, onednn, args.steps))
+                    results.append(run(name, order, args.image_size, onednn, args.steps, args.budget))
                     print(json.dumps(results[-1]), flush=True)
     print(f"python bench/execution_order.py {' '.join(sys.argv[1:] if argv is None else argv)}")
     print(report(results))

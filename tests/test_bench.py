@@ -583,6 +583,8 @@ def test_execution_order_cli_checks_its_arguments_and_reports_ratios():
     assert bad.returncode == 2 and "--models: choose from resnet50, densenet121" in bad.stderr
     bad = subprocess.run([sys.executable, script, "--orders", "planned,random"], capture_output=True, text=True)
     assert bad.returncode == 2 and "--orders from planned, strict, free" in bad.stderr
+    bad = subprocess.run([sys.executable, script, "--budget", "80"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--budget: bytes with a unit" in bad.stderr
     import execution_order
 
     runs = [{"model": "densenet121", "order": o, "step_s": s, "swaps": 213, "onednn": False, "peak_spread": p,
@@ -597,6 +599,11 @@ def test_execution_order_cli_checks_its_arguments_and_reports_ratios():
     two = execution_order.report([r for r in runs if r["order"] != "strict" and not r["onednn"]])  # --orders
     assert ("| densenet121 | off | 0.475 / - / 0.460 | [1.04, 1.02] | 1.03x | [] | - | "
             "1.5% / - / 10.0%, 101 / - / 108 |") in two
+    oom = "dymem_tf: the train step ran out of device memory under the GTBM device budget 80.1 MiB"
+    under = runs[:6] + [{"model": "densenet121", "order": "free", "onednn": False, "budget": "80MiB", "error": oom}]
+    text = execution_order.report(under[:2] + under[6:] + under[3:5] + under[6:])  # free failed in both rounds
+    assert "| densenet121 | off | 0.475 / 0.575 / - | [] | - | [] | - |" in text
+    assert text.endswith(f"densenet121, oneDNN off, free: 2 of 2 runs failed: {oom}")
 
 
 def test_pass_scaling_checks_its_arguments_and_reports_stages_ratios_and_before():
