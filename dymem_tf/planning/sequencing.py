@@ -49,18 +49,15 @@ A contraction (:data:`CONTRACTION_MARKERS`) holds a workspace no graph shows: TF
 packs a convolution's or a matrix product's operands in blocks of its own. In a band it sits on top of whatever
 the band's other ops allocated first, and two contractions of a band may hold theirs at once. Under a budget (the
 probe, and every plan after it) each contraction is therefore a band of its own and starts on the bytes the strict
-chain would hold: bands holding one convolution each took the gated CNN's probe step (bench/model_zoo.py) from
-75.7 MiB in use, strictly chained, to 91.7, and its calibrated plan, with the probe's temporaries measured, to 104.0
-MiB for 82.0 predicted.
+chain would hold; bands that held convolutions took the gated CNN's probe and calibrated plan well past their
+prediction.
 
-Without a budget the plan has no bound to keep, only a peak to repeat, and contractions share bands like any op.
-Alone, they cost DenseNet-121 (64 px, batch 16, two cores) 6-17% of its step time against TF's own order, 12% even
-with bands allowed half as high again as the peak, and 13-50% with at most one per band: what TF's executor gains
-by running ops side by side is mostly two contractions at once. Sharing, the bytes in use still repeat from step to
-step, but two contractions' workspaces may coexist, as often as the executor has threads: the two-branch convnet of
-tests/test_sequencing.py peaks at 54.7 MB with two inter-op threads (TF's own order: 54.8) and at 27.9 MB with one
-or strictly chained. DenseNet-121 peaked at 96.8 MiB, against 90.3 strictly chained and 104-108 in TF's order;
-ResNet-50 at TF's 233 MiB, against 213 (docs/reliability.md, "What the order costs on the CPU").
+Without a budget the plan has no bound to keep, only a peak to repeat, and contractions share bands like any op:
+on two cores what TF's executor gains by running ops side by side is mostly two contractions at once, and with
+each alone the planned order cost DenseNet-121 up to 17% of TF's step time. Sharing, the bytes in use still repeat
+from step to step, but two contractions' workspaces may coexist, as often as the executor has threads, so the peak
+depends on the inter-op thread count and may reach TF's own. The measurements are in docs/reliability.md ("The
+executor's order", "What the order costs on the CPU").
 """
 from __future__ import annotations
 
