@@ -12,9 +12,9 @@ kernels off and on (``--onednn``), that trains ``--steps`` steps (default 24) of
 budget unless ``--budget`` gives one (then each contraction is a band of its own, and the first steps are the
 probe's and the calibrated plan's); its step time is the median after the first step, its peak the largest step
 peak after the first (the first three under a budget) and its peak spread that peak over the median step peak,
-less one, of the bytes in use (what the order decides) and of GTBM's reserved bytes (which also creep over the first steps as variables move, docs/reliability.md). The three
-orders alternate within each round, and the report gives planned / free and strict / free per round and their
-medians.
+less one, of the bytes in use (what the order decides) and of GTBM's reserved bytes (which also move by a few
+pageblocks from step to step as variables move, docs/reliability.md). The three orders alternate within each
+round, and the report gives planned / free and strict / free per round and their medians.
 """
 from __future__ import annotations
 
@@ -107,8 +107,8 @@ def report(results: list[dict]) -> str:
 
         cells = [" / ".join(f"{statistics.median(step[o]):.3f}" if step[o] else "-" for o in ORDERS)]
         for o in ("planned", "strict"):
-            cells += [f"[{', '.join(f'{x:.2f}' for x in ratios.get(o, []))}]",
-                      f"{statistics.median(ratios[o]):.2f}x" if ratios.get(o) else "-"]
+            cells += [f"[{', '.join(f'{x:.2f}' for x in ratios[o])}]",
+                      f"{statistics.median(ratios[o]):.2f}x" if ratios[o] else "-"]
         for spread, peak in (most("in_use_spread"), most("in_use_mib")), (most("peak_spread"), most("peak_mib")):
             cells.append(" / ".join("-" if spread[o] is None else f"{spread[o]:.1%}" for o in ORDERS) + ", "
                          + " / ".join("-" if peak[o] is None else f"{peak[o]:.0f}" for o in ORDERS))

@@ -1,5 +1,6 @@
 """The executor made to follow the planned order (dymem_tf.planning.sequencing): which ops are chained, when the
-swap ops join, and that a chained step repeats its peak whatever the executor's thread count."""
+swap ops join, the bands, and that a chained step repeats its peak (under a budget, whatever the executor's thread
+count)."""
 import collections
 import json
 import os
@@ -122,11 +123,11 @@ def _banded_graph(conv_window: int = 1) -> StepGraph:
     return StepGraph.from_spec(spec)
 
 
-def _bands(sg: StepGraph) -> dict[str, int]:
+def _bands(sg: StepGraph, contractions_alone: bool = True) -> dict[str, int]:
     from dymem_tf.planning.simulator import simulate
 
     seq = sequencing.find_sequence(sg)
-    return dict(zip(seq.ops, sequencing.find_bands(sg, seq.ops, simulate(sg, None), contractions_alone=True)))
+    return dict(zip(seq.ops, sequencing.find_bands(sg, seq.ops, simulate(sg, None), contractions_alone)))
 
 
 def test_bands_group_the_ops_far_from_the_peak_and_chain_those_near_it():
@@ -157,21 +158,13 @@ def _with_early_contractions() -> StepGraph:
 def test_under_a_budget_a_contraction_is_a_band_of_its_own():
     assert sequencing.is_contraction("Conv2DBackpropFilter") and sequencing.is_contraction("_MklMatMul")
     assert not sequencing.is_contraction("ReluGrad")
-    from dymem_tf.planning.simulator import simulate
-
-    sg = _with_early_contractions()
-    seq = sequencing.find_sequence(sg)
-    bands = dict(zip(seq.ops, sequencing.find_bands(sg, seq.ops, simulate(sg, None), contractions_alone=True)))
+    bands = _bands(_with_early_contractions(), contractions_alone=True)
     assert [bands[n] for n in ("s0", "s1", "s2", "s3", "f1")] == [0, 1, 2, 3, 4]
     assert len(set(bands.values())) == len(bands) - 1  # only g3 and g2 share a band
 
 
 def test_without_a_budget_contractions_share_bands_within_the_peak():
-    from dymem_tf.planning.simulator import simulate
-
-    sg = _with_early_contractions()
-    seq = sequencing.find_sequence(sg)
-    bands = dict(zip(seq.ops, sequencing.find_bands(sg, seq.ops, simulate(sg, None), contractions_alone=False)))
+    bands = _bands(_with_early_contractions(), contractions_alone=False)
     # every op bound alike: the convolutions s0..s3 and c2 join the small ops (17 MB at most, under the 25 MB peak)
     assert bands == {"s0": 0, "s1": 0, "s2": 0, "s3": 0, "f1": 0, "c2": 0, "f3": 1, "g3": 2, "g2": 2}
 
