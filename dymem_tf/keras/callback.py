@@ -41,9 +41,8 @@ class DymemCallback(keras.callbacks.Callback):
             peak predicted, whatever the executor's thread count. Where the bytes in use stay far enough below the
             peak, ops of a band run side by side; without a budget convolutions and matrix products may too, whose
             workspaces then coexist (see :mod:`dymem_tf.planning.sequencing`; the values are unchanged either way).
-            ``"strict"``:
-            every op chained, one at a time: the bytes in use repeat by construction. ``"free"``:
-            TF's executor orders the ops as they become ready; steps then differ by several % in memory.
+            ``"strict"``: every op chained, one at a time: the bytes in use repeat by construction. ``"free"``: TF's
+            executor orders the ops as they become ready; steps then differ by several % in memory.
         xla: ``None`` (default): a step that swaps runs without XLA (an XLA cluster would swallow the swap ops); a
             step that swaps nothing keeps your XLA settings. ``"auto"``: the pass plans before XLA's clustering and
             the step is auto-clustered around the swap ops (on the CPU only with
