@@ -453,6 +453,29 @@ def test_new_variable_values_are_persistent():
     assert plan.mobility["scaled_g"] == plan.mobility["g"] == "transient"
 
 
+def test_the_values_a_step_returns_are_persistent():
+    """Keras's step returns its logs wrapped in an optional; the buffers it wraps outlive the step (the caller holds
+    them until the next step's replace them), so they go with the long-lived tensors: in the transient group a
+    4-byte loss pinned a 2 MiB block through the next step and moved that step's reserved peak by a block."""
+    from dymem_tf.planning.simulator import returned_values
+
+    sg = StepGraph.from_spec({
+        "x": {"bytes": MB, "flops": MS},
+        "total": {"type": "Sum", "inputs": ["x"], "bytes": 4, "flops": MS},
+        "loss": {"type": "DivNoNan", "inputs": ["total"], "bytes": 4},  # forwards total's buffer
+        "loss_id": {"type": "Identity", "inputs": ["loss"], "bytes": 4},
+        "other": {"type": "Relu", "inputs": ["x"], "bytes": MB, "flops": MS},
+        "optional": {"type": "OptionalFromValue", "inputs": ["loss_id"], "dtype": "variant", "persistent": True},
+        "ret": {"type": "_Retval", "inputs": ["optional"], "bytes": []}})
+    # the optional and loss_id alias loss (they allocate nothing), which writes into total's buffer
+    assert returned_values(sg) == {"loss", "total"}
+    plan = make_plan(sg, "none", profile=TOY)
+    assert plan.mobility["loss"] == plan.mobility["total"] == "persistent"
+    assert plan.mobility["x"] == plan.mobility["other"] == "transient"
+    rows = simulate(sg, plan, TOY).allocations
+    assert rows[rows[:, 3] == 0, 2].tolist() == [4]  # the loss's buffer
+
+
 # -------------------------------------------------------------------------------------------- random graphs
 def random_train_step(rng: random.Random, n: int) -> StepGraph:
     """A random forward DAG with variable reads, a loss, and its mirrored gradient graph (like autodiff)."""

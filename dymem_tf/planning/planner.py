@@ -49,7 +49,7 @@ from dymem_tf.planning.analysis import ALIAS_OP_TYPES, FREE_OP_TYPES, StepGraph,
 from dymem_tf.planning.cost_model import CostModel, as_cost_model
 from dymem_tf.planning.device_profiles import DeviceProfile
 from dymem_tf.planning.plan import Plan, PlanParams, RecomputeRoute, SwapDecision, SwapIn, WeightRoute
-from dymem_tf.planning.simulator import SimResult, Simulator, adopted_values
+from dymem_tf.planning.simulator import SimResult, Simulator, adopted_values, returned_values
 from dymem_tf.planning.stages import stage, timed
 from dymem_tf.units import mib
 
@@ -887,10 +887,11 @@ def _too_small(min_peak: int, budget: int, persistent: int, batch: int | None, n
 
 
 def _mobility(sg: StepGraph, swaps: list[SwapDecision]) -> dict[str, str]:
-    """persistent (variable reads/handles, new variable values: :func:`~dymem_tf.planning.simulator.adopted_values`),
-    mobile (producers of swapped tensors) or transient, per op with outputs."""
+    """persistent (variable reads/handles, new variable values: :func:`~dymem_tf.planning.simulator.adopted_values`,
+    the step's outputs: :func:`~dymem_tf.planning.simulator.returned_values`), mobile (producers of swapped tensors)
+    or transient, per op with outputs."""
     mobile = {s.producer for s in swaps if s.kind == "tensor"}
-    new_values = adopted_values(sg)
+    new_values = adopted_values(sg).keys() | returned_values(sg)
     out = {}
     for name, op in sg.ops.items():
         if not op.outputs:

@@ -56,6 +56,8 @@ VARIABLE_WRITE_OP_TYPES = frozenset({"AssignVariableOp"})
 #: ``SimResult.allocations`` group of a buffer that becomes a variable's storage at its last use (GTBM's persistent
 #: group: the variable's previous buffer is freed then, so the group's buffers move every step)
 ADOPTED = 3
+#: Ops through which a function returns its values (the step's outputs)
+RETURN_OP_TYPES = frozenset({"_Retval", "_DeviceRetval"})
 
 
 def adopted_values(sg: StepGraph) -> dict[str, str]:
@@ -63,26 +65,44 @@ def adopted_values(sg: StepGraph) -> dict[str, str]:
 
     An optimizer's update (``m = momentum * m - lr * g``) is computed inside the step and written by
     ``AssignVariableOp``, which adopts its input's buffer: the op producing it, and the element-wise ops forwarding
-    their buffer into it (TF forwards the first same-sized input it may reuse; variable reads never), allocate the
-    variable's next buffer, and the previous one is freed."""
+    their buffer into it, allocate the variable's next buffer, and the previous one is freed."""
     out: dict[str, str] = {}
     for op in sg.ops.values():
-        if op.type not in VARIABLE_WRITE_OP_TYPES or len(op.inputs) < 2:
-            continue
-        resource = sg.buffer_of(op.inputs[0]) if op.inputs[0] in sg.tensors else op.inputs[0]
-        stack = list(op.inputs[1:])
-        while stack:  # walk back through aliases and in-place element-wise chains
-            info = sg.tensors.get(stack.pop())
-            if info is None or info.persistent or info.producer in out:
-                continue
-            out[info.producer] = resource
-            producer = sg.ops[info.producer]
-            if info.alias_of is not None:
-                stack.append(info.alias_of)
-            elif producer.type in FORWARDING_OP_TYPES:
-                stack.extend([i for i in producer.inputs if sg.tensors.get(i) is not None
-                              and not sg.tensors[i].persistent and sg.tensors[i].bytes == info.bytes][:1])
+        if op.type in VARIABLE_WRITE_OP_TYPES and len(op.inputs) >= 2:
+            resource = sg.buffer_of(op.inputs[0]) if op.inputs[0] in sg.tensors else op.inputs[0]
+            _mark_allocating_ops(sg, op.inputs[1:], resource, out)
     return out
+
+
+def returned_values(sg: StepGraph) -> set[str]:
+    """The ops that allocate the buffers the step returns to its caller (Keras's logs: the loss and the metrics'
+    results). Those buffers outlive the step: the caller holds them until the next step's values replace them, so
+    GTBM keeps them with the long-lived tensors, where they cannot pin a block of the next step's transient ones."""
+    # through aliases first: Keras's multi-step iterator returns the logs wrapped in an optional, a variant that
+    # aliases the value it holds (and, being a handle, counts as persistent, where the walk below would stop)
+    returned = [sg.buffer_of(t) for op in sg.ops.values() if op.type in RETURN_OP_TYPES for t in op.inputs
+                if t in sg.tensors]
+    out: dict[str, None] = {}
+    _mark_allocating_ops(sg, returned, None, out)
+    return set(out)
+
+
+def _mark_allocating_ops(sg: StepGraph, tensors: Iterable[str], value, out: dict) -> None:
+    """Maps to ``value`` in ``out`` every op that allocates the buffer of one of ``tensors``: its producer, walking
+    back through aliases and in-place element-wise chains (TF forwards the first same-sized input it may reuse;
+    variable reads never). Ops already in ``out`` are not walked again."""
+    stack = list(tensors)
+    while stack:
+        info = sg.tensors.get(stack.pop())
+        if info is None or info.persistent or info.producer in out:
+            continue
+        out[info.producer] = value
+        producer = sg.ops[info.producer]
+        if info.alias_of is not None:
+            stack.append(info.alias_of)
+        elif producer.type in FORWARDING_OP_TYPES:
+            stack.extend([i for i in producer.inputs if sg.tensors.get(i) is not None
+                          and not sg.tensors[i].persistent and sg.tensors[i].bytes == info.bytes][:1])
 
 
 @dataclass
@@ -189,6 +209,8 @@ class Simulator:
         self.t_last = np.array(last, dtype=np.int64)
         self.t_bytes = np.array(size, dtype=np.int64)
         self.t_resident = np.array([step_graph.tensors[n].variable for n in names], dtype=bool)
+        returned = returned_values(step_graph)
+        self.t_returned = np.array([step_graph.tensors[n].producer in returned for n in names], dtype=bool)
         adopted = adopted_values(step_graph)
         self.t_adopts = [adopted.get(step_graph.tensors[n].producer) for n in names]  # the variable it becomes
         held = [(self.pos[n], int(b)) for n, b in (temporaries or {}).items()
@@ -535,6 +557,7 @@ class Simulator:
         groups = np.where(np.concatenate(parts_g[0::2]) == _MOBILE, 2, 1)
         kept = groups[:int(keep.sum())]
         kept[self.t_resident[keep]] = 0  # a kept variable: GTBM's persistent group
+        kept[self.t_returned[keep]] = 0  # a value the step returns: persistent too (planner._mobility)
         offloaded = {s.tensor for s in swaps}
         adopts = np.array([v is not None and v not in offloaded for v in self.t_adopts], dtype=bool)
         kept[adopts[keep]] = ADOPTED  # the next buffer of a variable the device keeps
