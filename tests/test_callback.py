@@ -81,6 +81,20 @@ def test_swapping_gives_bit_identical_training(kind):
     assert model.train_function is None
 
 
+def test_the_logs_a_step_returns_are_planned_into_the_persistent_group():
+    """The step hands its logs (the loss tracker's mean, a DivNoNan) to Keras, which holds them into the next step:
+    the plan puts them with the long-lived tensors, so they cannot pin a transient block across the step boundary."""
+    from dymem_tf.planning.simulator import returned_values
+
+    cb = dymem_tf.DymemCallback(memory_budget=None, min_swap_bytes=0, verbose=0)
+    train(small_cnn, [cb], steps=1)
+    sg, plan = cb.records[-1].step_graph, cb.plan
+    assert any(op.type == "_Retval" for op in sg.ops.values())
+    returned = returned_values(sg)
+    assert "DivNoNan" in {sg.ops[n].type for n in returned}
+    assert all(plan.mobility[n] == "persistent" for n in returned if sg.ops[n].outputs)
+
+
 def test_rewrite_inserts_swap_pairs_reroutes_backward_consumers_and_keeps_a_dag():
     import networkx as nx
 
