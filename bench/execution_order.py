@@ -8,13 +8,15 @@
 ``DymemCallback(memory_budget=None, execution_order="planned")`` chains the step's ops with control edges in the
 simulator's order, in bands whose ops may run side by side (``dymem_tf/planning/sequencing.py``); ``"strict"``
 chains every op; ``"free"`` leaves the order to TF's executor. Each run is a fresh interpreter, with oneDNN's CPU
-kernels off and on (``--onednn``), that trains ``--steps`` steps (default 24) of batch 16 with SGD and momentum, no
-budget unless ``--budget`` gives one (then each contraction is a band of its own, and the first steps are the
-probe's and the calibrated plan's); its step time is the median after the first step, its peak the largest step
-peak after the first (the first three under a budget) and its peak spread that peak over the median step peak,
-less one, of the bytes in use (what the order decides) and of GTBM's reserved bytes (which also move by a few
-pageblocks from step to step as variables move, docs/reliability.md). The three orders alternate within each
-round, and the report gives planned / free and strict / free per round and their medians.
+kernels off and on (``--onednn``), that trains ``--steps`` steps (default 24) of batch 16 with SGD and momentum
+(``--optimizer sgd``: without), no budget unless ``--budget`` gives one (then each contraction is a band of its own,
+and the first steps are the probe's and the calibrated plan's). Its step time is the median after the first step,
+its peak the largest step peak after the first (the first three under a budget), and its peak spread that peak over
+the median step peak, less one, of the bytes in use (what the order decides) and of GTBM's reserved bytes (which
+also move by a pageblock or two from step to step, docs/reliability.md, "Reserved bytes from step to step"; each
+run's JSON line lists them per step). The three orders alternate within each round, and the report gives planned /
+free and strict / free per round and their medians. The environment passes on to the runs
+(``TF_NUM_INTEROP_THREADS=1`` for one inter-op thread).
 """
 from __future__ import annotations
 
@@ -30,8 +32,15 @@ MODELS = ("resnet50", "densenet121")
 ORDERS = ("planned", "strict", "free")
 
 
-def child(name: str, order: str, image_size: int, steps: int = 24, budget: str | None = None) -> dict:
-    """One run in this interpreter: the median step time after the first, and the plan's swap count."""
+#: ``--optimizer``: Keras's SGD with momentum 0.9 (whose momentum moves to a new buffer every step, see
+#: docs/reliability.md) or plain SGD (no variable but batch normalisation's statistics moves)
+OPTIMIZERS = ("momentum", "sgd")
+
+
+def child(name: str, order: str, image_size: int, steps: int = 24, budget: str | None = None,
+          optimizer: str = "momentum") -> dict:
+    """One run in this interpreter: the median step time after the first, the peaks, the reserved peak of every
+    step (``reserved_mib_steps``), and the plan's swap count."""
     import keras
     import numpy as np
 
@@ -45,7 +54,7 @@ def child(name: str, order: str, image_size: int, steps: int = 24, budget: str |
     keras.utils.set_random_seed(0)
     app = {"resnet50": keras.applications.ResNet50, "densenet121": keras.applications.DenseNet121}[name]
     model = app(weights=None, input_shape=(image_size, image_size, 3), classes=10)
-    model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
+    model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9 if optimizer == "momentum" else 0.0),
                   loss=keras.losses.SparseCategoricalCrossentropy())
     x = np.random.default_rng(0).normal(size=(16 * steps, image_size, image_size, 3)).astype("float32")
     y = np.zeros(16 * steps, dtype="int64")
@@ -56,7 +65,7 @@ def child(name: str, order: str, image_size: int, steps: int = 24, budget: str |
     steady, in_use = peaks.peaks[skip:] or peaks.peaks, peaks.in_use[skip:] or peaks.in_use
     return {"model": name, "order": order, "onednn": bool(dymem_tf.compat.onednn_enabled()), "budget": budget,
             "step_s": timer.median_step_s(), "peak_spread": max(steady) / statistics.median(steady) - 1.0,
-            "peak_mib": max(steady) / 2**20,
+            "peak_mib": max(steady) / 2**20, "reserved_mib_steps": [p / 2**20 for p in peaks.peaks],
             "in_use_spread": max(in_use) / statistics.median(in_use) - 1.0, "in_use_mib": max(in_use) / 2**20,
             "chained": next((int(n.split()[0]) for n in (cb.plan.notes if cb.plan is not None else ())
                              if " ops chained in the planned order" in n), 0),
@@ -66,13 +75,13 @@ def child(name: str, order: str, image_size: int, steps: int = 24, budget: str |
 
 
 def run(name: str, order: str, image_size: int, onednn: str = "off", steps: int = 24,
-        budget: str | None = None) -> dict:
+        budget: str | None = None, optimizer: str = "momentum") -> dict:
     """:func:`child` in a fresh interpreter, oneDNN ``"on"`` or ``"off"``, under ``budget`` (None: no budget); a
     run that failed (TF's order may run out of a budget's memory) gives its error's last line as ``"error"``."""
     env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="1" if onednn == "on" else "0", TF_CPP_MIN_LOG_LEVEL="3",
                DYMEM_DEVICE_MEMORY_LIMIT=os.environ.get("DYMEM_DEVICE_MEMORY_LIMIT", "4GiB"))
     cmd = [sys.executable, os.path.abspath(__file__), "--child", name, order, "--image-size", str(image_size),
-           "--steps", str(steps)] + (["--budget", budget] if budget else [])
+           "--steps", str(steps), "--optimizer", optimizer] + (["--budget", budget] if budget else [])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
@@ -125,10 +134,13 @@ def main(argv=None) -> int:
     parser.add_argument("--onednn", choices=("off", "on", "both"), default="both")
     parser.add_argument("--orders", default=",".join(ORDERS), help="orders to run, interleaved (free is the base)")
     parser.add_argument("--budget", help="memory_budget of every run, such as 80MiB (default: none)")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="momentum",
+                        help="SGD with momentum 0.9 (default) or plain SGD")
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "ORDER"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(child(args.child[0], args.child[1], args.image_size, args.steps, args.budget)))
+        print(json.dumps(child(args.child[0], args.child[1], args.image_size, args.steps, args.budget,
+                               args.optimizer)))
         return 0
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     orders = [o.strip() for o in args.orders.split(",") if o.strip()]
@@ -144,7 +156,8 @@ def main(argv=None) -> int:
         for name in models:
             for onednn in settings:
                 for order in orders:
-                    results.append(run(name, order, args.image_size, onednn, args.steps, args.budget))
+                    results.append(run(name, order, args.image_size, onednn, args.steps, args.budget,
+                                       args.optimizer))
                     print(json.dumps(results[-1]), flush=True)
     print(f"python bench/execution_order.py {' '.join(sys.argv[1:] if argv is None else argv)}")
     print(report(results))

@@ -585,6 +585,8 @@ def test_execution_order_cli_checks_its_arguments_and_reports_ratios():
     assert bad.returncode == 2 and "--orders from planned, strict, free" in bad.stderr
     bad = subprocess.run([sys.executable, script, "--budget", "80"], capture_output=True, text=True)
     assert bad.returncode == 2 and "--budget: bytes with a unit" in bad.stderr
+    bad = subprocess.run([sys.executable, script, "--optimizer", "adam"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--optimizer: invalid choice: 'adam'" in bad.stderr  # momentum or sgd
     import execution_order
 
     runs = [{"model": "densenet121", "order": o, "step_s": s, "swaps": 213, "onednn": False, "peak_spread": p,
