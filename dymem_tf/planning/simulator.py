@@ -23,7 +23,8 @@ Model (the planner's view of the runtime):
   stay (its forward users) ends with them, without a copy.
 * Kernel temporaries (workspaces, im2col buffers), when measured (:mod:`dymem_tf.planning.memory_model`): an op
   holds its bytes from its start to its end.
-* Groups (GTBM): ``persistent``; ``transient`` (ordinary tensors); ``mobile`` (swapped tensors and swap-in buffers).
+* Groups (GTBM): ``persistent`` (variables, and the values the step returns, which its caller holds into the next
+  step); ``transient`` (ordinary tensors); ``mobile`` (swapped tensors and swap-in buffers).
 """
 from __future__ import annotations
 
@@ -155,7 +156,8 @@ class SimResult:
     peak_buffers: list[PeakBuffer] = field(default_factory=list, repr=False)
     #: with the timeline: one row ``(lower, upper, bytes, group)`` per device buffer of the step, its allocation and
     #: free as indices into the step's event order (a half-open lifetime, the replay engine's instance format;
-    #: groups numbered as in GTBM: 0 = persistent, a variable the plan keeps; 1 = transient; 2 = mobile; and
+    #: groups numbered as in GTBM: 0 = persistent, a variable the plan keeps or a value the step returns
+    #: (:func:`returned_values`); 1 = transient; 2 = mobile; and
     #: :data:`ADOPTED`, persistent too: a kept variable's next buffer, which it adopts at the row's end)
     allocations: np.ndarray | None = field(default=None, repr=False)
     #: the device bytes in use (persistent included) after each memory event, and the events' times (sorted)
