@@ -53,12 +53,12 @@ def small_cnn(kind: str = "functional", size: int = 16) -> keras.Model:
     return keras.Model(inp, out)
 
 
-def train(build, callbacks, steps=3, batch=8, size=16, seed=1):
+def train(build, callbacks, steps=3, batch=8, size=16, seed=1, metrics=None):
     keras.backend.clear_session()  # equal op names in both runs (see tests/test_models.py)
     keras.utils.set_random_seed(seed)
     model = build()
     model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=metrics)
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(batch * steps, size, size, 3)).astype("float32")
     y = rng.integers(0, 10, size=(batch * steps,))
@@ -82,17 +82,18 @@ def test_swapping_gives_bit_identical_training(kind):
 
 
 def test_the_logs_a_step_returns_are_planned_into_the_persistent_group():
-    """The step hands its logs (the loss tracker's mean, a DivNoNan) to Keras, which holds them into the next step:
-    the plan puts them with the long-lived tensors, so they cannot pin a transient block across the step boundary."""
-    from dymem_tf.planning.simulator import returned_values
-
+    """The step hands its logs (the loss tracker's and the accuracy's means, DivNoNan ops) to Keras in an optional,
+    and Keras holds them into the next step: the plan puts each with the long-lived tensors, so none can pin a
+    transient block across the step boundary."""
     cb = dymem_tf.DymemCallback(memory_budget=None, min_swap_bytes=0, verbose=0)
-    train(small_cnn, [cb], steps=1)
+    train(small_cnn, [cb], steps=1, metrics=["accuracy"])
     sg, plan = cb.records[-1].step_graph, cb.plan
-    assert any(op.type == "_Retval" for op in sg.ops.values())
-    returned = returned_values(sg)
-    assert "DivNoNan" in {sg.ops[n].type for n in returned}
-    assert all(plan.mobility[n] == "persistent" for n in returned if sg.ops[n].outputs)
+    (ret,) = [op for op in sg.ops.values() if op.type == "_Retval"]
+    optional = sg.ops[sg.tensors[ret.inputs[0]].producer]
+    assert optional.type == "OptionalFromValue" and len(optional.inputs) == 2  # the loss and the accuracy
+    logs = [sg.tensors[sg.buffer_of(t)].producer for t in optional.inputs]
+    assert {sg.ops[n].type for n in logs} == {"DivNoNan"}
+    assert all(plan.mobility[n] == "persistent" for n in logs), {n: plan.mobility[n] for n in logs}
 
 
 def test_rewrite_inserts_swap_pairs_reroutes_backward_consumers_and_keeps_a_dag():

@@ -106,8 +106,7 @@ def place(allocations: np.ndarray, group: PersistentGroup, steps: int = STEADY_S
 
 
 def resident_bytes(allocations: np.ndarray) -> int:
-    """Bytes of the variables a simulated step keeps on the device and of the values it returns (its persistent
-    rows: both are in GTBM's persistent group at the step's end)."""
+    """Bytes of the variables a simulated step keeps on the device (its persistent rows)."""
     rows = _rows(allocations)
     return int(rows[rows[:, 3] == PERSISTENT, 2].sum())
 

@@ -23,8 +23,9 @@ Model (the planner's view of the runtime):
   stay (its forward users) ends with them, without a copy.
 * Kernel temporaries (workspaces, im2col buffers), when measured (:mod:`dymem_tf.planning.memory_model`): an op
   holds its bytes from its start to its end.
-* Groups (GTBM): ``persistent`` (variables, and the values the step returns, which its caller holds into the next
-  step); ``transient`` (ordinary tensors); ``mobile`` (swapped tensors and swap-in buffers).
+* Groups (GTBM): ``persistent``; ``transient`` (ordinary tensors); ``mobile`` (swapped tensors and swap-in buffers).
+  The values the step returns are modelled as transient, freed when the step ends; GTBM keeps them in the
+  persistent group (:func:`returned_values`), where their few bytes fill the group's holes.
 """
 from __future__ import annotations
 
@@ -59,6 +60,8 @@ VARIABLE_WRITE_OP_TYPES = frozenset({"AssignVariableOp"})
 ADOPTED = 3
 #: Ops through which a function returns its values (the step's outputs)
 RETURN_OP_TYPES = frozenset({"_Retval", "_DeviceRetval"})
+#: Ops whose output holds references to all their inputs' buffers (the analysis aliases it to the first only)
+WRAPPING_OP_TYPES = frozenset({"OptionalFromValue"})
 
 
 def adopted_values(sg: StepGraph) -> dict[str, str]:
@@ -79,19 +82,30 @@ def returned_values(sg: StepGraph) -> set[str]:
     """The ops that allocate the buffers the step returns to its caller (Keras's logs: the loss and the metrics'
     results). Those buffers outlive the step: the caller holds them until the next step's values replace them, so
     GTBM keeps them with the long-lived tensors, where they cannot pin a block of the next step's transient ones."""
-    # through aliases first: Keras's multi-step iterator returns the logs wrapped in an optional, a variant that
-    # aliases the value it holds (and, being a handle, counts as persistent, where the walk below would stop)
-    returned = [sg.buffer_of(t) for op in sg.ops.values() if op.type in RETURN_OP_TYPES for t in op.inputs
-                if t in sg.tensors]
+    stack = [t for op in sg.ops.values() if op.type in RETURN_OP_TYPES for t in op.inputs]
+    returned, seen = [], set()
+    while stack:  # Keras returns its logs wrapped in an optional: a variant (a handle, so persistent) per step
+        t = stack.pop()
+        if t in seen or t not in sg.tensors:
+            continue
+        seen.add(t)
+        producer = sg.ops[sg.tensors[t].producer]
+        if producer.type in WRAPPING_OP_TYPES:  # it holds every value it wraps, not only the one it aliases
+            stack.extend(producer.inputs)
+        elif sg.tensors[t].alias_of is not None:
+            stack.append(sg.tensors[t].alias_of)
+        else:
+            returned.append(t)
     out: dict[str, None] = {}
-    _mark_allocating_ops(sg, returned, None, out)
+    _mark_allocating_ops(sg, returned, None, out, sole_reader=True)
     return set(out)
 
 
-def _mark_allocating_ops(sg: StepGraph, tensors: Iterable[str], value, out: dict) -> None:
+def _mark_allocating_ops(sg: StepGraph, tensors: Iterable[str], value, out: dict, sole_reader: bool = False) -> None:
     """Maps to ``value`` in ``out`` every op that allocates the buffer of one of ``tensors``: its producer, walking
     back through aliases and in-place element-wise chains (TF forwards the first same-sized input it may reuse;
-    variable reads never). Ops already in ``out`` are not walked again."""
+    variable reads never; with ``sole_reader``, only an input the op alone reads, which it surely reuses). Ops
+    already in ``out`` are not walked again."""
     stack = list(tensors)
     while stack:
         info = sg.tensors.get(stack.pop())
@@ -103,7 +117,14 @@ def _mark_allocating_ops(sg: StepGraph, tensors: Iterable[str], value, out: dict
             stack.append(info.alias_of)
         elif producer.type in FORWARDING_OP_TYPES:
             stack.extend([i for i in producer.inputs if sg.tensors.get(i) is not None
-                          and not sg.tensors[i].persistent and sg.tensors[i].bytes == info.bytes][:1])
+                          and not sg.tensors[i].persistent and sg.tensors[i].bytes == info.bytes
+                          and (not sole_reader or _readers(sg, i) == {info.producer})][:1])
+
+
+def _readers(sg: StepGraph, tensor: str) -> set[str]:
+    """The ops reading ``tensor``'s buffer: the consumers of its owner and of every alias of it."""
+    owner = sg.buffer_of(tensor)
+    return {c for t in [owner, *sg.aliases().get(owner, ())] for c in sg.tensors[t].consumers}
 
 
 @dataclass
@@ -156,8 +177,7 @@ class SimResult:
     peak_buffers: list[PeakBuffer] = field(default_factory=list, repr=False)
     #: with the timeline: one row ``(lower, upper, bytes, group)`` per device buffer of the step, its allocation and
     #: free as indices into the step's event order (a half-open lifetime, the replay engine's instance format;
-    #: groups numbered as in GTBM: 0 = persistent, a variable the plan keeps or a value the step returns
-    #: (:func:`returned_values`); 1 = transient; 2 = mobile; and
+    #: groups numbered as in GTBM: 0 = persistent, a variable the plan keeps; 1 = transient; 2 = mobile; and
     #: :data:`ADOPTED`, persistent too: a kept variable's next buffer, which it adopts at the row's end)
     allocations: np.ndarray | None = field(default=None, repr=False)
     #: the device bytes in use (persistent included) after each memory event, and the events' times (sorted)
@@ -211,8 +231,6 @@ class Simulator:
         self.t_last = np.array(last, dtype=np.int64)
         self.t_bytes = np.array(size, dtype=np.int64)
         self.t_resident = np.array([step_graph.tensors[n].variable for n in names], dtype=bool)
-        returned = returned_values(step_graph)
-        self.t_returned = np.array([step_graph.tensors[n].producer in returned for n in names], dtype=bool)
         adopted = adopted_values(step_graph)
         self.t_adopts = [adopted.get(step_graph.tensors[n].producer) for n in names]  # the variable it becomes
         held = [(self.pos[n], int(b)) for n, b in (temporaries or {}).items()
@@ -559,7 +577,6 @@ class Simulator:
         groups = np.where(np.concatenate(parts_g[0::2]) == _MOBILE, 2, 1)
         kept = groups[:int(keep.sum())]
         kept[self.t_resident[keep]] = 0  # a kept variable: GTBM's persistent group
-        kept[self.t_returned[keep]] = 0  # a value the step returns: persistent too (planner._mobility)
         offloaded = {s.tensor for s in swaps}
         adopts = np.array([v is not None and v not in offloaded for v in self.t_adopts], dtype=bool)
         kept[adopts[keep]] = ADOPTED  # the next buffer of a variable the device keeps
