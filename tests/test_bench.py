@@ -583,11 +583,14 @@ def test_execution_order_cli_checks_its_arguments_and_reports_ratios():
     assert bad.returncode == 2 and "--models: choose from resnet50, densenet121" in bad.stderr
     bad = subprocess.run([sys.executable, script, "--orders", "planned,random"], capture_output=True, text=True)
     assert bad.returncode == 2 and "--orders from planned, strict, free" in bad.stderr
-    bad = subprocess.run([sys.executable, script, "--budget", "80"], capture_output=True, text=True)
-    assert bad.returncode == 2 and "--budget: bytes with a unit" in bad.stderr
+    for budget in ("80", "80 parsecs", "1e3MiB"):  # a bare number would be bytes; memory_budget refuses the others
+        bad = subprocess.run([sys.executable, script, "--budget", budget], capture_output=True, text=True)
+        assert bad.returncode == 2 and "--budget: bytes with a unit" in bad.stderr, budget
+    import execution_order
+
+    assert all(execution_order._is_budget(b) for b in ("80MiB", "80 MB", "0.5GiB"))  # memory_budget's spellings
     bad = subprocess.run([sys.executable, script, "--optimizer", "adam"], capture_output=True, text=True)
     assert bad.returncode == 2 and "--optimizer: invalid choice: 'adam'" in bad.stderr  # momentum or sgd
-    import execution_order
 
     runs = [{"model": "densenet121", "order": o, "step_s": s, "swaps": 213, "onednn": False, "peak_spread": p,
              "peak_mib": m, "in_use_spread": p / 2, "in_use_mib": m - 10}
