@@ -242,12 +242,15 @@ def test_under_a_budget_a_chained_step_repeats_its_peak_whatever_the_executors_t
     assert max(steady) <= 1.01 * min(steady), (default, one_thread)
 
 
-def test_without_a_budget_each_thread_count_repeats_its_own_peak():
-    """Without a budget contractions share bands: the convolution gradients' 27 MB im2col workspaces coexist with
-    two inter-op threads and not with one, so the peak depends on the thread count, and repeats for each."""
-    for threads in (None, 1):
-        steady = _step_peaks("planned", threads)[1:]
-        assert max(steady) <= 1.01 * min(steady), (threads, steady)
+def test_without_a_budget_contractions_overlap_only_as_the_threads_allow():
+    """Without a budget contractions share bands. With one inter-op thread they never run at once, and every step
+    repeats its peak. With two, the convolution gradients' im2col working sets (TF's target: 30 MiB each) coexist
+    when the executor happens to run two at once: in most steps (54.7 MB), not in all (28.0 MB in one of five in
+    one run), so the peak is bounded, not repeated: at most one working set above the one-thread peak."""
+    one = _step_peaks("planned", 1)[1:]
+    assert max(one) <= 1.01 * min(one), one
+    two = _step_peaks("planned", None)[1:]
+    assert 0.99 * min(one) <= min(two) and max(two) <= 1.01 * max(one) + 30 * 2**20, (one, two)
 
 
 def test_a_step_inside_a_loop_keeps_tfs_order():

@@ -40,7 +40,8 @@ class DymemCallback(keras.callbacks.Callback):
             planner simulated them, chained by control edges, so every step peaks alike; under a budget at the
             peak predicted, whatever the executor's thread count. Where the bytes in use stay far enough below the
             peak, ops of a band run side by side; without a budget convolutions and matrix products may too, whose
-            workspaces then coexist (see :mod:`dymem_tf.planning.sequencing`; the values are unchanged either way).
+            workspaces then coexist in the steps where the executor runs two at once (see
+            :mod:`dymem_tf.planning.sequencing`; the values are unchanged either way).
             ``"strict"``: every op chained, one at a time: the bytes in use repeat by construction. ``"free"``: TF's
             executor orders the ops as they become ready; steps then differ by several % in memory.
         xla: ``None`` (default): a step that swaps runs without XLA (an XLA cluster would swallow the swap ops); a

@@ -54,10 +54,12 @@ prediction.
 
 Without a budget the plan has no bound to keep, only a peak to repeat, and contractions share bands like any op:
 on two cores what TF's executor gains by running ops side by side is mostly two contractions at once, and with
-each alone the planned order cost DenseNet-121 up to 17% of TF's step time. Sharing, the bytes in use still repeat
-from step to step, but two contractions' workspaces may coexist, as often as the executor has threads, so the peak
-depends on the inter-op thread count and may reach TF's own. The measurements are in docs/reliability.md ("The
-executor's order", "What the order costs on the CPU").
+each alone the planned order cost DenseNet-121 up to 17% of TF's step time. Sharing, the bytes in use repeat from
+step to step but for the contractions' workspaces, which coexist whenever the executor's threads happen to run two
+contractions at once: the peak depends on the inter-op thread count, may reach TF's own, and may be lower in a step
+where the race went the other way (the two-branch convnet of tests/test_sequencing.py: 54.7 MB in most steps, 28.0 in
+one of five). The measurements are in docs/reliability.md ("The executor's order", "What the order costs on the
+CPU").
 """
 from __future__ import annotations
 
