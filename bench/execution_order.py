@@ -63,8 +63,9 @@ def child(name: str, order: str, image_size: int, steps: int = 24, budget: str |
     skip = 3 if budget else 1  # under a budget the probe's step and the calibrated plan's first come first
     steady, in_use = peaks.peaks[skip:] or peaks.peaks, peaks.in_use[skip:] or peaks.in_use
     return {"model": name, "order": order, "onednn": bool(dymem_tf.compat.onednn_enabled()), "budget": budget,
-            "optimizer": optimizer, "step_s": timer.median_step_s(), "peak_spread": max(steady) / statistics.median(steady) - 1.0,
-            "peak_mib": max(steady) / 2**20, "reserved_mib_steps": [p / 2**20 for p in peaks.peaks],
+            "optimizer": optimizer, "step_s": timer.median_step_s(),
+            "peak_spread": max(steady) / statistics.median(steady) - 1.0, "peak_mib": max(steady) / 2**20,
+            "reserved_mib_steps": [p / 2**20 for p in peaks.peaks],
             "in_use_spread": max(in_use) / statistics.median(in_use) - 1.0, "in_use_mib": max(in_use) / 2**20,
             "chained": next((int(n.split()[0]) for n in (cb.plan.notes if cb.plan is not None else ())
                              if " ops chained in the planned order" in n), 0),

@@ -69,7 +69,7 @@ import dataclasses
 import numpy as np
 
 from dymem_tf.planning.analysis import StepGraph
-from dymem_tf.planning.simulator import SimResult
+from dymem_tf.planning.simulator import RETURN_OP_TYPES, SimResult
 
 #: ``execution_order`` values: "planned" chains the ops in the simulated order, in bands (:func:`find_bands`);
 #: "strict" chains every op (the bytes in use repeat to the byte, the executor's threads run one op at a time);
@@ -90,7 +90,7 @@ CONTROL_FLOW_OP_TYPES = frozenset({
 ACCUMULATION_OP_TYPES = frozenset({"TemporaryVariable", "DestroyTemporaryVariable", "Assign", "AssignAdd",
                                    "AssignSub"})
 #: A function's arguments and results: TF accepts no control edge out of a result.
-FUNCTION_BOUNDARY_OP_TYPES = frozenset({"_Arg", "_Retval", "_DeviceArg", "_DeviceRetval"})
+FUNCTION_BOUNDARY_OP_TYPES = frozenset({"_Arg", "_DeviceArg"}) | RETURN_OP_TYPES
 
 #: Op types whose kernels hold workspaces of their own (convolutions, matrix products, einsums; oneDNN's too):
 #: under a budget, each is a band of its own.

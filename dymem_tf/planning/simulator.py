@@ -118,13 +118,7 @@ def _mark_allocating_ops(sg: StepGraph, tensors: Iterable[str], value, out: dict
         elif producer.type in FORWARDING_OP_TYPES:
             stack.extend([i for i in producer.inputs if sg.tensors.get(i) is not None
                           and not sg.tensors[i].persistent and sg.tensors[i].bytes == info.bytes
-                          and (not sole_reader or _readers(sg, i) == {info.producer})][:1])
-
-
-def _readers(sg: StepGraph, tensor: str) -> set[str]:
-    """The ops reading ``tensor``'s buffer: the consumers of its owner and of every alias of it."""
-    owner = sg.buffer_of(tensor)
-    return {c for t in [owner, *sg.aliases().get(owner, ())] for c in sg.tensors[t].consumers}
+                          and (not sole_reader or set(sg.buffer_consumers(sg.buffer_of(i))) == {info.producer})][:1])
 
 
 @dataclass
