@@ -116,6 +116,9 @@ def _library():
         lib.dymem_pass_set_batch_hint.argtypes = [ctypes.c_int64]
         lib.dymem_pass_set_batch_hint.restype = ctypes.c_int64
         lib.dymem_pass_step_input_types.restype = ctypes.c_char_p
+        lib.dymem_pass_infer_outputs.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int64,
+                                                 ctypes.POINTER(ctypes.c_char_p)]
+        lib.dymem_pass_infer_outputs.restype = ctypes.c_int64
         _state["lib"] = lib
     return _state["lib"]
 
@@ -187,6 +190,19 @@ def armed(listener: Callable[[PassCall], None], stage: str | None = None, batch_
             lib.dymem_pass_set_batch_hint(previous_batch)
             lib.dymem_pass_set_stage(previous)
             lib.dymem_pass_arm(-1)
+
+
+def infer_outputs(graph_def_bytes: bytes, batch_size: int | None = None) -> bytes:
+    """The output records the pass offers beside ``graph_def_bytes`` (a serialized ``GraphDef``), inferred as it
+    infers them (``batch_size`` as in :func:`armed`): with the GraphDef, what
+    :class:`~dymem_tf.passes.graph_def_view.GraphView` reads. Raises ``ValueError`` for a GraphDef TensorFlow
+    cannot build a graph from."""
+    data = ctypes.c_char_p()
+    size = _library().dymem_pass_infer_outputs(graph_def_bytes, len(graph_def_bytes), int(batch_size or 0),
+                                                ctypes.byref(data))
+    if size < 0:
+        raise ValueError(f"TensorFlow cannot build a graph from this GraphDef: {data.value.decode(errors='replace')}")
+    return ctypes.string_at(data, size) if size > 0 else b""
 
 
 def graphs_offered() -> int:

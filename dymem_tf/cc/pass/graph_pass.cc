@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "step_plan.h"
+#include "tensorflow/core/common_runtime/graph_constructor.h"
 #include "tensorflow/core/common_runtime/optimization_registry.h"
 #include "tensorflow/core/common_runtime/shape_refiner.h"
 #include "tensorflow/core/framework/attr_value.pb.h"
@@ -140,14 +141,21 @@ void RefineBatch(tensorflow::ShapeRefiner* refiner, const tensorflow::Node* n, i
   }
 }
 
+// Whether `e` is not a while loop's back edge (out of a NextIteration, as TF lowers a While). Without those edges
+// the graph is acyclic, so its reverse post-order infers every node after all its forward inputs. With them, the
+// order inside a loop depends on which consumer a depth-first search takes first, and a node with many consumers
+// keeps them in a set hashed by address: a node inside the loop could be inferred before one of its inputs, its
+// shape and those computed from it left unknown, in some processes only.
+bool IsForwardEdge(const tensorflow::Edge& e) { return !e.src()->IsNextIteration(); }
+
 // The output record of every op node of `graph`, by name, with shapes inferred by the runtime's own op registry
 // (Python's may lack the kernels' dtypes, e.g. bfloat16 fusions). With `batch` > 0 the step's input batch dimension
-// is taken to be `batch` (see RefineBatch).
+// is taken to be `batch` (see RefineBatch). A Merge sees its back edge's input as unknown, as TF's ShapeRefiner does.
 ShapeAnnotations InferOutputs(const tensorflow::Graph& graph, int64_t batch) {
   ShapeAnnotations records;
   tensorflow::ShapeRefiner refiner(graph.versions(), graph.op_registry());
   std::vector<tensorflow::Node*> order;
-  tensorflow::GetReversePostOrder(graph, &order);
+  tensorflow::GetReversePostOrder(graph, &order, /*stable_comparator=*/{}, IsForwardEdge);
   for (tensorflow::Node* n : order) {
     if (!n->IsOp()) continue;
     if (!refiner.AddNode(n).ok()) {
@@ -160,18 +168,40 @@ ShapeAnnotations InferOutputs(const tensorflow::Graph& graph, int64_t batch) {
   return records;
 }
 
+// Appends the record of each node of `def`, in its order, to `outputs` (a node `shapes` lacks: no outputs).
+void AppendRecords(const tensorflow::GraphDef& def, const ShapeAnnotations& shapes, std::string* outputs) {
+  for (const tensorflow::NodeDef& nd : def.node()) {
+    auto it = shapes.find(nd.name());
+    AppendRecord(it != shapes.end() ? it->second : OutputRecord{0}, outputs);
+  }
+}
+
 // Serializes `graph` into the call's kGraph buffer and its output records (InferOutputs) into kOutputs.
 void Serialize(const tensorflow::Graph& graph, PassCall* call) {
   tensorflow::GraphDef def;
   graph.ToGraphDef(&def, /*include_flib_def=*/false);
   call->shapes = InferOutputs(graph, g_batch_hint.load());
   call->offered_ids = graph.num_node_ids();
-  std::string& outputs = call->buffers[kOutputs];
-  for (const tensorflow::NodeDef& nd : def.node()) {
-    auto it = call->shapes.find(nd.name());
-    AppendRecord(it != call->shapes.end() ? it->second : OutputRecord{0}, &outputs);
-  }
+  AppendRecords(def, call->shapes, &call->buffers[kOutputs]);
   call->buffers[kGraph] = def.SerializeAsString();
+}
+
+// The output records the pass would offer for the serialized GraphDef `bytes` (InferOutputs with `batch`), into
+// `outputs`; false with `error` set when it is not a valid graph.
+bool InferGraphDefOutputs(const std::string& bytes, int64_t batch, std::string* outputs, std::string* error) {
+  tensorflow::GraphDef def;
+  if (!def.ParseFromString(bytes)) {
+    *error = "not a serialized GraphDef";
+    return false;
+  }
+  tensorflow::Graph graph(tensorflow::OpRegistry::Global());
+  absl::Status status = tensorflow::ConvertGraphDefToGraph(tensorflow::GraphConstructorOptions(), def, &graph);
+  if (!status.ok()) {
+    *error = std::string(status.message());
+    return false;
+  }
+  AppendRecords(def, InferOutputs(graph, batch), outputs);
+  return true;
 }
 
 // Output `port` of `record` as a one-output record (false when the record has no such output).
@@ -347,6 +377,23 @@ __attribute__((visibility("default"))) int64_t dymem_pass_set_batch_hint(int64_t
 __attribute__((visibility("default"))) const char* dymem_pass_step_input_types(void) {
   static const std::string* joined = new std::string(absl::StrJoin(dymem::kStepInputTypes, ","));
   return joined->c_str();
+}
+
+// The output records (as in the kOutputs buffer) of the serialized GraphDef `def` of `size` bytes, with `batch`
+// as the batch hint (0: none): returns their size with `*data` pointing at them, or -1 with `*data` pointing at
+// the error. Valid until this thread's next call. For inspecting and testing the shapes the pass offers.
+__attribute__((visibility("default"))) int64_t dymem_pass_infer_outputs(const char* def, size_t size, int64_t batch,
+                                                                        const char** data) {
+  thread_local std::string result;
+  result.clear();
+  std::string error;
+  if (!dymem::InferGraphDefOutputs(std::string(def, size), batch, &result, &error)) {
+    result = error;
+    *data = result.c_str();
+    return -1;
+  }
+  *data = result.data();
+  return static_cast<int64_t>(result.size());
 }
 
 // How many graphs were offered to the handler since the library was loaded.
