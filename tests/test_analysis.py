@@ -2,7 +2,11 @@
 from __future__ import annotations
 
 import json
+import os
 import random
+import subprocess
+import sys
+import textwrap
 
 import networkx as nx
 import pytest
@@ -68,6 +72,37 @@ def test_cycle_is_reported_with_its_ops():
         assert name in msg
     assert "x" not in msg.split("cycle:")[1]
     assert isinstance(err.value, ValueError)
+
+
+def test_the_cycle_reported_is_the_same_under_any_hash_seed():
+    """Python hashes strings with a new seed in each process; a subgraph view walks its nodes in a set's order, so
+    the cycle once started at a different op from run to run."""
+    script = textwrap.dedent("""
+        import networkx as nx
+        from dymem_tf.planning.analysis import find_cycle_message
+        g = nx.DiGraph([(f"x{i}", f"x{i + 1}") for i in range(10)] + [("x10", "a"), ("a", "b"), ("b", "c"),
+                                                                       ("c", "a")])
+        print(find_cycle_message(g))
+    """)
+    seen = set()
+    for seed in range(4):
+        env = dict(os.environ, PYTHONHASHSEED=str(seed))
+        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+        seen.add(out.stdout.strip())
+    assert seen == {"a -> b -> c -> a"}
+
+
+def test_a_copy_keeps_each_ops_inputs_in_their_order():
+    # tie-breaks read an op's predecessors in order (backward_ordering): a copied graph must list them the same way
+    sg = StepGraph.from_spec({"y": {"bytes": 4}, "x": {"bytes": 4}, "z": {"inputs": ["y", "x"], "bytes": 4},
+                              "w": {"inputs": ["z", "x"], "control": ["y"]}})
+    copy = sg.copy()
+    for name in sg.ops:
+        assert list(copy.graph.predecessors(name)) == list(sg.graph.predecessors(name))
+        assert list(copy.graph.successors(name)) == list(sg.graph.successors(name))
+    assert list(copy.graph.predecessors("z")) == ["y", "x"]
+    copy.graph.edges["y", "z"]["kind"] = "changed"  # the edge's attributes are the copy's own, shared by both views
+    assert copy.graph.pred["z"]["y"]["kind"] == "changed" and sg.graph.edges["y", "z"]["kind"] == "data"
 
 
 def test_unknown_input_is_rejected():

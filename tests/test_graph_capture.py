@@ -167,6 +167,21 @@ def test_name_helpers():
     assert keras_layer_of("adam/Sub_1", "functional_1") is None
 
 
+@pytest.mark.parametrize("order", [("tower_b", "tower_a"), ("tower_a", "tower_b")])
+def test_a_tie_between_model_scopes_goes_to_the_first_in_the_graph(order):
+    """Two scopes with as many variable reads and gradient ops: the inference takes the one the graph lists first,
+    not the first of a set of names (whose order Python's per-process hash seed decides)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.constant(1.0, name="x")
+        for scope in order:
+            tf.identity(x, name=f"{scope}/dense/ReadVariableOp")
+            tf.identity(x, name=f"{scope}/dense/MatMul")
+            tf.identity(x, name=f"gradient_tape/{scope}/dense/MatMul")
+    sg = capture_step_graph(graph.get_operations(), batch_size=1)
+    assert sg.meta["model_scope"] == order[0]
+
+
 def test_capture_and_plan_from_inside_an_autograph_trace():
     # the pass runs while the train step is traced; AutoGraph must call the analysis as plain Python
     model = residual_model()

@@ -242,10 +242,11 @@ def capture_step_graph(ops: Sequence[tf.Operation], batch_size: int | None = Non
     ops = list(ops)
     if not ops:
         raise UnsupportedGraphError("the train step created no ops to analyse")
-    names = {op.name for op in ops}
-    prefix = infer_call_prefix(names)
+    ordered = list(dict.fromkeys(op.name for op in ops))  # graph order: the inferences' ties go one way each run
+    names = set(ordered)
+    prefix = infer_call_prefix(ordered)
     if model_scope is None:
-        model_scope = infer_model_scope(_local(n, prefix) for n in names)
+        model_scope = infer_model_scope(_local(n, prefix) for n in ordered)
     lnames = frozenset(layer_names) if layer_names is not None else None
 
     tensors: dict[str, TensorInfo] = {}

@@ -338,13 +338,13 @@ class StepGraph:
             return None
         chain = self.optional_chain(wraps[0])
         readers: dict[str, str] = {}
-        for name in chain:
+        for name in sorted(chain):  # a set: sorted, so that a reader of two of its values maps the same way each run
             op = self.ops[name]
             if op.type == "OptionalGetValue":
                 for c in self.tensors[op.outputs[0]].consumers:
                     if not self.ops[c].is_backward or self.ops[c].type in ALIAS_OP_TYPES:
                         return None
-                    readers[c] = name
+                    readers.setdefault(c, name)
             elif op.type not in OPTIONAL_CHAIN_OP_TYPES or (op.type == "Merge" and not self._merges_none(op, tensor)):
                 return None
         others = set(self.buffer_consumers(tensor)) - chain - set(readers)
@@ -422,7 +422,9 @@ def find_cycle_message(graph: nx.DiGraph) -> str | None:
         return None
     for comp in nx.strongly_connected_components(graph):
         if len(comp) > 1 or any(graph.has_edge(n, n) for n in comp):
-            cycle = nx.find_cycle(graph.subgraph(comp))
+            # a graph of its own, in the graph's order (a subgraph view walks a set): the same cycle in every run
+            ring = nx.DiGraph((u, v) for u in graph if u in comp for v in graph.successors(u) if v in comp)
+            cycle = nx.find_cycle(ring)
             nodes = [u for u, _ in cycle] + [cycle[0][0]]
             return " -> ".join(nodes)
     return None  # pragma: no cover  (not a DAG implies a non-trivial strongly connected component)
@@ -456,7 +458,10 @@ def _copied(graph: nx.DiGraph) -> nx.DiGraph:
     succ, pred = _empty_adjacency(new, graph)
     for u, nbrs in successors_of(graph).items():
         for v, attrs in nbrs.items():
-            succ[u][v] = pred[v][u] = dict(attrs)
+            succ[u][v] = dict(attrs)
+    for v, nbrs in predecessors_of(graph).items():  # each node's predecessors in their own order, as networkx's
+        for u in nbrs:                               # copy keeps them (tie-breaks read them in order)
+            pred[v][u] = succ[u][v]
     return new
 
 
