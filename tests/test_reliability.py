@@ -132,13 +132,13 @@ def test_the_shapes_offered_for_a_step_in_a_loop_do_not_depend_on_the_order_of_i
     assert len(offered) == 1
     graph_def_bytes, outputs = offered[0]
 
-    def shapes(graph_def_bytes, outputs):
-        view = graph_def_view.GraphView(graph_def_bytes, outputs)
+    def shapes(def_bytes, records):
+        view = graph_def_view.GraphView(def_bytes, records)
         return {op.name: [t.dims for t in op.outputs] for op in view.get_operations()}
 
     expected = shapes(graph_def_bytes, outputs)
     relus = [name for name in expected if name.endswith("/Relu") and "/while/" in name]
-    assert relus and all(dims == [(8, 16, 16, 8)] for name in relus for dims in [expected[name]])
+    assert relus and all(expected[name] == [(8, 16, 16, 8)] for name in relus)
     graph_def = tf.compat.v1.GraphDef.FromString(graph_def_bytes)
     assert any(node.op == "NextIteration" for node in graph_def.node)  # the step runs inside a lowered loop
     rng = np.random.default_rng(0)

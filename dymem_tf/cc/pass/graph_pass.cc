@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
@@ -186,11 +187,12 @@ void Serialize(const tensorflow::Graph& graph, PassCall* call) {
   call->buffers[kGraph] = def.SerializeAsString();
 }
 
-// The output records the pass would offer for the serialized GraphDef `bytes` (InferOutputs with `batch`), into
-// `outputs`; false with `error` set when it is not a valid graph.
-bool InferGraphDefOutputs(const std::string& bytes, int64_t batch, std::string* outputs, std::string* error) {
+// The output records the pass would offer for the serialized GraphDef of `size` bytes at `bytes` (InferOutputs
+// with `batch`), into `outputs`; false with `error` set when it is not a valid graph.
+bool InferGraphDefOutputs(const char* bytes, size_t size, int64_t batch, std::string* outputs, std::string* error) {
   tensorflow::GraphDef def;
-  if (!def.ParseFromString(bytes)) {
+  const bool fits = size <= static_cast<size_t>(std::numeric_limits<int>::max());  // protobuf's size is an int
+  if (!fits || !def.ParseFromArray(bytes, static_cast<int>(size))) {
     *error = "not a serialized GraphDef";
     return false;
   }
@@ -387,7 +389,7 @@ __attribute__((visibility("default"))) int64_t dymem_pass_infer_outputs(const ch
   thread_local std::string result;
   result.clear();
   std::string error;
-  if (!dymem::InferGraphDefOutputs(std::string(def, size), batch, &result, &error)) {
+  if (!dymem::InferGraphDefOutputs(def, size, batch, &result, &error)) {
     result = error;
     *data = result.c_str();
     return -1;
