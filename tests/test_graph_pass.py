@@ -93,22 +93,32 @@ def test_the_batch_size_hint_gives_shapes_computed_from_the_input_batch_and_chan
 
 
 def _versioned(records: str) -> str:
-    """``records`` (record lines) as a plan message: after its version line."""
+    """``records`` (record lines, each ending in a newline) as a plan message: after its header line."""
     return plan_message.message([]) + records
+
+
+def _records(kind, *fields: dict) -> str:
+    """Records of ``kind`` with the given fields (by name), each line ending in a newline."""
+    return "".join(plan_message.record(kind, **f) + "\n" for f in fields)
 
 
 def _seq(names, bands=None) -> str:
     """``seq`` records of chain 0 for ``names``, each in a band of its own unless ``bands`` are given."""
     bands = range(len(names)) if bands is None else bands
-    return "".join(f"seq\t0\t{n}\t{b}\n" for n, b in zip(names, bands))
+    return _records("seq", *[{"chain": 0, "node": n, "band": b} for n, b in zip(names, bands)])
+
+
+_SEQADDED = _records("seqadded", {"chain": 0})
 
 
 def _relu_swap_plan(view, consumers=None, trigger=""):
     relu = [op for op in view.get_operations() if op.type == "Relu"][0]
     readers = consumers or [op.name for op in relu.outputs[0].consumers() if "gradient_tape/" in op.name]
     name = relu.name
-    return (f"out\t{name}\t0\t{name}/dymem_swap_out_0\n"
-            f"in\t{name}/dymem_swap_out_0\t{name}/dymem_swap_in_0_0\t{trigger}\t{','.join(readers)}\n")
+    out = f"{name}/dymem_swap_out_0"
+    return (_records("out", {"producer": name, "port": 0, "swap_out": out})
+            + _records("in", {"swap_out": out, "swap_in": f"{name}/dymem_swap_in_0_0", "trigger": trigger,
+                              "consumers": ",".join(readers)}))
 
 
 def test_a_plan_inserts_swap_ops_and_the_step_computes_the_same_values():
@@ -211,7 +221,7 @@ def test_a_second_plan_on_one_call_returns_the_graph_with_both_plans():
         first = call.apply(_versioned(_relu_swap_plan(view))).view()
         g = _dag(view)
         a, b = [n for n in nx.topological_sort(g) if g.in_degree(n) > 0][-2:]
-        second = call.apply(_versioned(f"ctrl\t{a}\t{b}\n")).view()
+        second = call.apply(_versioned(_records("ctrl", {"src": a, "dst": b}))).view()
         seen["types"] = [sorted(op.type for op in v.get_operations() if op.type.startswith("DymemSwap"))
                          for v in (first, second)]
         seen["readers"] = [sorted(c.name for op in v.get_operations() if op.type == "DymemSwapIn"
@@ -302,7 +312,7 @@ def test_a_seqadded_record_chains_the_plans_own_ops_as_soon_as_they_are_ready():
             view = call.graph()
             g = _dag(view)
             chain = _seq([n for n in nx.topological_sort(g) if g.in_degree(n) > 0])
-            text = _relu_swap_plan(view, trigger="MatMul_1") + chain + ("seqadded\t0\n" if added else "")
+            text = _relu_swap_plan(view, trigger="MatMul_1") + chain + (_SEQADDED if added else "")
             rewritten = _dag(call.apply(_versioned(text)).view())
             swaps = [n for n in rewritten if "/dymem_swap_" in n]
             seen[added] = {(a, b) for a in swaps for b in rewritten.successors(a)}
@@ -349,7 +359,7 @@ def test_seqadded_leaves_swap_ops_on_an_untaken_branch_out_of_the_chain():
         branch = set().union(*(nx.descendants(beyond, n) for n in g if types[n] == "Switch"))
         chain = [n for n in nx.topological_sort(g) if g.in_degree(n) > 0 and n not in branch
                  and types[n] not in ("_Retval", "Switch", "Merge")]
-        text = _relu_swap_plan(view, consumers=[consumer]) + _seq(chain) + "seqadded\t0\n"
+        text = _relu_swap_plan(view, consumers=[consumer]) + _seq(chain) + _SEQADDED
         seen["graph"] = _dag(call.apply(_versioned(text)).view())
         seen["swaps"] = {n for n in seen["graph"] if "/dymem_swap_" in n}
         seen["consumer"] = consumer
@@ -389,8 +399,7 @@ def test_encode_plan_names_the_swap_ops():
 
     decision = SwapDecision("a/Relu:1", "a/Relu", 64, 1, [], ["g"], [SwapIn("t", 3, ["g"], 4)])
     text = graph_pass.encode_plan([decision], [("x", "y")])
-    assert text.splitlines() == [f"dymem-plan\t{plan_message.schema().version}",
-                                 "out\ta/Relu\t1\ta/Relu/dymem_swap_out_1",
+    assert text.splitlines() == [plan_message.header(), "out\ta/Relu\t1\ta/Relu/dymem_swap_out_1",
                                  "in\ta/Relu/dymem_swap_out_1\ta/Relu/dymem_swap_in_1_0\tt\tg", "ctrl\tx\ty"]
 
 
@@ -474,8 +483,9 @@ def test_a_var_record_keeps_the_state_in_host_memory_between_its_uses():
         view = call.graph()
         arg, users = _state_arg(view)
         n = arg.name
-        plan = (f"var\t{n}\t0\t{n}/dymem_var_evict_0\t{n}/dymem_var_swap_in_0\t{n}/dymem_var_swap_out_0\t\t"
-                + ",".join(users) + "\n")
+        plan = _records("var", {"resource": n, "port": 0, "evict": f"{n}/dymem_var_evict_0",
+                                "swap_in": f"{n}/dymem_var_swap_in_0", "swap_out": f"{n}/dymem_var_swap_out_0",
+                                "trigger": "", "consumers": ",".join(users)})
         rewritten.append(call.apply(_versioned(plan)).view())
 
     losses, w, m, offloaded = _run_momentum(apply)
@@ -498,8 +508,9 @@ def test_records_may_name_the_nodes_a_var_record_adds():
         view = call.graph()
         arg, users = _state_arg(view)
         n = arg.name
-        plan = (f"var\t{n}\t0\t{n}/e\t{n}/i\t{n}/o\t\t{','.join(users)}\n"
-                f"ctrl\t{n}/e\t{users[0]}\n")
+        plan = (_records("var", {"resource": n, "port": 0, "evict": f"{n}/e", "swap_in": f"{n}/i",
+                                 "swap_out": f"{n}/o", "trigger": "", "consumers": ",".join(users)})
+                + _records("ctrl", {"src": f"{n}/e", "dst": users[0]}))
         rewritten.append((call.apply(_versioned(plan)).view(), f"{n}/e", users[0]))
 
     losses, w, m, offloaded = _run_momentum(apply, steps=2)
@@ -564,66 +575,185 @@ def test_a_weight_or_recompute_record_that_does_not_fit_is_refused(record, fragm
     assert losses == _run_momentum(lambda call: None, steps=1)[0]
 
 
-def test_a_plan_of_every_record_kind_applies_and_trains_the_same():
-    """One message with a record of each kind plan_schema.h defines, on the momentum step: swap a ReLU (out, in),
-    offload the state (var), move the weight out and back (vout, vin), keep it (vkeep), read it (vread), compute the
-    ReLU's forward reader from a copy (clone, reroute), order ops (ctrl, seq, seqadded). The step adds every op
-    and computes the plain step's values."""
-    from dymem_tf.passes.plan_message import record, schema
+def _every_kind_message(view) -> str:
+    """A message with a record of each kind plan_schema.h defines, for the momentum step's graph ``view``: swap a
+    ReLU (out, in), offload the state (var), move the weight out and back (vout, vin), keep it (vkeep), read it
+    (vread), compute the ReLU's forward reader from a copy (clone, reroute), order ops (ctrl, seq, seqadded)."""
+    from dymem_tf.passes.plan_message import record
 
-    rewritten, kinds = [], set()
+    m, m_users = _state_arg(view)
+    w = [op for op in view.get_operations() if op.type == "_Arg" and op.outputs[0].dtype == tf.resource
+         and op is not m][0]
+    w_users = [u.name for u in w.outputs[0].consumers()]
+    w_read = [u for u in w_users if view.op(u).type == "ReadVariableOp"][0]
+    relu = [op for op in view.get_operations() if op.type == "Relu"][0]
+    matmul = relu.inputs[0].op.name
+    reader = [c.name for c in relu.outputs[0].consumers() if "gradient_tape/" not in c.name][0]
+    grads = [op.name for op in relu.outputs[0].consumers() if "gradient_tape/" in op.name]
+    out, swap_in = f"{relu.name}/dymem_swap_out_0", f"{relu.name}/dymem_swap_in_0_0"
 
-    def apply(call):
-        view = call.graph()
-        m, m_users = _state_arg(view)
-        w = [op for op in view.get_operations() if op.type == "_Arg" and op.outputs[0].dtype == tf.resource
-             and op is not m][0]
-        w_users = [u.name for u in w.outputs[0].consumers()]
-        w_read = [u for u in w_users if view.op(u).type == "ReadVariableOp"][0]
-        relu = [op for op in view.get_operations() if op.type == "Relu"][0]
-        matmul = relu.inputs[0].op.name
-        reader = [c.name for c in relu.outputs[0].consumers() if "gradient_tape/" not in c.name][0]
-        lines = _relu_swap_plan(view).splitlines() + [
-            record("var", m.name, 0, "m/e", "m/i", "m/o", "", ",".join(m_users)),
-            record("vout", w.name, 0, "w/out", 0), record("vin", w.name, 0, "w/in", 0),
-            record("vkeep", w.name, 0, "w/keep", 0), record("vread", w.name, 0, "w/read", w_read),
-            record("ctrl", "w/out", "w/in"), record("ctrl", "w/in", "w/keep"), record("ctrl", "w/in", "w/read"),
-            *[record("ctrl", "w/keep", u) for u in w_users],
-            record("clone", relu.name, "relu/copy", ""), record("reroute", reader, relu.name, 0, "relu/copy"),
-            record("seq", 0, matmul, 0), record("seq", 0, relu.name, 1), record("seqadded", 0)]
-        kinds.update(line.split("\t")[0] for line in lines)
-        rewritten.append(call.apply(plan_message.message(lines)).view())
+    def weight(kind, name, **last):
+        return record(kind, resource=w.name, port=0, name=name, **last)
+
+    return plan_message.message([
+        record("out", producer=relu.name, port=0, swap_out=out),
+        record("in", swap_out=out, swap_in=swap_in, trigger="", consumers=",".join(grads)),
+        record("var", resource=m.name, port=0, evict="m/e", swap_in="m/i", swap_out="m/o", trigger="",
+               consumers=",".join(m_users)),
+        weight("vout", "w/out", discard=0), weight("vin", "w/in", keep_host=0), weight("vkeep", "w/keep", keep_host=0),
+        weight("vread", "w/read", like=w_read),
+        record("ctrl", src="w/out", dst="w/in"), record("ctrl", src="w/in", dst="w/keep"),
+        record("ctrl", src="w/in", dst="w/read"), *[record("ctrl", src="w/keep", dst=u) for u in w_users],
+        record("clone", node=relu.name, name="relu/copy", inputs=""),
+        record("reroute", consumer=reader, source=relu.name, port=0, target="relu/copy"),
+        record("seq", chain=0, node=matmul, band=0), record("seq", chain=0, node=relu.name, band=1),
+        record("seqadded", chain=0)])
+
+
+def _rotated_columns(text: str) -> str:
+    """``text`` (a plan message) with each record kind's columns rotated by one, in its header and its records:
+    every field of a kind with several moves to another column."""
+    head, *lines = text.splitlines()
+    fields = head.split("\t")
+    declared = [kind_names.partition(":") for kind_names in fields[2:]]
+    rotated = [f"{kind}:{','.join(names.split(',')[1:] + names.split(',')[:1])}" for kind, _, names in declared]
+    records = [line.split("\t") for line in lines]
+    return "\n".join(["\t".join(fields[:2] + rotated)] + ["\t".join([f[0], *f[2:], f[1]]) for f in records]) + "\n"
+
+
+def _structure(view) -> list:
+    """Each op of ``view`` with its type, data inputs and control inputs, sorted: what a plan changes."""
+    return sorted((op.name, op.type, [t.name for t in op.inputs], sorted(c.name for c in op.control_inputs))
+                  for op in view.get_operations())
+
+
+def test_a_plan_of_every_record_kind_applies_and_trains_the_same_in_any_column_order():
+    """The every-kind message adds every op and computes the plain step's values; the same message with each kind's
+    columns in another order (header and records alike) is read by name and rewrites the graph identically."""
+    from dymem_tf.passes.plan_message import schema
+
+    rewritten, kinds = {}, set()
+
+    def apply(order):
+        def listener(call):
+            text = _every_kind_message(call.graph())
+            kinds.update(fields[0] for fields in plan_message.records_of(text))
+            rewritten.setdefault(order, call.apply(text if order == "schema" else _rotated_columns(text)).view())
+        return listener
 
     base = _run_momentum(lambda call: None, steps=2)
-    losses, w, m, offloaded = _run_momentum(apply, steps=2)
+    for order in ("schema", "rotated"):
+        losses, w, m, offloaded = _run_momentum(apply(order), steps=2)
+        assert losses == base[0] and offloaded == [True, True], order
+        np.testing.assert_array_equal(w, base[1])
+        np.testing.assert_array_equal(m, base[2])
     assert kinds == set(schema().records)  # a new record kind needs a place here
-    assert losses == base[0] and offloaded == [True, True]
-    np.testing.assert_array_equal(w, base[1])
-    np.testing.assert_array_equal(m, base[2])
-    types = [op.type for op in rewritten[0].get_operations()]
+    types = [op.type for op in rewritten["schema"].get_operations()]
     assert {"DymemSwapOut", "DymemSwapIn", "DymemVariableSwapOut", "DymemVariableSwapIn",
             "DymemVariableRead"} <= set(types)
-    assert "relu/copy" in [op.name for op in rewritten[0].get_operations()]
+    assert "relu/copy" in [op.name for op in rewritten["schema"].get_operations()]
+    assert _structure(rewritten["rotated"]) == _structure(rewritten["schema"])
+
+
+def _every_kind_text() -> str:
+    """A message with a record of each kind, of made-up node names (for the parser alone)."""
+    from dymem_tf.passes.plan_message import record
+
+    return plan_message.message([
+        record("out", producer="a", port=1, swap_out="a/o"),
+        record("in", swap_out="a/o", swap_in="a/i", trigger="t", consumers="g1,g2"),
+        record("ctrl", src="x", dst="y"),
+        record("var", resource="m", port=0, evict="m/e", swap_in="m/i", swap_out="m/o", trigger="", consumers="u"),
+        record("vin", resource="w", port=2, name="w/in", keep_host=1),
+        record("vkeep", resource="w", port=2, name="w/keep", keep_host=0),
+        record("vout", resource="w", port=2, name="w/out", discard=1),
+        record("vread", resource="w", port=2, name="w/read", like="r"),
+        record("clone", node="c", name="c/copy", inputs="0:a/i,2:w/read"),
+        record("reroute", consumer="g3", source="c", port=3, target="c/copy"),
+        record("seq", chain=0, node="x", band=0), record("seq", chain=0, node="y", band=2),
+        record("seqadded", chain=0)])
+
+
+def test_the_parser_reads_every_field_by_its_name_whatever_its_column():
+    """describe_plan (the native parser's reading, dymem_pass_parse_plan) names each value's field: every value
+    lands in its field, and rotating every kind's columns changes nothing."""
+    text = _every_kind_text()
+    read = graph_pass.describe_plan(text)
+    assert read.splitlines() == [
+        "out\tproducer=a\tport=1\tswap_out=a/o",
+        "in\tswap_out=a/o\tswap_in=a/i\ttrigger=t\tconsumers=g1,g2",
+        "var\tresource=m\tport=0\tevict=m/e\tswap_in=m/i\tswap_out=m/o\ttrigger=\tconsumers=u",
+        "vin\tresource=w\tport=2\tname=w/in\tkeep_host=1",
+        "vkeep\tresource=w\tport=2\tname=w/keep\tkeep_host=0",
+        "vout\tresource=w\tport=2\tname=w/out\tdiscard=1",
+        "vread\tresource=w\tport=2\tname=w/read\tlike=r",
+        "clone\tnode=c\tname=c/copy\tinputs=0:a/i,2:w/read",
+        "reroute\tconsumer=g3\tsource=c\tport=3\ttarget=c/copy",
+        "ctrl\tsrc=x\tdst=y",
+        "seq\tchain=0\tnode=x\tband=0", "seq\tchain=0\tnode=y\tband=2",
+        "seqadded\tchain=0"]
+    assert _rotated_columns(text) != text
+    assert graph_pass.describe_plan(_rotated_columns(text)) == read
+
+
+def _declaring(records: str, version=None, **declarations) -> str:
+    """A message of ``records`` (lines) whose header declares each kind's columns as plan_schema.h does but for
+    ``declarations`` (kind -> field names; None leaves the kind out), of ``version`` (None: the schema's)."""
+    schema = plan_message.schema()
+    columns = {**schema.records, **declarations}
+    head = [plan_message.HEADER, str(schema.version if version is None else version)]
+    head += [f"{kind}:{','.join(names)}" for kind, names in columns.items() if names is not None]
+    return "\t".join(head) + "\n" + records
+
+
+_SWAP_OUT = "out\t{r}\t0\t{r}/o\n"
 
 
 @pytest.mark.parametrize("text, fragment", [
-    ("out\tx\t0\tx/out\n", "does not start with its version line (dymem-plan 3)"),
-    ("dymem-plan\t2\nout\tx\t0\tx/out\n", "version 2 and this graph pass reads version 3"),
+    (_declaring(_SWAP_OUT, out=("source", "port", "swap_out")),  # a renamed field
+     ("the plan message's 'out' records have the unknown field 'source' (this graph pass reads producer, port, "
+      "swap_out): the Python package and its native library come from different builds")),
+    (_declaring("out\t{r}\t0\t{r}/o\tx\n", out=("producer", "port", "swap_out", "extra")),
+     "'out' records have the unknown field 'extra'"),
+    (_declaring("out\t{r}\t{r}/o\n", out=("producer", "swap_out")), "'out' records lack the field 'port'"),
+    (_declaring(_SWAP_OUT, out=("producer", "port", "port")), "declares the field 'port' of 'out' records twice"),
+    (_declaring(_SWAP_OUT, bogus=("a", "b")),
+     "header declares the unknown record kind 'bogus' (this graph pass reads out, in, ctrl,"),
+    (_declaring(_SWAP_OUT, out=None), "plan line 2 is a 'out' record, a kind the message's header does not declare"),
+    (_declaring("bogus\t{r}\n"), "plan line 2 has the unknown record kind 'bogus'"),
+    (_declaring("out\t{r}\t0\n"), "plan line 2: a 'out' record has 3 fields (producer, port, swap_out), not 2"),
+    (_declaring("out\t0\n", out=("port", "swap_out", "producer")),
+     "a 'out' record has 3 fields (port, swap_out, producer), not 1"),
+    (_declaring(_SWAP_OUT, version=3), "the plan message is version 3 and this graph pass reads version 4"),
+    ("dymem-plan\t3\n" + _SWAP_OUT, "the plan message is version 3 and this graph pass reads version 4"),
+    (_SWAP_OUT, "does not start with its version line (dymem-plan 4)"),
     ("", "needs at least its version line"),
 ])
-def test_a_message_of_another_version_is_refused_and_the_graph_is_unchanged(text, fragment):
-    errors = []
+def test_a_message_not_of_this_schema_is_refused_naming_what_and_the_graph_is_unchanged(text, fragment):
+    """A message from another build (another version; a kind or field this library's plan_schema.h lacks, or one of
+    its fields left out) is refused with an error that names it, before any change: the graph stays as offered (the
+    swap-out the message names can be added after it, and is all that is added) and the step computes the plain
+    step's values."""
+    errors, unchanged = [], []
 
     def apply(call):
+        relu = next(op for op in call.graph().get_operations() if op.type == "Relu")
+        message = text.format(r=relu.name)
+        with pytest.raises(ValueError) as parsed:
+            graph_pass.describe_plan(message)
         try:
-            call.apply(text)
+            call.apply(message)
         except graph_pass.PlanApplyError as err:
-            errors.append(str(err))
+            errors.append((str(err), str(parsed.value)))
+        after = call.apply(_declaring(_SWAP_OUT.format(r=relu.name))).view()
+        offered = {op.name for op in call.graph().get_operations()}
+        unchanged.append({op.name for op in after.get_operations()} - offered == {f"{relu.name}/o"})
 
-    assert plan_message.schema().version == 3
+    assert plan_message.schema().version == 4
     base = _offered(lambda call: None)
     out = _offered(apply)
-    assert len(errors) == 1 and fragment in errors[0], errors
+    assert len(errors) == 1 and fragment in errors[0][0] and errors[0][0] == errors[0][1], errors
+    assert unchanged == [True]
     for a, b in zip(out, base):
         np.testing.assert_array_equal(a, b)
 

@@ -1,16 +1,25 @@
 """The bridge to Dymem's graph pass after Grappler (``cc/pass/graph_pass.cc``): offer, plan, apply.
 
 TensorFlow runs the pass once per function instantiation, on the graph it will execute (after Grappler, and after
-oneDNN's layout rewrite where that is on: :func:`default_stage`). While a :func:`armed` block is active, the pass
-hands every instantiated graph that holds gradient ops to the *listener* of that block, as a :class:`PassCall`. The listener may
+oneDNN's layout rewrite where that is on: :func:`default_stage`). While :func:`armed` blocks are active, the pass
+hands every instantiated graph that holds gradient ops to the *listener* of one of them, as a :class:`PassCall`. The
+listener may
 
 * :meth:`PassCall.apply` a plan (:class:`~dymem_tf.planning.plan.Plan` records encoded by :func:`encode_plan`): the swap ops
   are inserted by node name, all or nothing;
 * :meth:`PassCall.fail` the instantiation (the dry run captures a graph this way without running the step);
 * do nothing: the graph runs as Grappler left it.
 
-An exception in a listener is reported as a warning and leaves the graph unmodified: the pass never breaks a step.
-The listener runs on whichever thread TensorFlow instantiates the function, usually the one calling it.
+Which block's listener (:func:`_select_block`): blocks are kept per arming thread. A graph instantiated on a thread
+that armed the pass goes to that thread's innermost block; one instantiated on another thread (TensorFlow may
+instantiate a function on a thread of its own) to the innermost block of the only arming thread; with several
+arming threads, such a graph runs unmodified, with a warning (once per process). The listener runs on the thread that
+instantiates the function, usually the one calling it.
+
+No exception crosses into TensorFlow. An ``Exception`` in a listener leaves the graph unmodified: a warning names
+it, its traceback goes to the ``"dymem_tf"`` logger, and the block's :attr:`ArmedBlock.errors` keeps it. A
+``KeyboardInterrupt`` or ``SystemExit`` fails the instantiation instead (the step does not run) and is raised again
+when its block exits, so Ctrl-C stops training.
 """
 from __future__ import annotations
 
@@ -29,7 +38,7 @@ _HANDLER_TYPE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p,
 _CONTINUE, _FAIL = 0, 1
 
 _lock = threading.RLock()
-_listeners: list = []  # stack of active listeners; the innermost armed block receives the graphs
+_active: list = []  # every thread's active ArmedBlocks, in the order armed
 _state: dict = {}
 
 
@@ -119,25 +128,98 @@ def _library():
         lib.dymem_pass_infer_outputs.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int64,
                                                  ctypes.POINTER(ctypes.c_char_p)]
         lib.dymem_pass_infer_outputs.restype = ctypes.c_int64
+        lib.dymem_pass_parse_plan.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_char_p)]
+        lib.dymem_pass_parse_plan.restype = ctypes.c_int
         _state["lib"] = lib
     return _state["lib"]
 
 
+class ArmedBlock:
+    """One :func:`armed` block, as it yields it: its ``listener``, the ``thread`` (ident) that armed it, its
+    ``stage`` and ``batch_size``, the exceptions the listener raised during the block (:attr:`errors`; each left its
+    graph unmodified), and the ``KeyboardInterrupt`` or ``SystemExit`` that failed an instantiation
+    (:attr:`interrupt`; raised again when the block exits)."""
+
+    def __init__(self, listener: Callable[[PassCall], None], thread: int, stage: str = "after_xla",
+                 batch_size: int = 0):
+        self.listener, self.thread, self.stage, self.batch_size = listener, thread, stage, batch_size
+        self.errors: list[Exception] = []
+        self.interrupt: BaseException | None = None
+
+
+def _select_block(active: list, thread: int) -> tuple[ArmedBlock | None, bool]:
+    """The block that receives a graph offered on ``thread``, from the ``active`` blocks (in the order armed), and
+    whether none does because that is ambiguous: ``thread``'s innermost block if it armed the pass, else the
+    innermost block of the only arming thread, else none (ambiguous when several threads armed it)."""
+    own = [block for block in active if block.thread == thread]
+    if own:
+        return own[-1], False
+    threads = {block.thread for block in active}
+    if len(threads) == 1:
+        return active[-1], False
+    return None, len(threads) > 1
+
+
 def _on_graph(handle, function_name, data, size) -> int:
-    """The C handler: give the graph to the innermost listener; never raise into TensorFlow."""
+    """The C handler: give the graph to the listener of the block :func:`_select_block` picks; never raise into
+    TensorFlow (see the module's docstring for what an exception in the listener does)."""
+    block = None
     try:
         with _lock:
-            listener = _listeners[-1] if _listeners else None
-        if listener is None:
+            block, ambiguous = _select_block(_active, threading.get_ident())
+        if block is None:
+            if ambiguous:
+                _warn_ambiguous()
             return _CONTINUE
         call = PassCall(_library(), handle, (function_name or b"").decode(errors="replace"),
                         ctypes.string_at(data, size))
-        listener(call)
+        block.listener(call)
         return _FAIL if call.failed_with is not None else _CONTINUE
-    except BaseException as err:  # pylint: disable=broad-except  (an exception must not cross into TF's C++)
-        warnings.warn(f"dymem_tf: the graph pass failed ({type(err).__name__}: {err}); the step runs unmodified",
-                      RuntimeWarning, stacklevel=1)
-        return _CONTINUE
+    except Exception as err:  # pylint: disable=broad-except  (an exception must not cross into TF's C++)
+        return _listener_failed(block, err)
+    except BaseException as err:  # KeyboardInterrupt, SystemExit: stop the step, raise again in the arming thread
+        return _interrupted(block, handle, err)
+
+
+def _listener_failed(block: ArmedBlock | None, err: Exception) -> int:
+    """Report ``err`` (a warning naming it, its traceback to the log, ``block.errors``); the graph runs unmodified."""
+    try:
+        if block is not None:
+            with _lock:
+                block.errors.append(err)
+        logger.exception("dymem_tf: the graph pass's listener raised %s; the step runs unmodified",
+                         type(err).__name__, exc_info=err)
+        warnings.warn(f"dymem_tf: the graph pass failed ({type(err).__name__}: {err}); the step runs unmodified "
+                      "(traceback in the 'dymem_tf' log)", RuntimeWarning, stacklevel=1)
+    except BaseException:  # pylint: disable=broad-except  (warnings as errors, or an interrupt while reporting)
+        pass
+    return _CONTINUE
+
+
+def _interrupted(block: ArmedBlock | None, handle, err: BaseException) -> int:
+    """Fail the instantiation for ``err`` (a KeyboardInterrupt or SystemExit), kept in ``block`` to be raised again
+    when it exits."""
+    try:
+        if block is not None:
+            with _lock:
+                if block.interrupt is None:
+                    block.interrupt = err
+        _library().dymem_pass_fail(handle, f"interrupted ({type(err).__name__}) while planning the step".encode())
+    except BaseException:  # pylint: disable=broad-except  (nothing may cross into TF's C++)
+        pass
+    return _FAIL
+
+
+def _warn_ambiguous() -> None:
+    """Warn, once per process, that a graph offered on a thread that did not arm the pass while several did ran
+    unmodified."""
+    with _lock:
+        if _state.get("warned_ambiguous"):
+            return
+        _state["warned_ambiguous"] = True
+    warnings.warn("dymem_tf: a train step was instantiated on a thread that did not arm the graph pass while "
+                  "several threads have it armed, so it is nobody's to plan and runs unmodified: call each step on "
+                  "the thread that arms the pass for it", RuntimeWarning, stacklevel=1)
 
 
 def _install() -> None:
@@ -165,31 +247,53 @@ def default_stage() -> str:
 
 @contextlib.contextmanager
 def armed(listener: Callable[[PassCall], None], stage: str | None = None, batch_size: int | None = None):
-    """Offer graphs instantiated inside this block to ``listener`` (the innermost block wins).
+    """Offer graphs instantiated inside this block to ``listener`` (the calling thread's innermost block wins; see
+    the module's docstring for graphs instantiated on other threads). Yields the :class:`ArmedBlock`, whose
+    ``errors`` list what the listener raised; a ``KeyboardInterrupt`` or ``SystemExit`` in the listener fails the
+    instantiation and is raised again when the block exits.
 
     ``stage``: one of :data:`STAGES`, where the pass offers the graph (``None``: :func:`default_stage`);
     ``"before_xla"`` is for a step that is to be auto-clustered around its swap ops. The graph is Grappler's
     either way; ``"after_partitioning"`` offers each device's partition on its own. ``batch_size``: the batch an
     unknown batch dimension of the step's input stands for in the offered shapes, so that shapes computed from it
-    (a ``Reshape`` to ``tf.shape(x)``-derived dimensions) are known too; the graph itself is not changed."""
+    (a ``Reshape`` to ``tf.shape(x)``-derived dimensions) are known too; the graph itself is not changed. Both are
+    settings of the whole process's pass: the active block armed last (on any thread) sets them."""
     stage = default_stage() if stage is None else stage
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {sorted(STAGES)}, not {stage!r}")
     _install()
     lib = _library()
+    block = ArmedBlock(listener, threading.get_ident(), stage, int(batch_size or 0))
     with _lock:
-        _listeners.append(listener)
+        unarmed = _apply_settings(block)
+        if not _active:
+            _state["unarmed_settings"] = unarmed
+        _active.append(block)
         lib.dymem_pass_arm(1)
-        previous = lib.dymem_pass_set_stage(STAGES[stage])
-        previous_batch = lib.dymem_pass_set_batch_hint(int(batch_size or 0))
     try:
-        yield
+        yield block
+    except BaseException:
+        if block.interrupt is not None:  # the step's error (the failed instantiation) becomes its context
+            raise block.interrupt  # pylint: disable=raise-missing-from
+        raise
     finally:
         with _lock:
-            _listeners.remove(listener)
-            lib.dymem_pass_set_batch_hint(previous_batch)
-            lib.dymem_pass_set_stage(previous)
+            _active.remove(block)
+            if _active:
+                _apply_settings(_active[-1])
+            else:  # as before the first block
+                stage_number, batch = _state.pop("unarmed_settings")
+                lib.dymem_pass_set_stage(stage_number)
+                lib.dymem_pass_set_batch_hint(batch)
             lib.dymem_pass_arm(-1)
+    if block.interrupt is not None:
+        raise block.interrupt
+
+
+def _apply_settings(block: ArmedBlock) -> tuple[int, int]:
+    """Set the native pass's stage and batch hint to ``block``'s; returns the previous ones."""
+    lib = _library()
+    return lib.dymem_pass_set_stage(STAGES[block.stage]), lib.dymem_pass_set_batch_hint(block.batch_size)
 
 
 def infer_outputs(graph_def_bytes: bytes, batch_size: int | None = None) -> bytes:
@@ -203,6 +307,17 @@ def infer_outputs(graph_def_bytes: bytes, batch_size: int | None = None) -> byte
     if size < 0:
         raise ValueError(f"TensorFlow cannot build a graph from this GraphDef: {data.value.decode(errors='replace')}")
     return ctypes.string_at(data, size) if size > 0 else b""
+
+
+def describe_plan(plan_text: str) -> str:
+    """What the native parser reads from a plan message, without applying it (``DescribeStepPlan`` in
+    ``cc/pass/step_plan.h``): a line per record, in the order the pass applies them, its kind and tab-separated
+    ``field=value``s named as in the schema. Raises ``ValueError`` with the parser's message for a message it
+    refuses."""
+    data = ctypes.c_char_p()
+    if _library().dymem_pass_parse_plan(plan_text.encode(), ctypes.byref(data)) != 0:
+        raise ValueError(data.value.decode(errors="replace"))
+    return data.value.decode()
 
 
 def graphs_offered() -> int:
@@ -235,35 +350,36 @@ def encode_plan(swaps, control_edges=(), resident=(), sequences=()) -> str:
         if getattr(decision, "kind", "tensor") == "variable":
             swap_in = decision.swap_ins[0]
             evict, in_name, out_name = variable_op_names(decision.tensor)
-            lines.append(record("var", producer, port, evict, in_name, out_name, swap_in.trigger_op or "",
-                                ",".join(swap_in.consumers)))
+            lines.append(record("var", resource=producer, port=port, evict=evict, swap_in=in_name, swap_out=out_name,
+                                trigger=swap_in.trigger_op or "", consumers=",".join(swap_in.consumers)))
             continue
         out = swap_out_name(decision.tensor)
-        lines.append(record("out", producer, port, out))
+        lines.append(record("out", producer=producer, port=port, swap_out=out))
         wrap = getattr(decision, "optional_wrap", "")
         if wrap:  # a conditional's optional keeps the host copy for the gradient's branch
-            lines.append(record("reroute", wrap, producer, port, out))
+            lines.append(record("reroute", consumer=wrap, source=producer, port=port, target=out))
         via = dict(getattr(decision, "alias_reads", None) or ())
         for i, swap_in in enumerate(decision.swap_ins):
             if swap_in.consumers:
                 name = swap_in_name(decision.tensor, i)
-                lines.append(record("in", out, name, swap_in.trigger_op or "",
-                                    ",".join(c for c in swap_in.consumers if c not in via)))
+                lines.append(record("in", swap_out=out, swap_in=name, trigger=swap_in.trigger_op or "",
+                                    consumers=",".join(c for c in swap_in.consumers if c not in via)))
                 reads = [(c, via[c]) for c in swap_in.consumers if c in via]
                 if wrap:  # they read the optional's value: now the swap-in
-                    lines += [record("reroute", c, unwrap, 0, name) for c, unwrap in reads]
+                    lines += [record("reroute", consumer=c, source=unwrap, port=0, target=name) for c, unwrap in reads]
                 else:
                     lines += _alias_copy_records(name, reads)
     for resource, users in resident:  # kept variables: back on the device before their users, if they were not
         producer, port = split_tensor_name(resource)
         name = resident_op_name(resource)
-        lines.append(record("vkeep", producer, port, name, 0))  # a vin into GTBM's persistent group
-        lines += [record("ctrl", name, user) for user in users]
-    lines += [record("ctrl", a, b) for a, b in control_edges]
+        # a vin into GTBM's persistent group
+        lines.append(record("vkeep", resource=producer, port=port, name=name, keep_host=0))
+        lines += [record("ctrl", src=name, dst=user) for user in users]
+    lines += [record("ctrl", src=a, dst=b) for a, b in control_edges]
     for k, (sequence, with_added, bands) in enumerate(sequences):
         bands = bands or range(len(sequence))
-        lines += [record("seq", k, name, band) for name, band in zip(sequence, bands)]
-        lines += [record("seqadded", k)] if with_added else []
+        lines += [record("seq", chain=k, node=name, band=band) for name, band in zip(sequence, bands)]
+        lines += [record("seqadded", chain=k)] if with_added else []
     return message(lines)
 
 
@@ -274,8 +390,8 @@ def _alias_copy_records(swap_in: str, reads: list[tuple[str, str]]) -> list[str]
     for consumer, alias in reads:
         if alias not in copies:
             copies[alias] = f"{alias}/dymem_alias_of_{swap_in.rpartition('/')[2]}"
-            lines.append(record("clone", alias, copies[alias], f"0:{swap_in}"))
-        lines.append(record("reroute", consumer, alias, 0, copies[alias]))
+            lines.append(record("clone", node=alias, name=copies[alias], inputs=f"0:{swap_in}"))
+        lines.append(record("reroute", consumer=consumer, source=alias, port=0, target=copies[alias]))
     return lines
 
 
@@ -299,19 +415,22 @@ def _weight_records(decision) -> list[str]:
     names = weight_op_names(decision.tensor)
     evict, in_f, out_f, in_b, read_b, out_b = (names[k] for k in ("evict", "in_fwd", "out_fwd", "in_bwd", "read_bwd",
                                                                    "out_bwd"))
-    lines = [record("vout", producer, port, evict, 0), record("vin", producer, port, in_f, 1),
-             record("vout", producer, port, out_f, 1), record("vin", producer, port, in_b, 0)]
+    def variable_op(kind, name, **last):
+        return record(kind, resource=producer, port=port, name=name, **last)
+
+    lines = [variable_op("vout", evict, discard=0), variable_op("vin", in_f, keep_host=1),
+             variable_op("vout", out_f, discard=1), variable_op("vin", in_b, keep_host=0)]
     if route.reroutes:  # backward users read the weight again
-        lines.append(record("vread", producer, port, read_b, route.reads[0]))
+        lines.append(variable_op("vread", read_b, like=route.reads[0]))
     copy_of = {read: read_b for read in route.reads}
     for alias, source in route.clones:
         copy_of[alias] = f"{alias}/dymem_weight_copy"
-        lines.append(record("clone", alias, copy_of[alias], f"0:{copy_of[source]}"))
+        lines.append(record("clone", node=alias, name=copy_of[alias], inputs=f"0:{copy_of[source]}"))
     rerouted = []
     for consumer, source in route.reroutes:
-        lines.append(record("reroute", consumer, source, 0, copy_of[source]))
+        lines.append(record("reroute", consumer=consumer, source=source, port=0, target=copy_of[source]))
         rerouted.append(consumer)
-    lines.append(record("vout", producer, port, out_b, 0))
+    lines.append(variable_op("vout", out_b, discard=0))
     edges = [(evict, in_f)] + ([(first.trigger_op, in_f)] if first.trigger_op else [])
     edges += [(in_f, read) for read in route.reads]
     edges += [(user, out_f) for user in list(route.reads) + list(first.consumers)]
@@ -320,7 +439,7 @@ def _weight_records(decision) -> list[str]:
     edges += [(in_b, user) for user in second.consumers if user not in rerouted]
     edges += [(user, out_b) for user in second.consumers]
     edges += [(user, write) for user in rerouted for write in route.writes]
-    return lines + [record("ctrl", a, b) for a, b in dict.fromkeys(edges)]
+    return lines + [record("ctrl", src=a, dst=b) for a, b in dict.fromkeys(edges)]
 
 
 def _recompute_records(decision) -> list[str]:
@@ -333,15 +452,16 @@ def _recompute_records(decision) -> list[str]:
     lines = []
     for op, inputs in route.ops:
         remapped = ",".join(f"{k}:{copy_of[source]}" for k, source in inputs)
-        lines.append(record("clone", op, copy_of[op], remapped))
+        lines.append(record("clone", node=op, name=copy_of[op], inputs=remapped))
     last = route.ops[-1][0]
     for alias in route.aliases:
-        lines.append(record("clone", alias, copy_of[alias], f"0:{copy_of[last]}"))
+        lines.append(record("clone", node=alias, name=copy_of[alias], inputs=f"0:{copy_of[last]}"))
     _, port = split_tensor_name(decision.tensor)
     for consumer, source in route.reroutes:
-        lines.append(record("reroute", consumer, source, port if source == last else 0, copy_of[source]))
+        lines.append(record("reroute", consumer=consumer, source=source, port=port if source == last else 0,
+                            target=copy_of[source]))
     if swap_in.trigger_op:
-        lines += [record("ctrl", swap_in.trigger_op, copy_of[op]) for op, _ in route.ops]
+        lines += [record("ctrl", src=swap_in.trigger_op, dst=copy_of[op]) for op, _ in route.ops]
     return lines
 
 

@@ -398,6 +398,24 @@ __attribute__((visibility("default"))) int64_t dymem_pass_infer_outputs(const ch
   return static_cast<int64_t>(result.size());
 }
 
+// Parses the plan message `text` (step_plan.h) without applying it: returns 0 with `*data` pointing at what the
+// parser read (DescribeStepPlan), or -1 with `*data` pointing at its error. Valid until this thread's next call.
+// For inspecting and testing the parser.
+__attribute__((visibility("default"))) int dymem_pass_parse_plan(const char* text, const char** data) {
+  thread_local std::string result;
+  dymem::StepPlan plan;
+  result.clear();
+  if (text == nullptr) {
+    result = "null plan";
+  } else if (dymem::ParseStepPlan(text, &plan, &result)) {
+    result = dymem::DescribeStepPlan(plan);
+    *data = result.c_str();
+    return 0;
+  }
+  *data = result.c_str();
+  return -1;
+}
+
 // How many graphs were offered to the handler since the library was loaded.
 __attribute__((visibility("default"))) int64_t dymem_pass_handled(void) { return dymem::g_handled.load(); }
 

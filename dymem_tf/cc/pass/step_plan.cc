@@ -1,5 +1,7 @@
-// Parser and applier of a swap plan (step_plan.h). The applier follows Grappler's memory_optimizer.cc: check
-// everything first, change the graph only when the whole plan fits it, and undo every change on a late failure.
+// Parser and applier of a swap plan (step_plan.h). The parser reads each record's fields by name: its parsers name
+// them as plan_schema.h does (checked at compile time), and a message's header says which column holds each (checked
+// against plan_schema.h when read). The applier follows Grappler's memory_optimizer.cc: check everything first,
+// change the graph only when the whole plan fits it, and undo every change on a late failure.
 
 #include "step_plan.h"
 
@@ -7,8 +9,11 @@
 #include <deque>
 #include <exception>
 #include <functional>
+#include <iterator>
 #include <queue>
 #include <sstream>
+#include <stdexcept>
+#include <string_view>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
@@ -45,40 +50,147 @@ struct UndoLog {
   std::vector<Reroute> reroutes;
 };
 
+std::vector<int> InputsReading(const Node* consumer, const Node* src, int port);
+
+// ---------------------------------------------------------------------------------------------------- the message
+// plan_schema.h as a constexpr table, each record kind's fields looked up by name: in the parsers at compile time
+// (Field), in a message's header at run time (Columns).
+
+#define DYMEM_PLAN_RECORD(kind, ...)
+#define DYMEM_PLAN_VERSION(v) constexpr int kPlanVersion = v;
+#include "plan_schema.h"
+#undef DYMEM_PLAN_VERSION
+#undef DYMEM_PLAN_RECORD
+
+constexpr const char* kHeader = "dymem-plan";
+constexpr int kMaxFields = 8;
+
+// One record kind of plan_schema.h: its name and its fields' names in the order listed there (the rest empty).
+struct KindSchema {
+  std::string_view kind;
+  std::string_view fields[kMaxFields];
+};
+
+constexpr KindSchema kSchema[] = {
+#define DYMEM_PLAN_VERSION(v)
+#define DYMEM_PLAN_RECORD(kind, ...) {#kind, {__VA_ARGS__}},
+#include "plan_schema.h"
+#undef DYMEM_PLAN_RECORD
+#undef DYMEM_PLAN_VERSION
+};
+constexpr int kNumKinds = static_cast<int>(std::size(kSchema));
+
+// How many fields kind `kind` has.
+constexpr int NumFields(int kind) {
+  int n = 0;
+  while (n < kMaxFields && !kSchema[kind].fields[n].empty()) ++n;
+  return n;
+}
+
+// The position of record kind `name` in kSchema, or -1.
+constexpr int KindIndex(std::string_view name) {
+  for (int k = 0; k < kNumKinds; ++k) {
+    if (kSchema[k].kind == name) return k;
+  }
+  return -1;
+}
+
+// The position of field `name` among kind `kind`'s fields, or -1.
+constexpr int FieldIndex(int kind, std::string_view name) {
+  for (int i = 0; i < NumFields(kind); ++i) {
+    if (kSchema[kind].fields[i] == name) return i;
+  }
+  return -1;
+}
+
+// Whether every kind has fields, and no kind or field of a kind is listed twice (a name must say one column).
+constexpr bool SchemaIsUnambiguous() {
+  for (int k = 0; k < kNumKinds; ++k) {
+    if (NumFields(k) == 0 || KindIndex(kSchema[k].kind) != k) return false;
+    for (int i = 0; i < NumFields(k); ++i) {
+      if (FieldIndex(k, kSchema[k].fields[i]) != i) return false;
+    }
+  }
+  return true;
+}
+static_assert(SchemaIsUnambiguous(), "plan_schema.h lists a kind without fields, or a kind or a field twice");
+
+// A field of one record kind, by name, resolved to its kind's position and its own in plan_schema.h. Define it
+// constexpr: a kind or field plan_schema.h lacks then does not compile (the throw is no constant expression).
+struct Field {
+  constexpr Field(std::string_view kind_name, std::string_view name)
+      : kind(KindIndex(kind_name)), index(kind < 0 ? -1 : FieldIndex(kind, name)) {
+    if (index < 0) throw std::invalid_argument("plan_schema.h has no such record kind or field");
+  }
+  int kind;
+  int index;
+};
+
+// Where a message's records hold each kind's fields, from its header: columns[kind][field] is the record column
+// (after the kind) of that kind's field `field`; empty for a kind the header does not declare.
+using Columns = std::vector<std::vector<int>>;
+
+// One record line as its message's header lays it out.
+class Record {
+ public:
+  Record(int kind, const std::vector<std::string>& line, const std::vector<int>& columns)
+      : kind_(kind), line_(line), columns_(columns) {}
+
+  // The record's kind.
+  std::string_view kind() const { return kSchema[kind_].kind; }
+  // The value of field `f` (a field of another kind reads as empty, which no parser accepts where it matters).
+  const std::string& operator[](Field f) const {
+    static const std::string* const kNone = new std::string();
+    return f.kind == kind_ ? line_[columns_[f.index] + 1] : *kNone;
+  }
+
+ private:
+  int kind_;
+  const std::vector<std::string>& line_;
+  const std::vector<int>& columns_;
+};
+
 // Splits one line into tab-separated fields (empty fields kept).
 std::vector<std::string> Fields(const std::string& line) { return absl::StrSplit(line, '\t'); }
 
-std::vector<int> InputsReading(const Node* consumer, const Node* src, int port);
+// `text` as a port or index (a non-negative integer) into `value`; false otherwise.
+bool ParseIndex(const std::string& text, int* value) { return absl::SimpleAtoi(text, value) && *value >= 0; }
+
+// `text`, a comma-separated list, as its non-empty items.
+std::vector<std::string> List(const std::string& text) { return absl::StrSplit(text, ',', absl::SkipEmpty()); }
 
 // Parses one `out` record; false on a malformed one.
-bool ParseOut(const std::vector<std::string>& f, StepPlan* plan) {
+bool ParseOut(const Record& r, StepPlan* plan) {
+  constexpr Field kProducer("out", "producer"), kPort("out", "port"), kSwapOut("out", "swap_out");
   int port = 0;
-  if (f[1].empty() || f[3].empty() || !absl::SimpleAtoi(f[2], &port) || port < 0) return false;
-  plan->swap_outs.push_back({f[1], port, f[3]});
+  if (r[kProducer].empty() || r[kSwapOut].empty() || !ParseIndex(r[kPort], &port)) return false;
+  plan->swap_outs.push_back({r[kProducer], port, r[kSwapOut]});
   return true;
 }
 
 // Parses one `in` record (no direct consumers: it feeds only copies of alias ops); false on a malformed one.
-bool ParseIn(const std::vector<std::string>& f, StepPlan* plan) {
-  if (f[1].empty() || f[2].empty()) return false;
-  std::vector<std::string> consumers = absl::StrSplit(f[4], ',', absl::SkipEmpty());
-  plan->swap_ins.push_back({f[1], f[2], f[3], std::move(consumers)});
+bool ParseIn(const Record& r, StepPlan* plan) {
+  constexpr Field kSwapOut("in", "swap_out"), kSwapIn("in", "swap_in"), kTrigger("in", "trigger"),
+      kConsumers("in", "consumers");
+  if (r[kSwapOut].empty() || r[kSwapIn].empty()) return false;
+  plan->swap_ins.push_back({r[kSwapOut], r[kSwapIn], r[kTrigger], List(r[kConsumers])});
   return true;
 }
 
 // Parses one `ctrl` record; false on a malformed one.
-bool ParseCtrl(const std::vector<std::string>& f, StepPlan* plan) {
-  if (f[1].empty() || f[2].empty()) return false;
-  plan->control_edges.push_back({f[1], f[2]});
+bool ParseCtrl(const Record& r, StepPlan* plan) {
+  constexpr Field kSrc("ctrl", "src"), kDst("ctrl", "dst");
+  if (r[kSrc].empty() || r[kDst].empty()) return false;
+  plan->control_edges.push_back({r[kSrc], r[kDst]});
   return true;
 }
 
 // Parses one `seq` record; false on a malformed one.
-bool ParseSeq(const std::vector<std::string>& f, StepPlan* plan) {
+bool ParseSeq(const Record& r, StepPlan* plan) {
+  constexpr Field kChain("seq", "chain"), kNode("seq", "node"), kBand("seq", "band");
   constexpr int kMaxChains = 1 << 16;
   int chain = 0, band = 0;
-  if (f[2].empty() || !absl::SimpleAtoi(f[1], &chain) || chain < 0 || chain >= kMaxChains ||
-      !absl::SimpleAtoi(f[3], &band) || band < 0) {
+  if (r[kNode].empty() || !ParseIndex(r[kChain], &chain) || chain >= kMaxChains || !ParseIndex(r[kBand], &band)) {
     return false;
   }
   if (plan->sequences.size() <= static_cast<size_t>(chain)) {
@@ -86,46 +198,59 @@ bool ParseSeq(const std::vector<std::string>& f, StepPlan* plan) {
     plan->bands.resize(chain + 1);
   }
   if (!plan->bands[chain].empty() && band < plan->bands[chain].back()) return false;  // bands never go back
-  plan->sequences[chain].push_back(f[2]);
+  plan->sequences[chain].push_back(r[kNode]);
   plan->bands[chain].push_back(band);
   return true;
 }
 
 // Parses one `seqadded` record; false on a malformed one.
-bool ParseSeqAdded(const std::vector<std::string>& f, StepPlan* plan) {
+bool ParseSeqAdded(const Record& r, StepPlan* plan) {
+  constexpr Field kChain("seqadded", "chain");
   int chain = 0;
-  if (!absl::SimpleAtoi(f[1], &chain) || chain < 0) return false;
+  if (!ParseIndex(r[kChain], &chain)) return false;
   plan->chains_with_added.push_back(chain);
   return true;
 }
 
 // Parses one `var` record; false on a malformed one.
-bool ParseVar(const std::vector<std::string>& f, StepPlan* plan) {
+bool ParseVar(const Record& r, StepPlan* plan) {
+  constexpr Field kResource("var", "resource"), kPort("var", "port"), kEvict("var", "evict"),
+      kSwapIn("var", "swap_in"), kSwapOut("var", "swap_out"), kTrigger("var", "trigger"),
+      kConsumers("var", "consumers");
   int port = 0;
-  if (f[1].empty() || f[3].empty() || f[4].empty() || f[5].empty() || f[7].empty() ||
-      !absl::SimpleAtoi(f[2], &port) || port < 0) {
+  if (r[kResource].empty() || r[kEvict].empty() || r[kSwapIn].empty() || r[kSwapOut].empty() ||
+      r[kConsumers].empty() || !ParseIndex(r[kPort], &port)) {
     return false;
   }
-  std::vector<std::string> consumers = absl::StrSplit(f[7], ',', absl::SkipEmpty());
-  plan->variables.push_back({f[1], port, f[3], f[4], f[5], f[6], std::move(consumers)});
+  plan->variables.push_back(
+      {r[kResource], port, r[kEvict], r[kSwapIn], r[kSwapOut], r[kTrigger], List(r[kConsumers])});
   return true;
 }
 
-// Parses one `vin`, `vkeep`, `vout` or `vread` record; false on a malformed one.
-bool ParseVariableOp(const std::vector<std::string>& f, StepPlan* plan) {
+// The fields of a `vin`, `vkeep`, `vout` or `vread` record; `last` is keep_host, keep_host, discard or like.
+struct VariableOpFields {
+  Field resource, port, name, last;
+};
+
+// The fields of variable op record kind `kind`, whose own last field is called `last`.
+constexpr VariableOpFields VariableOpFieldsOf(std::string_view kind, std::string_view last) {
+  return {Field(kind, "resource"), Field(kind, "port"), Field(kind, "name"), Field(kind, last)};
+}
+
+// Parses one `vin`, `vkeep`, `vout` or `vread` record with fields `f`; false on a malformed one.
+bool ParseVariableOp(const Record& r, const VariableOpFields& f, StepPlan* plan) {
   NodeEditRecord edit;
-  VariableOpRecord& r = edit.variable_op;
-  if (f[1].empty() || f[3].empty() || f[4].empty() || !absl::SimpleAtoi(f[2], &r.port) ||
-      r.port < 0) {
+  VariableOpRecord& v = edit.variable_op;
+  if (r[f.resource].empty() || r[f.name].empty() || r[f.last].empty() || !ParseIndex(r[f.port], &v.port)) {
     return false;
   }
-  edit.kind = r.kind = f[0];
-  r.resource = f[1];
-  r.name = f[3];
-  if (r.kind == "vread") {
-    r.like = f[4];
-  } else if (f[4] == "0" || f[4] == "1") {
-    r.flag = f[4] == "1";
+  edit.kind = v.kind = std::string(r.kind());
+  v.resource = r[f.resource];
+  v.name = r[f.name];
+  if (v.kind == "vread") {
+    v.like = r[f.last];
+  } else if (r[f.last] == "0" || r[f.last] == "1") {
+    v.flag = r[f.last] == "1";
   } else {
     return false;
   }
@@ -133,40 +258,192 @@ bool ParseVariableOp(const std::vector<std::string>& f, StepPlan* plan) {
   return true;
 }
 
+// Parses one `vin` record; false on a malformed one.
+bool ParseVin(const Record& r, StepPlan* plan) {
+  static constexpr VariableOpFields kFields = VariableOpFieldsOf("vin", "keep_host");
+  return ParseVariableOp(r, kFields, plan);
+}
+
+// Parses one `vkeep` record; false on a malformed one.
+bool ParseVkeep(const Record& r, StepPlan* plan) {
+  static constexpr VariableOpFields kFields = VariableOpFieldsOf("vkeep", "keep_host");
+  return ParseVariableOp(r, kFields, plan);
+}
+
+// Parses one `vout` record; false on a malformed one.
+bool ParseVout(const Record& r, StepPlan* plan) {
+  static constexpr VariableOpFields kFields = VariableOpFieldsOf("vout", "discard");
+  return ParseVariableOp(r, kFields, plan);
+}
+
+// Parses one `vread` record; false on a malformed one.
+bool ParseVread(const Record& r, StepPlan* plan) {
+  static constexpr VariableOpFields kFields = VariableOpFieldsOf("vread", "like");
+  return ParseVariableOp(r, kFields, plan);
+}
+
 // Parses one `clone` record; false on a malformed one.
-bool ParseClone(const std::vector<std::string>& f, StepPlan* plan) {
-  if (f[1].empty() || f[2].empty()) return false;
+bool ParseClone(const Record& r, StepPlan* plan) {
+  constexpr Field kNode("clone", "node"), kName("clone", "name"), kInputs("clone", "inputs");
+  if (r[kNode].empty() || r[kName].empty()) return false;
   NodeEditRecord edit;
   edit.kind = "clone";
-  edit.clone.node = f[1];
-  edit.clone.name = f[2];
-  for (const absl::string_view pair : absl::StrSplit(f[3], ',', absl::SkipEmpty())) {
+  edit.clone.node = r[kNode];
+  edit.clone.name = r[kName];
+  for (const std::string& pair : List(r[kInputs])) {
     const size_t colon = pair.find(':');
     int k = 0;
-    if (colon == absl::string_view::npos || colon + 1 == pair.size() || !absl::SimpleAtoi(pair.substr(0, colon), &k) ||
-        k < 0) {
+    if (colon == std::string::npos || colon + 1 == pair.size() || !ParseIndex(pair.substr(0, colon), &k)) {
       return false;
     }
-    edit.clone.inputs.emplace_back(k, std::string(pair.substr(colon + 1)));
+    edit.clone.inputs.emplace_back(k, pair.substr(colon + 1));
   }
   plan->edits.push_back(std::move(edit));
   return true;
 }
 
 // Parses one `reroute` record; false on a malformed one.
-bool ParseReroute(const std::vector<std::string>& f, StepPlan* plan) {
+bool ParseReroute(const Record& r, StepPlan* plan) {
+  constexpr Field kConsumer("reroute", "consumer"), kSource("reroute", "source"), kPort("reroute", "port"),
+      kTarget("reroute", "target");
   NodeEditRecord edit;
-  RerouteRecord& r = edit.reroute;
-  if (f[1].empty() || f[2].empty() || f[4].empty() || !absl::SimpleAtoi(f[3], &r.port) ||
-      r.port < 0) {
+  RerouteRecord& e = edit.reroute;
+  if (r[kConsumer].empty() || r[kSource].empty() || r[kTarget].empty() || !ParseIndex(r[kPort], &e.port)) {
     return false;
   }
   edit.kind = "reroute";
-  r.consumer = f[1];
-  r.source = f[2];
-  r.target = f[4];
+  e.consumer = r[kConsumer];
+  e.source = r[kSource];
+  e.target = r[kTarget];
   plan->edits.push_back(std::move(edit));
   return true;
+}
+
+// The parser of each record kind.
+using Parser = bool (*)(const Record&, StepPlan*);
+struct KindParser {
+  std::string_view kind;
+  Parser parse;
+};
+constexpr KindParser kParsers[] = {
+    {"out", ParseOut},     {"in", ParseIn},     {"ctrl", ParseCtrl},   {"var", ParseVar},
+    {"vin", ParseVin},     {"vkeep", ParseVkeep}, {"vout", ParseVout}, {"vread", ParseVread},
+    {"clone", ParseClone}, {"reroute", ParseReroute}, {"seq", ParseSeq}, {"seqadded", ParseSeqAdded},
+};
+
+// The parser of kind `kind` (a position in kSchema), or null.
+constexpr Parser ParserOf(int kind) {
+  for (const KindParser& p : kParsers) {
+    if (p.kind == kSchema[kind].kind) return p.parse;
+  }
+  return nullptr;
+}
+
+// Whether every kind of plan_schema.h has a parser, and every parser a kind.
+constexpr bool ParsesEveryKind() {
+  for (int k = 0; k < kNumKinds; ++k) {
+    if (ParserOf(k) == nullptr) return false;
+  }
+  return std::size(kParsers) == static_cast<size_t>(kNumKinds);
+}
+static_assert(ParsesEveryKind(), "every record kind of plan_schema.h needs its parser in kParsers, and no other");
+
+// What to do about a message that does not fit this library's schema.
+constexpr const char* kOtherBuild = "the Python package and its native library come from different builds";
+
+// Kind `kind`'s fields, comma-separated, in plan_schema.h's order.
+std::string FieldList(int kind) {
+  return absl::StrJoin(kSchema[kind].fields, kSchema[kind].fields + NumFields(kind), ", ");
+}
+
+// Whether `f` is a header line of the version this library reads; false with `error` saying what it is otherwise.
+bool CheckVersion(const std::vector<std::string>& f, std::string* error) {
+  int version = 0;
+  if (f.size() < 2 || f[0] != kHeader || !absl::SimpleAtoi(f[1], &version)) {
+    *error = absl::StrCat("the plan message does not start with its version line (", kHeader, " ", kPlanVersion,
+                          ")");
+    return false;
+  }
+  if (version == kPlanVersion) return true;
+  *error = absl::StrCat("the plan message is version ", version, " and this graph pass reads version ",
+                        kPlanVersion, ": ", kOtherBuild);
+  return false;
+}
+
+// The column of each of kind `kind`'s fields among `names` (its declaration in a header) into `columns`; false
+// with `error` naming the kind and the field when a name is not one of its fields, is repeated, or is missing.
+bool MapColumns(int kind, const std::vector<std::string>& names, std::vector<int>* columns, std::string* error) {
+  const std::string_view kind_name = kSchema[kind].kind;
+  const std::string reads = absl::StrCat(" (this graph pass reads ", FieldList(kind), "): ", kOtherBuild);
+  std::vector<int> column(NumFields(kind), -1);
+  for (size_t c = 0; c < names.size(); ++c) {
+    const int field = FieldIndex(kind, names[c]);
+    if (field < 0) {
+      *error = absl::StrCat("the plan message's '", kind_name, "' records have the unknown field '", names[c], "'",
+                            reads);
+      return false;
+    }
+    if (column[field] >= 0) {
+      *error = absl::StrCat("the plan message's header declares the field '", names[c], "' of '", kind_name,
+                            "' records twice");
+      return false;
+    }
+    column[field] = static_cast<int>(c);
+  }
+  for (int field = 0; field < NumFields(kind); ++field) {
+    if (column[field] >= 0) continue;
+    *error = absl::StrCat("the plan message's '", kind_name, "' records lack the field '",
+                          kSchema[kind].fields[field], "'", reads);
+    return false;
+  }
+  *columns = std::move(column);
+  return true;
+}
+
+// The header's column declarations (`kind:field,...` after the version) into `columns`; false with `error`
+// naming the kind (and field) when one is malformed, repeated, of a kind or with fields plan_schema.h lacks.
+bool ReadColumns(const std::vector<std::string>& header, Columns* columns, std::string* error) {
+  columns->assign(kNumKinds, {});
+  for (size_t i = 2; i < header.size(); ++i) {
+    const size_t colon = header[i].find(':');
+    const int kind = KindIndex(std::string_view(header[i]).substr(0, colon));
+    if (colon == std::string::npos || kind < 0 || !(*columns)[kind].empty()) {
+      const std::string_view what = colon == std::string::npos ? "the malformed column declaration '"
+                                    : kind < 0                 ? "the unknown record kind '"
+                                                               : "twice the columns of '";
+      *error = absl::StrCat("the plan message's header declares ", what, header[i].substr(0, colon),
+                            "' (this graph pass reads ",
+                            absl::StrJoin(kSchema, kSchema + kNumKinds, ", ",
+                                          [](std::string* out, const KindSchema& s) { out->append(s.kind); }),
+                            "): ", kOtherBuild);
+      return false;
+    }
+    const std::vector<std::string> names = absl::StrSplit(header[i].substr(colon + 1), ',');
+    if (!MapColumns(kind, names, &(*columns)[kind], error)) return false;
+  }
+  return true;
+}
+
+// The kind of record `f` (a line after the header), a kind `columns` declares with as many fields as `f` has;
+// -1 with `error` naming the line and the kind otherwise.
+int CheckRecord(const std::vector<std::string>& f, const Columns& columns, int lineno, std::string* error) {
+  const int kind = KindIndex(f[0]);
+  if (kind < 0) {
+    *error = absl::StrCat("plan line ", lineno, " has the unknown record kind '", f[0], "'");
+    return -1;
+  }
+  const std::vector<int>& column = columns[kind];
+  if (column.empty()) {
+    *error = absl::StrCat("plan line ", lineno, " is a '", f[0], "' record, a kind the message's header does not ",
+                          "declare the columns of");
+    return -1;
+  }
+  if (f.size() == column.size() + 1) return kind;
+  std::vector<std::string_view> declared(column.size());
+  for (size_t field = 0; field < column.size(); ++field) declared[column[field]] = kSchema[kind].fields[field];
+  *error = absl::StrCat("plan line ", lineno, ": a '", f[0], "' record has ", column.size(), " fields (",
+                        absl::StrJoin(declared, ", "), "), not ", f.size() - 1);
+  return -1;
 }
 
 // The node called `name`, or null (with `error` set).
@@ -774,71 +1051,22 @@ bool ApplyValidated(const StepPlan& plan, Graph* graph, UndoLog* log, std::strin
   return ok;
 }
 
-// The message's version and its records' field names (plan_schema.h).
-#define DYMEM_PLAN_RECORD(kind, ...)
-#define DYMEM_PLAN_VERSION(v) constexpr int kPlanVersion = v;
-#include "plan_schema.h"
-#undef DYMEM_PLAN_VERSION
-#undef DYMEM_PLAN_RECORD
-
-struct RecordSchema {
-  const char* kind;
-  std::vector<const char*> fields;
-};
-
-// Every record kind of plan_schema.h with its fields, in the order listed there.
-const std::vector<RecordSchema>& Schema() {
-#define DYMEM_PLAN_VERSION(v)
-#define DYMEM_PLAN_RECORD(kind, ...) {#kind, {__VA_ARGS__}},
-  static const std::vector<RecordSchema> records = {
-#include "plan_schema.h"
-  };
-#undef DYMEM_PLAN_RECORD
-#undef DYMEM_PLAN_VERSION
-  return records;
-}
-
-constexpr const char* kHeader = "dymem-plan";
-
-// Whether `f` is the version line this library reads; false with `error` saying what it is otherwise.
-bool CheckVersion(const std::vector<std::string>& f, std::string* error) {
-  int version = 0;
-  if (f.size() != 2 || f[0] != kHeader || !absl::SimpleAtoi(f[1], &version)) {
-    *error = absl::StrCat("the plan message does not start with its version line (", kHeader, " ", kPlanVersion,
-                          ")");
-    return false;
+// A `vin`, `vkeep`, `vout`, `vread`, `clone` or `reroute` record as DescribeStepPlan writes it.
+std::string DescribeEdit(const NodeEditRecord& e) {
+  if (e.kind == "clone") {
+    std::vector<std::string> inputs;
+    for (const auto& input : e.clone.inputs) inputs.push_back(absl::StrCat(input.first, ":", input.second));
+    return absl::StrCat("clone\tnode=", e.clone.node, "\tname=", e.clone.name, "\tinputs=", absl::StrJoin(inputs, ","));
   }
-  if (version == kPlanVersion) return true;
-  *error = absl::StrCat("the plan message is version ", version, " and this graph pass reads version ",
-                        kPlanVersion, ": the Python package and its native library come from different builds");
-  return false;
-}
-
-// Whether `f` is a record kind of the schema with its number of fields; false with `error` otherwise.
-bool CheckSchema(const std::vector<std::string>& f, int lineno, std::string* error) {
-  for (const RecordSchema& r : Schema()) {
-    if (f[0] != r.kind) continue;
-    if (f.size() == r.fields.size() + 1) return true;
-    *error = absl::StrCat("plan line ", lineno, ": a '", r.kind, "' record has ", r.fields.size(), " fields (",
-                          absl::StrJoin(r.fields, ", "), "), not ", f.size() - 1);
-    return false;
+  if (e.kind == "reroute") {
+    const RerouteRecord& r = e.reroute;
+    return absl::StrCat("reroute\tconsumer=", r.consumer, "\tsource=", r.source, "\tport=", r.port, "\ttarget=",
+                        r.target);
   }
-  *error = absl::StrCat("plan line ", lineno, " has the unknown record kind '", f[0], "'");
-  return false;
-}
-
-// Parses one record whose kind and field count CheckSchema accepted; false on malformed fields.
-bool ParseRecord(const std::vector<std::string>& f, StepPlan* plan) {
-  const std::string& kind = f[0];
-  if (kind == "out") return ParseOut(f, plan);
-  if (kind == "in") return ParseIn(f, plan);
-  if (kind == "ctrl") return ParseCtrl(f, plan);
-  if (kind == "seq") return ParseSeq(f, plan);
-  if (kind == "seqadded") return ParseSeqAdded(f, plan);
-  if (kind == "var") return ParseVar(f, plan);
-  if (kind == "clone") return ParseClone(f, plan);
-  if (kind == "reroute") return ParseReroute(f, plan);
-  return ParseVariableOp(f, plan);  // vin, vkeep, vout, vread
+  const VariableOpRecord& v = e.variable_op;
+  const std::string last = v.kind == "vread" ? absl::StrCat("like=", v.like)
+                                             : absl::StrCat(v.kind == "vout" ? "discard=" : "keep_host=", v.flag);
+  return absl::StrCat(v.kind, "\tresource=", v.resource, "\tport=", v.port, "\tname=", v.name, "\t", last);
 }
 
 }  // namespace
@@ -846,17 +1074,19 @@ bool ParseRecord(const std::vector<std::string>& f, StepPlan* plan) {
 bool ParseStepPlan(const std::string& text, StepPlan* plan, std::string* error) {
   std::istringstream lines(text);
   std::string line;
+  Columns columns;
   bool versioned = false;
   for (int lineno = 1; std::getline(lines, line); ++lineno) {
     if (line.empty()) continue;
-    std::vector<std::string> f = Fields(line);
+    const std::vector<std::string> f = Fields(line);
     if (!versioned) {
-      if (!CheckVersion(f, error)) return false;
+      if (!CheckVersion(f, error) || !ReadColumns(f, &columns, error)) return false;
       versioned = true;
       continue;
     }
-    if (!CheckSchema(f, lineno, error)) return false;
-    if (!ParseRecord(f, plan)) {
+    const int kind = CheckRecord(f, columns, lineno, error);
+    if (kind < 0) return false;
+    if (!ParserOf(kind)(Record(kind, f, columns[kind]), plan)) {
       *error = absl::StrCat("plan line ", lineno, " is malformed: '", line, "'");
       return false;
     }
@@ -864,6 +1094,33 @@ bool ParseStepPlan(const std::string& text, StepPlan* plan, std::string* error) 
   if (!versioned) *error = absl::StrCat("the plan message is empty: it needs at least its version line (", kHeader,
                                         " ", kPlanVersion, ")");
   return versioned;
+}
+
+std::string DescribeStepPlan(const StepPlan& plan) {
+  std::string out;
+  for (const SwapOutRecord& r : plan.swap_outs) {
+    absl::StrAppend(&out, "out\tproducer=", r.producer, "\tport=", r.port, "\tswap_out=", r.name, "\n");
+  }
+  for (const SwapInRecord& r : plan.swap_ins) {
+    absl::StrAppend(&out, "in\tswap_out=", r.swap_out, "\tswap_in=", r.name, "\ttrigger=", r.trigger,
+                    "\tconsumers=", absl::StrJoin(r.consumers, ","), "\n");
+  }
+  for (const VariableRecord& r : plan.variables) {
+    absl::StrAppend(&out, "var\tresource=", r.resource, "\tport=", r.port, "\tevict=", r.evict, "\tswap_in=",
+                    r.swap_in, "\tswap_out=", r.swap_out, "\ttrigger=", r.trigger, "\tconsumers=",
+                    absl::StrJoin(r.consumers, ","), "\n");
+  }
+  for (const NodeEditRecord& e : plan.edits) absl::StrAppend(&out, DescribeEdit(e), "\n");
+  for (const ControlEdgeRecord& r : plan.control_edges) {
+    absl::StrAppend(&out, "ctrl\tsrc=", r.from, "\tdst=", r.to, "\n");
+  }
+  for (size_t k = 0; k < plan.sequences.size(); ++k) {
+    for (size_t i = 0; i < plan.sequences[k].size(); ++i) {
+      absl::StrAppend(&out, "seq\tchain=", k, "\tnode=", plan.sequences[k][i], "\tband=", plan.bands[k][i], "\n");
+    }
+  }
+  for (int chain : plan.chains_with_added) absl::StrAppend(&out, "seqadded\tchain=", chain, "\n");
+  return out;
 }
 
 bool ApplyStepPlan(const StepPlan& plan, Graph* graph, std::string* error, std::vector<Node*>* changed) {
