@@ -61,7 +61,7 @@ def _child(name: str, args) -> dict:
     import keras
 
     import dymem_tf
-    from dymem_tf.passes import step_pass
+    from dymem_tf.keras import variables
 
     sys.path.insert(0, HERE)
     from model_zoo import ZOO, StepPeaks as Peaks
@@ -117,7 +117,7 @@ def _child(name: str, args) -> dict:
         model, x, y = build(batch * 2)
         peaks = Peaks()
         fit(model, x, y, 2, [peaks])
-        return {"p0": max(peaks.peaks), "persistent": step_pass.persistent_bytes(model)}
+        return {"p0": max(peaks.peaks), "persistent": variables.persistent_bytes(model)}
 
     def no_budget_peak():
         # the same steps with Dymem and no budget (every tensor worth swapping swapped), on the uncapped device; in

@@ -261,3 +261,104 @@ def test_a_failed_calls_per_step_variable_is_released():
     compat.release_step_resources()
     assert accumulate(tf.constant(False)).numpy().tolist() == [1.0] * 4
     assert accumulate(tf.constant(False)).numpy().tolist() == [1.0] * 4  # destroyed by a call that ran through
+
+
+# A tf.function on another thread holds a step resource (a TemporaryVariable) and waits inside the call, in a
+# py_function, while this thread releases the step resources; then it destroys the variable. In a fresh interpreter:
+# emptying the step container under a running call frees the container that call is using.
+OTHER_THREAD = r"""
+import json, threading
+import tensorflow as tf
+from dymem_tf import compat
+
+entered, go = threading.Event(), threading.Event()
+
+def wait(x):
+    entered.set()
+    go.wait(120)
+    return x
+
+@tf.function
+def hold():
+    v = tf.raw_ops.TemporaryVariable(shape=[4], dtype=tf.float32, var_name="dymem_other_thread")
+    v = tf.raw_ops.Assign(ref=v, value=tf.ones([4]))
+    with tf.control_dependencies([v.op]):
+        waited = tf.py_function(wait, [tf.constant(1.0)], tf.float32)
+    with tf.control_dependencies([waited]):
+        return tf.raw_ops.DestroyTemporaryVariable(ref=v, var_name="dymem_other_thread")
+
+out = {}
+def other():
+    try:
+        out["value"] = hold().numpy().tolist()
+    except Exception as err:  # the variable gone from under the call
+        out["error"] = f"{type(err).__name__}: {err}"
+
+thread = threading.Thread(target=other)
+thread.start()
+assert entered.wait(120)
+out["released_while_running"] = compat.release_step_resources()
+go.set()
+thread.join(120)
+out["released_after"] = compat.release_step_resources()  # nothing runs elsewhere now
+print("RESULT" + json.dumps(out), flush=True)
+"""
+
+
+def test_releasing_step_resources_leaves_a_call_on_another_thread_alone():
+    """TF's EndStep empties the step container when no *step* is open, and nothing opens one: a tf.function running
+    on another thread (which holds the container) is no step, so the release waits for a moment when no other
+    thread is inside TensorFlow's execution, and says so."""
+    from conftest import proc_result, run_python
+
+    proc = run_python(OTHER_THREAD, timeout=300)
+    out = proc_result(proc, "the two-thread script")  # before: the release crashed the process (SIGSEGV)
+    assert out.get("value") == [1.0] * 4, out  # the other call's variable was still there to destroy
+    assert out["released_while_running"] is False and out["released_after"] is True
+    assert "resources were not released: thread(s) Thread-1 (other) are running TensorFlow" in proc.stderr
+
+
+def test_a_failure_to_release_step_resources_leaves_the_callers_error(monkeypatch, caplog):
+    """release_step_resources runs inside ``except ResourceExhaustedError``: a failure to find TF's C API there is a
+    logged warning, and the out-of-memory error is what the caller sees."""
+    import ctypes
+
+    import tensorflow as tf
+
+    from dymem_tf import compat
+
+    def no_library(*args, **kwargs):
+        raise OSError("libtensorflow_cc.so.2: cannot open shared object file")
+
+    compat._tf_c_api.cache_clear()  # looked up again, through the failing loader
+    compat._step_functions.cache_clear()
+    monkeypatch.setattr(ctypes, "CDLL", no_library)
+    try:
+        with pytest.raises(tf.errors.ResourceExhaustedError, match="OOM when allocating"):
+            try:
+                raise tf.errors.ResourceExhaustedError(None, None, "OOM when allocating tensor")
+            except tf.errors.ResourceExhaustedError:
+                assert compat.release_step_resources() is False
+                raise
+    finally:
+        monkeypatch.undo()
+        compat._tf_c_api.cache_clear()
+        compat._step_functions.cache_clear()
+    assert any("failed step's resources" in r.getMessage() and "cannot open shared object" in r.getMessage()
+               for r in caplog.records if r.levelname == "WARNING"), caplog.text
+
+
+def test_reading_the_eager_context_leaves_ctypes_pythonapi_as_it_was(monkeypatch):
+    """The capsule's pointer is read through a private prototype: ``ctypes.pythonapi.PyCapsule_GetPointer``, shared
+    by the whole process, keeps the restype and argtypes its other users gave it."""
+    import ctypes
+
+    from dymem_tf import compat
+
+    shared = ctypes.pythonapi.PyCapsule_GetPointer
+    monkeypatch.setattr(shared, "restype", ctypes.c_int)  # ctypes' defaults, whatever an earlier test left
+    monkeypatch.setattr(shared, "argtypes", None)
+    assert compat._eager_context_pointer() > 0
+    assert compat.release_step_resources() is True
+    assert ctypes.pythonapi.PyCapsule_GetPointer is shared
+    assert (shared.restype, shared.argtypes) == (ctypes.c_int, None)

@@ -420,6 +420,28 @@ def test_plan_json_round_trip_summary_and_diff(tmp_path):
     assert any(line.startswith("- swap") for line in d)
 
 
+def test_a_plan_saved_with_keys_this_version_lacks_loads_without_them():
+    """``Plan.from_dict`` leaves out the keys it does not know, as its docstring says, at every level: the plan's own
+    fields, each swap, its swap-ins and its routes (a plan.json written by another version loads; nothing unknown
+    reaches a dataclass's constructor)."""
+    plan = make_plan(train_chain(), "dymem", profile=TOY, budget_bytes=5 * MB, persistent_bytes=MB, batch_size=8,
+                     min_swap_bytes=1)
+    assert len(plan.swaps) >= 2
+    old = json.loads(plan.to_json())
+    old["format_revision"] = 3
+    first, second = old["swaps"][0], old["swaps"][1]
+    first["retired_flag"], first["swap_ins"][0]["queue"] = True, "h2d"
+    first["route"] = {"reads": ["w/read"], "writes": ["w/update"], "fused": []}
+    second["recompute"] = {"ops": [["relu", []]], "leaves": ["conv"], "cost_s": 0.1}
+    loaded = Plan.from_dict(old)
+    assert loaded.swaps[0].route.reads == ["w/read"] and loaded.swaps[0].route.writes == ["w/update"]
+    assert loaded.swaps[1].recompute.ops == [["relu", []]] and loaded.swaps[1].recompute.leaves == ["conv"]
+    loaded.swaps[0].route = loaded.swaps[1].recompute = None
+    assert loaded == plan  # everything else as saved, the unknown keys left out
+    assert "format_revision" not in loaded.to_dict() and "retired_flag" not in loaded.to_dict()["swaps"][0]
+    assert Plan.from_dict(json.loads(plan.to_json())) == plan  # a current plan is unchanged by the filtering
+
+
 def test_mobility_groups():
     sg = StepGraph.from_spec({
         "w": {"type": "ReadVariableOp", "bytes": 64, "persistent": True},

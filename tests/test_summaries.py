@@ -425,8 +425,7 @@ def test_steps_written_before_reserved_overhead_had_its_name_are_read_under_it(t
 def measured_record(budget, predicted_shift=0, calibration=None, measured=None):
     """A record whose plan has been through its first step: ``measured`` (its fields) as the callback keeps it, and
     ``calibration`` (the fields of a :class:`~dymem_tf.planning.first_step.Calibration`)."""
-    from dymem_tf.planning.first_step import Calibration
-    from dymem_tf.planning.plan import Measurement
+    from dymem_tf.planning.first_step import Calibration, Measurement
 
     record, _ = make_record(budget=budget)
     plan = record.plan

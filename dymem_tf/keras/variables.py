@@ -1,6 +1,7 @@
 """Where the model's and the optimizer's variables live during a ``fit`` with Dymem: built early, offloaded to host
 memory before the first step (the plan brings back what it keeps), packed again on the device, and brought back
-after ``fit``."""
+after ``fit``; what they are (the optimizers' variables, their bytes) and their host copies across a failed step
+(:class:`VariableSnapshot`)."""
 from __future__ import annotations
 
 import contextlib
@@ -11,8 +12,67 @@ import tensorflow as tf
 
 from dymem_tf import compat
 from dymem_tf.memory import allocator, placement
-from dymem_tf.passes import step_pass
-from dymem_tf.planning import first_step
+
+
+def other_optimizers(model) -> list:
+    """Keras optimizers held as attributes of ``model`` besides ``model.optimizer`` (a GAN's generator and
+    discriminator optimizers, made in its ``compile``): their state lives across steps too, but Keras tracks it
+    nowhere on the model, and plans never offload it. Known by what their class has (``apply_gradients``,
+    ``iterations``, ``variables``), so any optimizer-like object counts, whatever its base class."""
+    main = getattr(model, "optimizer", None)
+    return [value for value in vars(model).values() if value is not main
+            and all(hasattr(type(value), name) for name in ("apply_gradients", "iterations", "variables"))]
+
+
+def optimizer_variables(model, main: bool = True) -> list:
+    """The variables of ``model``'s optimizers: ``model.optimizer``'s (with ``main``) and :func:`other_optimizers`'."""
+    optimizers = ([getattr(model, "optimizer", None)] if main else []) + other_optimizers(model)
+    return [var for optimizer in optimizers if optimizer is not None for var in getattr(optimizer, "variables", [])]
+
+
+def variable_bytes(var) -> int:
+    """Bytes of one variable's value (unknown dimensions count as 0)."""
+    shape = [d if d is not None else 0 for d in var.shape]
+    return int(np.prod(shape, dtype=np.int64)) * tf.as_dtype(var.dtype).size
+
+
+def persistent_bytes(model, optimizer: bool = True) -> int:
+    """Bytes of the model's variables, of its :func:`other_optimizers`' and (``optimizer``) of
+    ``model.optimizer``'s, each variable once: what lives across steps."""
+    seen, total = set(), 0
+    for var in list(model.variables) + optimizer_variables(model, main=optimizer):
+        if id(var) not in seen:
+            seen.add(id(var))
+            total += variable_bytes(var)
+    return total
+
+
+class VariableSnapshot:
+    """Host copies of a model's, its optimizers' and its metrics' variables, to put back after a failed step (the
+    metrics too: the loss a failed step added to the running mean must not count; and the optimizers a custom
+    ``train_step`` keeps as attributes, whose updates a failed step may have made)."""
+
+    def __init__(self, model):
+        variables = list(model.variables) + list(getattr(model, "metrics_variables", [])) + optimizer_variables(model)
+        seen, self._saved = set(), []
+        for var in variables:
+            if id(var) not in seen:
+                seen.add(id(var))
+                self._saved.append((var, np.array(var.numpy(), copy=True)))
+
+    def restore(self, changed_only: bool = False) -> int:
+        """Assign every saved value back (``changed_only``: only those that differ); returns how many variables
+        changed (a failed step may have updated some before it ran out of memory)."""
+        changed = 0
+        for var, value in self._saved:
+            differs = not np.array_equal(var.numpy(), value)
+            changed += differs
+            if differs or not changed_only:
+                var.assign(value)
+        return changed
+
+    def __len__(self) -> int:
+        return len(self._saved)
 
 
 def offload_variables(variables, min_bytes: int) -> int:
@@ -25,7 +85,7 @@ def offload_variables(variables, min_bytes: int) -> int:
     moved = 0
     for var in variables:
         if (swap_ops.variable_handle(var) is not None and len(var.shape) > 0 and var.dtype != tf.string
-                and step_pass.variable_bytes(var) >= min_bytes):
+                and variable_bytes(var) >= min_bytes):
             swap_ops.offload_variable(var)
             moved += 1
     return moved
@@ -55,7 +115,7 @@ def compact_weights(model) -> int:
     pool before the variables are placed again, packed, in the persistent group."""
     from dymem_tf.ops import swap_ops
 
-    candidates = list(model.variables) + first_step.optimizer_variables(model)  # attribute optimizers' too
+    candidates = list(model.variables) + optimizer_variables(model)  # attribute optimizers' too
     seen, variables = set(), []
     for var in swap_ops.variable_components(candidates):
         if id(var) not in seen and var.dtype != tf.string and not swap_ops.variable_is_offloaded(var):
@@ -74,12 +134,12 @@ def device_resident_bytes(model) -> int:
     device, where the offloading kernels run)."""
     from dymem_tf.ops import swap_ops
 
-    variables = list(model.variables) + first_step.optimizer_variables(model)
+    variables = list(model.variables) + optimizer_variables(model)
     seen, total = set(), 0
     for var in swap_ops.variable_components(variables):
         if id(var) not in seen and var.dtype != tf.string:
             seen.add(id(var))
-            total += 0 if swap_ops.variable_is_offloaded(var) else step_pass.variable_bytes(var)
+            total += 0 if swap_ops.variable_is_offloaded(var) else variable_bytes(var)
     return total
 
 
@@ -97,7 +157,7 @@ def pageblock_floor(stats: dict | None, resident: int) -> int:
 def resident_weight_bytes(model, min_bytes: int) -> int:
     """Bytes of the model's variables that stay on the device while weights may be offloaded: those smaller than
     ``min_bytes`` (never moved), and the largest other one (its stays put it on the device once at least)."""
-    sizes = [step_pass.variable_bytes(v) for v in model.variables]
+    sizes = [variable_bytes(v) for v in model.variables]
     movable = [b for b in sizes if b >= min_bytes]
     return sum(b for b in sizes if b < min_bytes) + max(movable, default=0)
 
@@ -105,7 +165,7 @@ def resident_weight_bytes(model, min_bytes: int) -> int:
 def bring_back_offloaded(model, weights: bool = False) -> int:
     """Swap every variable of the model's optimizers (and with ``weights`` every model variable) that a plan, or
     :func:`compact_weights` cut short, left in host memory back onto the device; returns how many."""
-    variables = first_step.optimizer_variables(model)
+    variables = optimizer_variables(model)
     if weights:
         variables += [v for v in model.variables if all(v is not u for u in variables)]
     if not variables:

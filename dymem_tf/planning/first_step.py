@@ -5,9 +5,9 @@ the second leaves too little room:
 
 1. **Probe.** The step is planned with the least device memory the policy can reach (every candidate swapped,
    swap-ins triggered one layer ahead, optimizer state offloaded where allowed). The model's and the optimizer's
-   variables are copied to host memory before it runs; if it runs out of memory they are restored and
-   :class:`~dymem_tf.planning.planner.BudgetTooSmallError` says what was measured. The allocator's peak during the
-   step is the *measured* peak of that plan.
+   variables are copied to host memory before it runs (:class:`~dymem_tf.keras.variables.VariableSnapshot`); if it
+   runs out of memory they are restored and :class:`~dymem_tf.planning.planner.BudgetTooSmallError` says what was
+   measured. The allocator's peak during the step is the *measured* peak of that plan.
 2. **Budget.** The ratio of the measured to the predicted bytes in use of the step's own memory (kernel
    workspaces and whatever else the simulator does not model), the placement's fragmentation (reserved less in-use
    bytes) and a margin derived from the simulator's error on the probe set the planner's headroom
@@ -34,8 +34,6 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from typing import Any
-
-import numpy as np
 
 #: Growth of a plan's device peak from its first step to later ones, relative to its calibrated prediction: the
 #: allocator places in the executor's op order, which varies from step to step. Measured after updates stopped
@@ -252,6 +250,23 @@ def placed_prediction(calibration: "Calibration | Mapping[str, Any]", placed: An
     return _placed(cal, placed) + int(cal.get("placement_residual_bytes", 0))
 
 
+@dataclasses.dataclass
+class Measurement:
+    """What the allocator measured in a plan's first step (:func:`measurement`; a plan keeps it as
+    ``Plan.measured``)."""
+
+    outcome: str = "ran"  # or "out_of_memory"
+    peak_bytes: int = 0  # the device peak compared with the predicted one: GTBM's peak reserved bytes
+    peak_bytes_reserved: int = 0
+    peak_bytes_in_use: int = 0
+    #: False: an earlier step since the allocator's last peak reset reached more, so the peaks bound this step's
+    exact: bool = True
+    predicted_peak_bytes: int | None = None
+    error: float | None = None  # (measured - predicted) / measured of the peak
+    calibrated_predicted_peak_bytes: int | None = None
+    steps: int = 1  # the train function's call ran this many steps (steps_per_execution)
+
+
 def measurement(before: Mapping[str, Any], after: Mapping[str, Any], predicted_peak: int | None = None,
                 calibration: "Calibration | Mapping[str, Any] | None" = None, outcome: str = "ran", steps: int = 1,
                 calibrated_peak: int | None = None) -> Measurement:
@@ -265,8 +280,6 @@ def measurement(before: Mapping[str, Any], after: Mapping[str, Any], predicted_p
     in_use, reserved = int(after["peak_bytes_in_use"]), int(after["peak_bytes_reserved"])
     exact = (reserved > int(before.get("peak_bytes_reserved", -1))
              and in_use > int(before.get("peak_bytes_in_use", -1)))
-    from dymem_tf.planning.plan import Measurement
-
     out = Measurement(outcome=outcome, peak_bytes=reserved, peak_bytes_reserved=reserved, peak_bytes_in_use=in_use,
                       exact=exact, steps=max(int(steps), 1))
     if predicted_peak is not None:
@@ -287,47 +300,3 @@ def calibrated_headroom(budget_bytes: int, predicted_peak: int, measured_peak: i
     persistent, ratio, fragmentation = _scale(predicted_peak, measured_peak, persistent_bytes, measured_in_use)
     allowed = persistent + ((1.0 - margin) * budget_bytes - fragmentation - persistent) / ratio
     return min(MAX_HEADROOM, max(margin, 1.0 - allowed / max(int(budget_bytes), 1)))
-
-
-def other_optimizers(model) -> list:
-    """Keras optimizers held as attributes of ``model`` besides ``model.optimizer`` (a GAN's generator and
-    discriminator optimizers, made in its ``compile``): their state lives across steps too, but Keras tracks it
-    nowhere on the model, and plans never offload it. Known by what their class has (``apply_gradients``,
-    ``iterations``, ``variables``): planning imports no Keras."""
-    main = getattr(model, "optimizer", None)
-    return [value for value in vars(model).values() if value is not main
-            and all(hasattr(type(value), name) for name in ("apply_gradients", "iterations", "variables"))]
-
-
-def optimizer_variables(model, main: bool = True) -> list:
-    """The variables of ``model``'s optimizers: ``model.optimizer``'s (with ``main``) and :func:`other_optimizers`'."""
-    optimizers = ([getattr(model, "optimizer", None)] if main else []) + other_optimizers(model)
-    return [var for optimizer in optimizers if optimizer is not None for var in getattr(optimizer, "variables", [])]
-
-
-class VariableSnapshot:
-    """Host copies of a model's, its optimizers' and its metrics' variables, to put back after a failed step (the
-    metrics too: the loss a failed step added to the running mean must not count; and the optimizers a custom
-    ``train_step`` keeps as attributes, whose updates a failed step may have made)."""
-
-    def __init__(self, model):
-        variables = list(model.variables) + list(getattr(model, "metrics_variables", [])) + optimizer_variables(model)
-        seen, self._saved = set(), []
-        for var in variables:
-            if id(var) not in seen:
-                seen.add(id(var))
-                self._saved.append((var, np.array(var.numpy(), copy=True)))
-
-    def restore(self, changed_only: bool = False) -> int:
-        """Assign every saved value back (``changed_only``: only those that differ); returns how many variables
-        changed (a failed step may have updated some before it ran out of memory)."""
-        changed = 0
-        for var, value in self._saved:
-            differs = not np.array_equal(var.numpy(), value)
-            changed += differs
-            if differs or not changed_only:
-                var.assign(value)
-        return changed
-
-    def __len__(self) -> int:
-        return len(self._saved)

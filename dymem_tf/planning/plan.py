@@ -1,6 +1,8 @@
 """A swap plan as plain data: which tensors to swap, where each swap-in is triggered, and op mobility.
 
-No TensorFlow here: a plan can be printed, saved, loaded, diffed and tested without running a step.
+No TensorFlow here: a plan can be printed, saved, loaded, diffed and tested without running a step. The first
+step's records it holds (:class:`~dymem_tf.planning.first_step.Calibration`, ``Measurement``) are defined with the
+functions that make them in :mod:`dymem_tf.planning.first_step`, which imports nothing from here.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from typing import Any
 from tabulate import tabulate
 
 from dymem_tf.planning.device_profiles import DeviceProfile
-from dymem_tf.planning.first_step import Calibration
+from dymem_tf.planning.first_step import Calibration, Measurement
 from dymem_tf.units import mib
 
 MOBILITY_GROUPS = ("persistent", "transient", "mobile")
@@ -138,22 +140,6 @@ class PlanParams:
 
 
 @dataclass
-class Measurement:
-    """What the allocator measured in the plan's first step (:func:`dymem_tf.planning.first_step.measurement`)."""
-
-    outcome: str = "ran"  # or "out_of_memory"
-    peak_bytes: int = 0  # the device peak compared with the predicted one: GTBM's peak reserved bytes
-    peak_bytes_reserved: int = 0
-    peak_bytes_in_use: int = 0
-    #: False: an earlier step since the allocator's last peak reset reached more, so the peaks bound this step's
-    exact: bool = True
-    predicted_peak_bytes: int | None = None
-    error: float | None = None  # (measured - predicted) / measured of the peak
-    calibrated_predicted_peak_bytes: int | None = None
-    steps: int = 1  # the train function's call ran this many steps (steps_per_execution)
-
-
-@dataclass
 class Plan:
     """The planner's output; ``predicted`` holds the simulator's numbers for this plan and for no swapping,
     ``params`` the settings it was made with, and ``measured`` (None until the plan's first step has run) what
@@ -247,13 +233,10 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Plan":
-        """The plan of :meth:`to_dict`'s output, or of a file saved by an older version (keys it does not know
-        are left out, missing ones take their defaults)."""
-        d = dict(d)
-        swaps = [SwapDecision(**{**s, "swap_ins": [SwapIn(**si) for si in s["swap_ins"]],
-                                 "route": WeightRoute(**s["route"]) if s.get("route") else None,
-                                 "recompute": RecomputeRoute(**s["recompute"]) if s.get("recompute") else None})
-                 for s in d.pop("swaps", [])]
+        """The plan of :meth:`to_dict`'s output, or of a file saved by another version: keys it does not know are
+        left out at every level (the plan's, each swap's, its swap-ins' and routes', the results'), missing ones
+        take their defaults."""
+        d = _known(cls, d)
         predicted = _known(Prediction, d.pop("predicted", None) or {})
         if predicted.get("calibration"):
             predicted["calibration"] = Calibration(**_known(Calibration, predicted["calibration"]))
@@ -261,7 +244,8 @@ class Plan:
         if params.get("profile"):
             params["profile"] = DeviceProfile(**_known(DeviceProfile, params["profile"]))
         measured = d.pop("measured", None)
-        return cls(swaps=swaps, predicted=Prediction(**predicted), params=PlanParams(**params),
+        return cls(swaps=[_swap(s) for s in d.pop("swaps", None) or []], predicted=Prediction(**predicted),
+                   params=PlanParams(**params),
                    measured=Measurement(**_known(Measurement, measured)) if measured else None, **d)
 
     def to_json(self, indent: int | None = 1) -> str:
@@ -362,6 +346,15 @@ def _ms(s: float) -> str:
 
 
 def _known(cls, d: dict[str, Any]) -> dict[str, Any]:
-    """The entries of ``d`` that are fields of the dataclass ``cls``."""
+    """The entries of ``d`` that are fields of the dataclass ``cls`` (a new dict: ``d`` is not changed)."""
     names = {f.name for f in dataclasses.fields(cls)}
     return {k: v for k, v in d.items() if k in names}
+
+
+def _swap(d: dict[str, Any]) -> SwapDecision:
+    """The :class:`SwapDecision` of its :meth:`Plan.to_dict` entry, keys it does not know left out at every level."""
+    d = _known(SwapDecision, d)
+    d["swap_ins"] = [SwapIn(**_known(SwapIn, si)) for si in d.get("swap_ins") or []]
+    d["route"] = WeightRoute(**_known(WeightRoute, d["route"])) if d.get("route") else None
+    d["recompute"] = RecomputeRoute(**_known(RecomputeRoute, d["recompute"])) if d.get("recompute") else None
+    return SwapDecision(**d)
