@@ -70,8 +70,12 @@ def main(argv=None) -> int:
 
 def _plan(args) -> int:
     """``dymem plan``: trace the model's step once, plan it under each policy, print the plans side by side."""
+    import dataclasses
+
     from dymem_tf import units
     from dymem_tf.keras import dry_run
+    from dymem_tf.keras.config import DymemConfig
+    from dymem_tf.passes import step_pass
     from dymem_tf.planning import planner
 
     if args.batch <= 0 or args.image_size <= 0:
@@ -80,9 +84,9 @@ def _plan(args) -> int:
         return _error("--device is the former name of --profile: give one of them")
     try:
         budget = None if args.budget.strip().lower() == "none" else args.budget
-        options = dry_run.resolve_options(budget, args.profile or args.device,
-                                          False if args.no_offload_state else None,
-                                          False if args.no_offload_weights else None)
+        config = DymemConfig.from_arguments(budget, profile=args.profile or args.device, verbose=0, calibrate=False,
+                                            offload_optimizer_state=False if args.no_offload_state else None,
+                                            offload_weights=False if args.no_offload_weights else None)
         policies = planner.POLICIES if args.policy == "all" else (args.policy,)
         for policy in policies:
             if policy not in planner.POLICIES:
@@ -90,18 +94,26 @@ def _plan(args) -> int:
         model = dry_run.build_model(args.model, args.image_size, args.classes)
     except ValueError as err:
         return _error(str(err))
-    if options.unlimited:
+    budget_bytes, unlimited = dry_run.resolve_budget(config)
+    if unlimited:
         print("the device has no memory limit: DymemCallback() would swap nothing; --budget none shows the "
               "least-memory plans")
         policies = ("none",)
     traced = dry_run.trace_train_step(model, args.batch)
     layers = len(traced.step_graph.layers) if traced.step_graph is not None else "?"
-    budget_text = units.format_bytes(options.budget_bytes) if options.budget_bytes is not None else "none"
+    budget_text = units.format_bytes(budget_bytes) if budget_bytes is not None else "none"
     print(f"{args.model}: batch {args.batch}, {args.image_size}x{args.image_size}, {traced.num_ops} ops in the "
           f"train step, {layers} dependency layers, persistent {units.format_bytes(traced.persistent_bytes)}, "
-          f"budget {budget_text}, profile {options.profile.name}")
-    plans = {policy: dry_run.plan_all(traced, (policy,), options.budget_bytes, options.profile,
-                                      **options.offload(policy))[policy] for policy in policies}
+          f"budget {budget_text}, profile {config.profile.name}")
+    request = step_pass.PlanRequest(budget_bytes=budget_bytes, persistent_bytes=traced.persistent_bytes,
+                                    default_batch_size=traced.batch_size)
+    plans = {}
+    for policy in policies:
+        try:
+            plans[policy] = dry_run.plan_traced(traced, dataclasses.replace(config, policy=policy).plan_settings(),
+                                                request)
+        except ValueError as err:
+            plans[policy] = err
     if "dymem" in plans and not isinstance(plans["dymem"], Exception):
         print(plans["dymem"].summary())
         if args.save:

@@ -10,6 +10,7 @@ level.
 | ``tensorflow.python.eager.context`` | whether TF's runtime (and so its CPU allocator) exists yet |
 | ``tensorflow.python.util._pywrap_util_port.IsMklEnabled`` | whether oneDNN kernels run (they crash on OOM) |
 | ``TFE_ContextListDevices`` / ``TF_DeviceListMemoryBytes`` (TF's C API, through ctypes) | a GPU's memory limit as TF computed it, read from the eager context's own devices |
+| ``TFE_ContextStartStep`` / ``TFE_ContextEndStep`` (TF's C API, through ctypes); the other threads' frames (``sys._current_frames``) | empty the step container a failed call left, while no other thread is inside TF's execution |
 | ``tensorflow.python.eager.context`` function call options | autoclustering off for the rewritten train step only |
 | ``tensorflow.python.framework.kernels`` | which devices the swap ops have kernels for (``selfcheck``); which outputs a GPU kernel keeps in host memory (``HostMemory``) |
 | ``tensorflow.python.framework.op_def_registry`` | an op's output argument names, to map ``HostMemory`` names to output indices; which standard op a oneDNN op replaces |
@@ -26,9 +27,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import logging
 import os
 import sys
+import threading
 import warnings
+
+logger = logging.getLogger("dymem_tf")
 
 #: TensorFlow versions (major.minor) the native libraries and the hooks are built for.
 SUPPORTED_TENSORFLOW = ("2.21",)
@@ -127,32 +132,96 @@ def local_device_memory(device_type: str = "GPU") -> list[tuple[str, int]]:
         lib.TF_DeleteStatus(status)
 
 
-def release_step_resources() -> None:
-    """Empty the eager context's step container after a failed call of a train function.
+def release_step_resources() -> bool:
+    """Empty the eager context's step container after a failed call of a train function; returns whether it did.
+    Never raises: it runs inside the callers' ``except ResourceExhaustedError``, whose error must stay the one the
+    user sees, so a failure (TF's C API not found, say) is a logged warning.
 
     Every ``tf.function`` call of the eager context shares one step container (``__per_step_0``), which TF empties
     only when a step ends (``TFE_ContextEndStep``, which nothing in Keras calls). A call that failed between a
     Grappler ``TemporaryVariable`` (an ``AddN`` of a gradient sum accumulated in place) and its
     ``DestroyTemporaryVariable`` leaves the variable there, and the next call of a graph with that node, a plan of
-    the same step, fails with ``AlreadyExistsError``. Starting and ending a step empties the container (when no
-    other step is open).
+    the same step, fails with ``AlreadyExistsError``. Starting and ending a step empties the container.
+
+    TF counts open *steps* (``EagerContext::num_active_steps_``), not running calls: a call takes a raw pointer to
+    the container when it starts, and ``EndStep`` at a count of 0 destroys that container (and every step resource
+    in it) under a call still running on another thread, which then crashes (SIGSEGV) or fails. So nothing is
+    released while another thread is inside TensorFlow's execution (:func:`_threads_running_tensorflow`); the
+    check and the two C calls run holding the GIL (no new call starts from Python during the C calls; one started
+    in the few bytecodes between the check and them is not seen). Kernels of an asynchronous eager executor
+    (``tf.config.experimental.set_synchronous_execution(False)``) run with no Python frame and are not seen either.
     """
-    lib, ctx = _tf_c_api(), _eager_context_pointer()
-    lib.TFE_ContextStartStep(ctx)
-    lib.TFE_ContextEndStep(ctx)
+    try:
+        start, end = _step_functions()
+        ctx = _eager_context_pointer()
+        running = _threads_running_tensorflow()
+        if running:
+            logger.warning("dymem_tf: the failed step's resources were not released: thread(s) %s are running "
+                           "TensorFlow, and releasing them would destroy the step resources of those calls. A "
+                           "step of the same graph may then fail with AlreadyExistsError; to avoid it, run no "
+                           "TensorFlow work on other threads during a fit with DymemCallback.", ", ".join(running))
+            return False
+        start(ctx)
+        end(ctx)
+        return True
+    except Exception as err:  # pylint: disable=broad-except  (never replace the caller's error)
+        logger.warning("dymem_tf: could not release the failed step's resources (%s: %s); a step of the same graph "
+                       "may fail with AlreadyExistsError.", type(err).__name__, err)
+        return False
+
+
+def _threads_running_tensorflow() -> list[str]:
+    """Names of the other Python threads inside TensorFlow's eager execution: a frame on their stack is TF's
+    ``eager/execute.py`` (every ``tf.function`` call and slow-path op) or a generated op wrapper (``gen_*.py``, the
+    fast path), whose C call runs kernels with the eager context's step container. Their whole stack is searched:
+    a ``py_function`` may run inline on the calling thread, above its ``execute`` frame."""
+    import tensorflow as tf
+
+    root = os.path.dirname(os.path.abspath(tf.__file__)) + os.sep
+    execute = os.path.join(root, "python", "eager", "execute.py")
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    running = []
+    for ident, frame in sys._current_frames().items():  # pylint: disable=protected-access
+        if ident == threading.get_ident():
+            continue
+        while frame is not None:
+            path = frame.f_code.co_filename
+            if path.startswith(root) and (path == execute or os.path.basename(path).startswith("gen_")):
+                running.append(names.get(ident, str(ident)))
+                break
+            frame = frame.f_back
+    del frame
+    return running
+
+
+@functools.lru_cache(maxsize=1)
+def _step_functions():
+    """``TFE_ContextStartStep`` and ``TFE_ContextEndStep`` as ctypes functions that keep the GIL while they run
+    (``PYFUNCTYPE``; the library's own attributes release it), so no call starts from Python meanwhile."""
+    import ctypes
+
+    lib = _tf_c_api()
+    prototype = ctypes.PYFUNCTYPE(None, ctypes.c_void_p)
+    return prototype(("TFE_ContextStartStep", lib)), prototype(("TFE_ContextEndStep", lib))
 
 
 def _eager_context_pointer() -> int:
     """The eager context's ``TFE_Context*`` (initialising the context if it is not yet)."""
-    import ctypes
-
     from tensorflow.python.eager import context
 
     ctx = context.context()
     ctx.ensure_initialized()
-    get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
-    get_pointer.restype, get_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
-    return get_pointer(ctx._context_handle, None)  # pylint: disable=protected-access  (a PyCapsule)
+    return _capsule_pointer()(ctx._context_handle, None)  # pylint: disable=protected-access  (a PyCapsule)
+
+
+@functools.lru_cache(maxsize=1)
+def _capsule_pointer():
+    """``PyCapsule_GetPointer`` through a prototype of its own: setting ``ctypes.pythonapi.PyCapsule_GetPointer``'s
+    ``restype`` and ``argtypes`` would change them for every other user of ``ctypes.pythonapi`` in the process."""
+    import ctypes
+
+    prototype = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)
+    return prototype(("PyCapsule_GetPointer", ctypes.pythonapi))
 
 
 @functools.lru_cache(maxsize=1)
@@ -169,8 +238,7 @@ def _tf_c_api():
             ("TF_Message", ctypes.c_char_p, [vp]), ("TFE_ContextListDevices", vp, [vp, vp]),
             ("TF_DeviceListCount", i, [vp]), ("TF_DeviceListName", ctypes.c_char_p, [vp, i, vp]),
             ("TF_DeviceListType", ctypes.c_char_p, [vp, i, vp]),
-            ("TF_DeviceListMemoryBytes", ctypes.c_int64, [vp, i, vp]), ("TF_DeleteDeviceList", None, [vp]),
-            ("TFE_ContextStartStep", None, [vp]), ("TFE_ContextEndStep", None, [vp])):
+            ("TF_DeviceListMemoryBytes", ctypes.c_int64, [vp, i, vp]), ("TF_DeleteDeviceList", None, [vp])):
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = restype, argtypes
     return lib
@@ -316,6 +384,16 @@ def fit_frame_locals(model) -> dict | None:
     return None
 
 
+def fit_element_spec(loc: dict | None):
+    """The element spec of the dataset the running ``fit`` (its frame locals ``loc``) iterates (the train
+    function's input signature), or None when unknown."""
+    dataset = getattr(loc.get("epoch_iterator") if loc else None, "_distributed_dataset", None)
+    try:
+        return dataset.element_spec if dataset is not None else None
+    except Exception:  # pylint: disable=broad-except  (an exotic dataset: then nothing is reused across fits)
+        return None
+
+
 def running_callback_list(callback, max_depth: int = 8):
     """The Keras ``CallbackList`` whose hook is calling ``callback`` right now, or None.
 
@@ -387,3 +465,37 @@ def warn_user(message: str, category=RuntimeWarning) -> None:
     finally:
         del frame
     warnings.warn(message, category, stacklevel=level)
+
+
+@contextlib.contextmanager
+def new_gradients(keys: list):
+    """Append to ``keys`` the names of the gradient functions registered with TensorFlow inside the block.
+
+    Each trace of a Keras train step registers a ``tf.custom_gradient`` (``tf.distribute``'s ``all_reduce`` of
+    the gradients, in Keras' optimizer) in TensorFlow's process-wide gradient registry, and the entry's closure
+    keeps the traced step's whole ``FuncGraph`` alive for good (tensorflow#97697): about 2 MiB for a small CNN, 50
+    MiB for MobileNetV2, per trace, and the model it closes over. The gradient is asked for only inside the trace
+    (nothing differentiates through the optimizer's update): :func:`drop_gradients` lets them go once it is done.
+    Another thread's trace inside the block would be counted too."""
+    registry = _gradient_registry()
+    before = len(registry)
+    try:
+        yield keys
+    finally:
+        if len(registry) > before:  # entries are only ever added, in order
+            keys.extend(name for name in list(registry)[before:] if name.startswith("CustomGradient-"))
+
+
+def drop_gradients(keys: list) -> None:
+    """Remove the gradient functions named ``keys`` from TensorFlow's registry (their traces are done: the graphs
+    that use them run without them, and a new trace registers its own)."""
+    registry = _gradient_registry()
+    for name in keys:
+        registry.pop(name, None)
+
+
+def _gradient_registry() -> dict:
+    """TensorFlow's registry of gradient functions, by name (``ops.RegisterGradient``, ``tf.custom_gradient``)."""
+    from tensorflow.python.framework import ops
+
+    return ops._gradient_registry._registry  # pylint: disable=protected-access

@@ -10,7 +10,7 @@ import tensorflow as tf
 import keras
 
 import dymem_tf
-from dymem_tf.passes import step_pass
+from dymem_tf.keras import variables
 
 tf.config.experimental.enable_op_determinism()
 
@@ -77,8 +77,9 @@ def test_swapping_gives_bit_identical_training(kind):
     assert loss == base_loss
     for a, b in zip(weights, base_w):
         np.testing.assert_array_equal(a, b)
-    # the train step is restored after fit: a new fit traces the plain step
-    assert model.train_function is None
+    # the model's own train function is back after fit (made by fit, never run under the pass): a new fit runs the
+    # plain step
+    assert model.train_function is not None and not getattr(model.train_function, "_dymem_wrapped", False)
 
 
 def test_the_logs_a_step_returns_are_planned_into_the_persistent_group():
@@ -203,9 +204,9 @@ def test_persistent_bytes_counts_weights_and_slots():
     model.compile(optimizer=keras.optimizers.Adam(), loss="mse")
     weights = sum(int(np.prod(w.shape)) * 4 for w in model.weights)
     slots = sum(int(np.prod(v.shape)) * v.dtype.size for v in map(tf.convert_to_tensor, model.optimizer.variables))
-    assert step_pass.persistent_bytes(model) == weights + slots
+    assert variables.persistent_bytes(model) == weights + slots
     model.optimizer.build(model.trainable_variables)
-    assert step_pass.persistent_bytes(model) > 2 * sum(int(np.prod(w.shape)) * 4 for w in model.trainable_weights)
+    assert variables.persistent_bytes(model) > 2 * sum(int(np.prod(w.shape)) * 4 for w in model.trainable_weights)
 
 
 def test_adam_slots_count_as_persistent_before_the_first_step():

@@ -66,13 +66,15 @@ def run(callbacks, **fit_kwargs):
 
 out = {"devices": [d.name for d in tf.config.list_logical_devices("CPU")]}
 base, base_w = run([])
+from dymem_tf.memory import allocator
 cb = dymem_tf.DymemCallback(memory_budget=None, min_swap_bytes=0, verbose=0)
-loss, weights = run([cb])
+sizes = []  # the GTBM mobility map while the step trains
+watch = keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: sizes.append(allocator.mobility_map_size()))
+loss, weights = run([cb, watch])
 out.update(base=base, dymem=loss, same_weights=all(np.array_equal(a, b) for a, b in zip(base_w, weights)),
            records=describe(cb), skipped=[s.reason for s in cb.skipped])
-# the GTBM mobility map serves both replicas: the union of their plans' entries
-from dymem_tf.memory import allocator
-out["map_size"] = allocator._loaded_library().dymem_gtbm_mobility_map_size()
+# the GTBM mobility map serves both replicas: the union of their plans' entries, while the fit runs
+out["map_size"], out["map_after_fit"] = min(sizes), allocator.mobility_map_size()
 out["plan_map_sizes"] = [len(r.plan.mobility) for r in cb.records]
 out["union_size"] = len({k for r in cb.records for k in r.plan.mobility})
 # a budget per replica: every replica plans its own ops against it
@@ -200,6 +202,7 @@ def test_mirrored_strategy_plans_each_replica_on_its_own_device(procs):
     assert by_replica[1]["model_scope"] == by_replica[0]["model_scope"]
     assert by_replica[0]["swaps"] == by_replica[1]["swaps"]  # the replicas are alike: so are their plans
     assert out["map_size"] == out["union_size"] > max(out["plan_map_sizes"])  # both replicas' mobility installed
+    assert out["map_after_fit"] == 0  # and none left when the fit ends
     # with a budget
     assert out["budget_loss"] == out["base"]
     # the probe (least memory) and the calibrated plan, each for both replicas

@@ -5,6 +5,7 @@ import keras
 
 import dymem_tf
 from dymem_tf.keras import dry_run
+from test_fits_first import _cnn  # the tests folder is on sys.path (pytest's default import mode)
 
 
 def _two_headed() -> keras.Model:
@@ -70,3 +71,23 @@ def test_a_subclassed_model_needs_a_batch_and_bad_arguments_say_what_to_do():
     uncompiled = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
     with pytest.raises(ValueError, match="compile the model first"):
         dymem_tf.dry_run(uncompiled, 4)
+
+
+def _decisions(plan) -> list:
+    return [(s.tensor, s.kind, [(i.trigger_op, tuple(i.consumers)) for i in s.swap_ins]) for s in plan.swaps]
+
+
+@pytest.mark.parametrize("jit_compile", [True, "auto"])
+def test_a_model_compiled_for_xla_is_planned_as_the_callback_plans_it(jit_compile):
+    """The callback plans the step without XLA (an XLA cluster would swallow its gradient ops); so does the dry run,
+    which gives the callback's plan, leaves the model's own train function and XLA setting as they were."""
+    model = _cnn(jit_compile)  # the XLA tests' model
+    own, asked = model.make_train_function() or model.train_function, model.jit_compile
+    planned = dymem_tf.dry_run(model, 8, memory_budget=None, min_swap_bytes=0)
+    assert planned.swaps and model.train_function is own and model.jit_compile == asked
+    cb = dymem_tf.DymemCallback(None, min_swap_bytes=0, verbose=0)
+    rng = np.random.default_rng(0)
+    model.fit(rng.normal(size=(8, 16, 16, 3)).astype("float32"), np.arange(8) % 10, batch_size=8, verbose=0,
+              callbacks=[cb])
+    assert _decisions(cb.plan) == _decisions(planned)
+    assert cb.plan.predicted.peak_bytes == planned.predicted.peak_bytes

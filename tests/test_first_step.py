@@ -19,7 +19,7 @@ import pytest
 import keras
 import tensorflow as tf
 
-from dymem_tf.passes import step_pass
+from dymem_tf.keras import variables
 from dymem_tf.planning import first_step, first_step_control
 from conftest import proc_result  # the tests folder is on sys.path (pytest's default import mode)
 
@@ -114,12 +114,11 @@ def test_the_least_budget_is_the_least_that_leaves_the_step_slack(seed):
 
 
 def test_a_measurement_is_exact_only_when_the_peaks_grew_in_the_step():
-    from dymem_tf.planning.plan import Measurement
-
     before = {"peak_bytes_in_use": 10 * MiB, "peak_bytes_reserved": 12 * MiB}
     grew = first_step.measurement(before, {"peak_bytes_in_use": 30 * MiB, "peak_bytes_reserved": 32 * MiB}, 24 * MiB)
-    assert grew == Measurement(outcome="ran", peak_bytes=32 * MiB, peak_bytes_reserved=32 * MiB,
-                               peak_bytes_in_use=30 * MiB, exact=True, predicted_peak_bytes=24 * MiB, error=0.25)
+    assert grew == first_step.Measurement(outcome="ran", peak_bytes=32 * MiB, peak_bytes_reserved=32 * MiB,
+                                          peak_bytes_in_use=30 * MiB, exact=True, predicted_peak_bytes=24 * MiB,
+                                          error=0.25)
     # an earlier step since the last reset peaked higher: this step's peak is only bounded
     hidden = first_step.measurement(before, dict(before), 8 * MiB)
     assert hidden.exact is False and hidden.peak_bytes == 12 * MiB
@@ -154,7 +153,7 @@ def test_snapshot_restores_weights_optimizer_state_and_metrics():
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
     model.compile(optimizer="adam", loss="mse")
     model.optimizer.build(model.trainable_variables)
-    snap = first_step.VariableSnapshot(model)
+    snap = variables.VariableSnapshot(model)
     saved = model.variables + model.optimizer.variables + model.metrics_variables  # the loss's running mean too
     before = [v.numpy().copy() for v in saved]
     model.fit(np.ones((8, 4), "float32"), np.zeros((8, 3), "float32"), verbose=0)
@@ -179,11 +178,11 @@ def test_optimizers_kept_as_model_attributes_count_and_are_restored():
     model.compile(loss="mse")
     model.g_optimizer = keras.optimizers.Adam(0.1)
     model.g_optimizer.build(model.trainable_variables)
-    assert first_step.other_optimizers(model) == [model.g_optimizer]
-    state = sum(step_pass.variable_bytes(v) for v in model.g_optimizer.variables)
-    weights = sum(step_pass.variable_bytes(v) for v in model.variables)
-    assert state > 0 and step_pass.persistent_bytes(model, optimizer=False) == weights + state  # never offloaded
-    snap = first_step.VariableSnapshot(model)
+    assert variables.other_optimizers(model) == [model.g_optimizer]
+    state = sum(variables.variable_bytes(v) for v in model.g_optimizer.variables)
+    weights = sum(variables.variable_bytes(v) for v in model.variables)
+    assert state > 0 and variables.persistent_bytes(model, optimizer=False) == weights + state  # never offloaded
+    snap = variables.VariableSnapshot(model)
     before = [v.numpy().copy() for v in model.g_optimizer.variables]
     model.g_optimizer.apply([tf.ones_like(v) for v in model.trainable_variables], model.trainable_variables)
     assert snap.restore() >= 3  # the iteration count, m and v changed
@@ -379,17 +378,17 @@ def test_a_budgeted_fit_records_predicted_and_measured_peaks_of_each_plan(tmp_pa
 
 def test_a_calibrated_plan_without_slack_is_calibrated_again_once_then_the_probes_plan_takes_over():
     """The first-step controller's decisions on measured peaks: a step within the slack of the budget (8% of
-    100 MiB) re-plans once from its own measurement (source "calibrated": its fragmentation), a second such step
-    falls back to the probe's plan, a step with room settles."""
+    100 MiB) re-plans once from its own measurement (source: the calibrated plan's step, its fragmentation), a
+    second such step falls back to the probe's plan, a step with room settles."""
     control = first_step_control
     fsc = control.FirstStepControl(100 * MiB)
-    assert fsc.state is control.State.PROBE and fsc.guarded
+    assert fsc.state is control.State.PROBE and fsc.guarded and not fsc.settled
     assert fsc.stepped(30 * MiB, 20 * MiB) == control.Decision(control.Action.CALIBRATE, control.State.CALIBRATED,
-                                                               "probe")
+                                                               control.State.PROBE)
     assert fsc.stepped(95 * MiB, 80 * MiB) == control.Decision(control.Action.CALIBRATE, control.State.REFINED,
-                                                               "calibrated")
+                                                               control.State.CALIBRATED)
     assert fsc.stepped(95 * MiB, 80 * MiB).action is control.Action.FALL_BACK
-    assert fsc.state is control.State.FALLBACK and not fsc.guarded
+    assert fsc.state is control.State.FALLBACK and not fsc.guarded and fsc.settled
     assert fsc.stepped(99 * MiB).action is control.Action.KEEP  # nothing is guarded any more
 
     settles = control.FirstStepControl(100 * MiB)
@@ -403,11 +402,12 @@ def test_a_calibrated_plan_without_slack_is_calibrated_again_once_then_the_probe
     assert no_in_use.stepped(95 * MiB).action is control.Action.FALL_BACK  # nothing to calibrate the refinement on
 
 
-def test_the_first_step_controller_refuses_only_on_the_probes_measurement():
+def test_the_first_step_controller_refuses_only_on_the_probes_measurement_and_a_refusal_is_terminal():
     control = first_step_control
     for report in (lambda c: c.ran_out_of_memory(), lambda c: c.stepped(93 * MiB, 90 * MiB), lambda c: c.refused()):
         fsc = control.FirstStepControl(100 * MiB)
-        assert report(fsc) == control.Decision(control.Action.REFUSE, control.State.PROBE)
+        assert report(fsc) == control.Decision(control.Action.REFUSE, control.State.REFUSED)
+        assert fsc.settled and not fsc.guarded
     for state_after_probe in (1, 2):  # the calibrated plan, then the refined one
         for report in (lambda c: c.ran_out_of_memory(), lambda c: c.refused()):
             fsc = control.FirstStepControl(100 * MiB)
@@ -417,6 +417,30 @@ def test_the_first_step_controller_refuses_only_on_the_probes_measurement():
             assert report(fsc) == control.Decision(control.Action.FALL_BACK, control.State.FALLBACK)
     with pytest.raises(ValueError, match="positive budget"):
         control.FirstStepControl(None)
+
+
+def test_the_auto_attempt_is_a_state_of_the_first_step_controller():
+    """memory_budget="auto": the step as compiled either fits (terminal PLAIN) or is planned for the device, with a
+    guarded probe or unguarded; a decision of another state's report is an error, not a silent move."""
+    control = first_step_control
+    fits = control.FirstStepControl(state=control.State.AUTO)
+    assert fits.guarded and fits.budget_bytes is None
+    assert fits.plain_fits() == control.Decision(control.Action.KEEP, control.State.PLAIN)
+    assert fits.settled and not fits.guarded
+    with pytest.raises(RuntimeError, match="state"):
+        fits.plain_fits()
+    with pytest.raises(RuntimeError, match="cannot be planned anew"):
+        fits.plan_for(100 * MiB, guarded=True)
+    planned = control.FirstStepControl(state=control.State.AUTO)
+    assert planned.plan_for(100 * MiB, guarded=True) == control.Decision(control.Action.PLAN, control.State.PROBE)
+    assert planned.budget_bytes == 100 * MiB and planned.guarded
+    unguarded = control.FirstStepControl(state=control.State.AUTO)
+    assert unguarded.plan_for(100 * MiB, guarded=False).state is control.State.UNGUARDED and unguarded.settled
+    assert unguarded.refused() == control.Decision(control.Action.REFUSE, control.State.REFUSED)
+    with pytest.raises(ValueError, match="positive budget"):
+        control.FirstStepControl(state=control.State.AUTO).plan_for(None, guarded=True)
+    assert control.TERMINAL == {control.State.PLAIN, control.State.SETTLED, control.State.FALLBACK,
+                                control.State.UNGUARDED, control.State.REFUSED}
 
 
 def test_a_calibration_says_which_plan_it_measured_and_the_stage_of_the_plan_it_makes():

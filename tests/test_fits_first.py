@@ -115,19 +115,13 @@ def test_device_is_the_former_name_of_profile(monkeypatch):
         dymem_tf.DymemCallback(profile="a100", device="h100")
 
 
-def test_offloading_asked_for_on_a_gpu_says_once_that_it_does_nothing_there(monkeypatch):
+def test_offloading_asked_for_on_a_gpu_says_that_it_does_nothing_there(monkeypatch):
     monkeypatch.setattr(callback.devices, "training_gpus", lambda: ["GPU:0"])
-    told = []
     cb = dymem_tf.DymemCallback(offload_optimizer_state=True)
-    monkeypatch.setattr(cb, "_warn", told.append)
-    cb._say_options_off_here()
-    cb._say_options_off_here()
-    assert len(told) == 1 and "offload_optimizer_state=True has no effect on GPUs" in told[0]
-    quiet = dymem_tf.DymemCallback()  # the default (None) means "where implemented": nothing to say
-    monkeypatch.setattr(quiet, "_warn", told.append)
-    quiet._say_options_off_here()
-    assert len(told) == 1
-    assert cb._offloading() == (False, False)  # and it is off there
+    told = arguments.options_off_here(cb.config)  # what the callback warns about once, at its first fit
+    assert "offload_optimizer_state=True has no effect on GPUs" in told
+    assert arguments.options_off_here(dymem_tf.DymemCallback().config) is None  # the default (None): nothing to say
+    assert cb.config.offloading(64 << 20) == (False, False)  # and it is off there
 
 
 def test_the_pass_is_armed_with_an_immutable_request_and_holds_no_callback_state():
@@ -135,13 +129,21 @@ def test_the_pass_is_armed_with_an_immutable_request_and_holds_no_callback_state
 
     from dymem_tf.planning import pipeline
 
+    from dymem_tf.keras.config import DymemConfig
+
     cb = dymem_tf.DymemCallback("64MiB", min_swap_bytes=1 << 20)
     assert cb.plan_request.budget_bytes == 64 << 20 and not cb.plan_request.probe
     with pytest.raises(dataclasses.FrozenInstanceError):
-        cb.plan_request.probe = True  # the callback replaces its request whole, per state of the first step
-    # one frozen settings object from the callback's arguments to the planner, shared with the pass
+        cb.plan_request.probe = True  # a session replaces its request whole, per state of the first step
+    # one frozen configuration of the callback's arguments; the planner's settings are made from it, once
+    assert isinstance(cb.config, DymemConfig) and cb.config.memory_budget == "64MiB"
+    assert cb.config.budget_bytes == 64 << 20 and cb.memory_budget == "64MiB"  # as given, and in bytes
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cb.config.min_swap_bytes = 0
+    with pytest.raises(AttributeError):
+        cb.min_swap_bytes = 0  # the callback's knobs read the configuration
     assert isinstance(cb.settings, pipeline.PlanSettings) and cb.pass_.settings is cb.settings
-    assert cb.settings.min_swap_bytes == 1 << 20 and cb.settings.profile is cb.profile
+    assert cb.settings.min_swap_bytes == 1 << 20 and cb.settings.profile is cb.profile is cb.config.profile
     with pytest.raises(dataclasses.FrozenInstanceError):
         cb.settings.min_swap_bytes = 0
     # what changes during a fit lives in the request only: the shared settings keep no budget, and the pass
@@ -238,7 +240,7 @@ PLAIN_STEP_OUT_OF_MEMORY = r"""
 import gc, json, weakref
 import numpy as np, keras
 import dymem_tf
-from dymem_tf.keras import callback as callback_module, fits_first, variables
+from dymem_tf.keras import fits_first, session, variables
 from dymem_tf.memory import allocator, placement
 keras.utils.set_random_seed(0)
 inp = keras.Input((64, 64, 3))
@@ -251,18 +253,18 @@ model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(
 plain, seen = [], {}
 wrap = fits_first.first_call_function
 fits_first.first_call_function = lambda cb, fn, cap, **kw: (plain.append(weakref.ref(fn)), wrap(cb, fn, cap, **kw))[1]
-begin = callback_module.DymemCallback._begin_planning
+begin = session.FitSession._plan
 def planning(self, *args, **kwargs):
     gc.collect()
     seen["plain_alive_while_planning"] = bool(plain) and plain[0]() is not None
     begin(self, *args, **kwargs)
     seen["cap"], seen["device"] = allocator.get_memory_limit(), 96 << 20
-    seen["budget_and_others"] = self.budget_bytes + self._others_bytes
+    seen["budget_and_others"] = self.budget_bytes + self.others_bytes
     stats = allocator.memory_stats()
     seen["persistent_reserved"] = stats["groups"]["persistent"]["reserved"]
     seen["persistent_needed"] = placement.PersistentGroup(0, 0, stats["block_size"]).reserved_with(
         variables.device_resident_bytes(model))
-callback_module.DymemCallback._begin_planning = planning
+session.FitSession._plan = planning
 x = np.random.default_rng(0).normal(size=(64, 64, 64, 3)).astype("float32")
 cb = dymem_tf.DymemCallback(verbose=1)
 hist = model.fit(x, np.arange(64) % 10, batch_size=32, epochs=1, shuffle=False, verbose=0, callbacks=[cb])

@@ -91,7 +91,6 @@ def test_device_memory_stats_read_the_gpus_when_the_step_trains_on_gpus(monkeypa
     is not capped at the budget (faked device list: this machine has no GPU)."""
     import tensorflow as tf
 
-    from dymem_tf.keras import callback
 
     infos = {"GPU:0": {"current": 100, "peak": 700}, "GPU:1": {"current": 300, "peak": 500}}
     resets = []
@@ -102,9 +101,7 @@ def test_device_memory_stats_read_the_gpus_when_the_step_trains_on_gpus(monkeypa
                                               "peak_bytes_reserved": 700}
     devices.reset_device_peaks()
     assert resets == ["GPU:0", "GPU:1"]
-    cb = callback.DymemCallback(memory_budget="1MiB", verbose=0)
-    cb._cap_device_at_budget()
-    assert cb._saved_limit == {}  # the CPU pool keeps its limit
+    assert devices.cap_at(1 << 20) == {}  # what a session caps under a budget: the CPU pool keeps its limit
 
 
 def test_gpus_that_gtbm_serves_are_measured_and_capped_through_its_pools(monkeypatch):
@@ -114,7 +111,6 @@ def test_gpus_that_gtbm_serves_are_measured_and_capped_through_its_pools(monkeyp
     tested through the region allocator on the CPU (test_region_allocator_*)."""
     import tensorflow as tf
 
-    from dymem_tf.keras import callback
     from dymem_tf.memory import allocator
 
     pools = {"GPU:0": {"bytes_in_use": 10, "peak_bytes_in_use": 60, "peak_bytes_reserved": 64},
@@ -134,19 +130,16 @@ def test_gpus_that_gtbm_serves_are_measured_and_capped_through_its_pools(monkeyp
     assert devices.trace_device() is False  # two GPUs: one plan per replica, no single pool to trace
     devices.reset_device_peaks()
     assert ("gtbm", "GPU:0") in resets and ("gtbm", "GPU:1") in resets
-    cb = callback.DymemCallback(memory_budget="256MiB", verbose=0)
-    cb._others_bytes = 0
-    cb._cap_device_at_budget()
+    saved = devices.cap_at(256 << 20)  # what a session does under a budget of 256 MiB
     assert limits == {"GPU:0": 256 << 20, "GPU:1": 256 << 20}
-    cb._restore_device_limit()
+    devices.restore_limits(saved)  # and at the end of the fit
     assert limits == {"GPU:0": 1 << 30, "GPU:1": 1 << 30}
     monkeypatch.setattr(devices, "training_gpus", lambda: ["GPU:0"])
     assert devices.trace_device() == "GPU:0"  # the probe and the dashboard trace that GPU's pool
     monkeypatch.setattr(devices, "training_gpus", lambda: list(pools))
     served.discard("GPU:1")  # one GPU on TF's allocator: GTBM's pools no longer describe the device set
     assert devices.device_memory_stats() == {"bytes_in_use": 1, "peak_bytes_in_use": 2, "peak_bytes_reserved": 2}
-    cb._cap_device_at_budget()
-    assert cb._saved_limit == {} and limits["GPU:0"] == 1 << 30
+    assert devices.cap_at(256 << 20) == {} and limits["GPU:0"] == 1 << 30
 
 
 def test_device_memory_stats_are_gtbms_on_the_cpu():

@@ -6,7 +6,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from dymem_tf.memory import placement
+from dymem_tf.memory import devices, placement
 from dymem_tf.memory.replay import replay_buffers
 from dymem_tf.planning import first_step
 from dymem_tf.planning.analysis import StepGraph
@@ -127,17 +127,13 @@ def test_placement_is_quick_on_a_large_step():
     assert placed.resident_bytes == int(rows[rows[:, 3] == 0, 2].sum())
 
 
-def test_the_callbacks_persistent_group_leaves_out_what_other_models_hold():
-    """Other models' bytes (held when fit began) are in GTBM's persistent group: the callback's own statistics and
-    the group the calibration places from both leave them out."""
-    import dymem_tf
-
-    cb = dymem_tf.DymemCallback(memory_budget=None)
-    cb._others_bytes = 10 * MiB
+def test_the_sessions_persistent_group_leaves_out_what_other_models_hold():
+    """Other models' bytes (held when fit began) are in GTBM's persistent group: a fit's own statistics
+    (``FitSession.own``) and the group the calibration places from both leave them out."""
     stats = {"bytes_in_use": 30 * MiB, "peak_bytes_reserved": 50 * MiB, "block_size": 2 * MiB,
              "groups": {"persistent": {"in_use": 12 * MiB, "reserved": 16 * MiB, "peak_reserved": 18 * MiB},
                         "transient": {"in_use": 4 * MiB, "reserved": 6 * MiB}}}
-    own = cb._own(stats)
+    own = devices.less_others(stats, 10 * MiB)
     assert own["bytes_in_use"] == 20 * MiB and own["peak_bytes_reserved"] == 40 * MiB
     assert own["groups"]["persistent"] == {"in_use": 2 * MiB, "reserved": 6 * MiB, "peak_reserved": 8 * MiB}
     assert own["groups"]["transient"] == stats["groups"]["transient"]

@@ -9,9 +9,12 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from dymem_tf.keras import arguments
-from dymem_tf.passes import graph_def_view, graph_pass, step_pass
-from dymem_tf.planning import device_profiles, pipeline, planner
+from dymem_tf import compat
+from dymem_tf.keras import variables, xla
+from dymem_tf.keras.config import DymemConfig
+from dymem_tf.memory import devices
+from dymem_tf.passes import graph_pass, step_pass
+from dymem_tf.planning import pipeline
 
 
 @dataclasses.dataclass
@@ -24,6 +27,10 @@ class TracedStep:
     num_ops: int
     #: why the callback would leave this step unmodified (:func:`dymem_tf.passes.step_pass.unsupported_construct`), or None
     unsupported: str | None = None
+    ops: list = dataclasses.field(default_factory=list)  # the step's ops, as the pass was offered them
+    function_name: str = ""
+    #: oneDNN's layout pass rewrites the graph after the pass (``PlanSettings.onednn_later``), as in the callback
+    onednn_later: bool = False
 
 
 class StepLeftUnmodifiedError(ValueError):
@@ -118,18 +125,22 @@ def trace_train_step(model: keras.Model, batch_size: int, x=None, y=None) -> Tra
         graph = call.graph()
         _, ops = step_pass.replica_ops(graph)[0]
         captured["graph"], captured["problem"] = step_pass.capture(ops, batch_size)  # as the callback does
-        captured["num_ops"] = len(ops)
+        captured.update(num_ops=len(ops), ops=ops, function_name=call.function_name,
+                        onednn_later=call.stage != "after_partitioning" and bool(compat.onednn_enabled()))
         call.fail("dry run: the step's graph was captured and is not run")
 
-    history = getattr(model, "history", None)
+    history, train_function, gradients = getattr(model, "history", None), model.train_function, []
     try:
-        with graph_pass.armed(capture):
+        # the step the callback plans runs without XLA (dymem_tf.keras.xla), which would swallow its gradient ops
+        xla.make_train_function_without_xla(model)  # fit takes the train function made here
+        with graph_pass.armed(capture), compat.new_gradients(gradients):
             model.fit(x, y, batch_size=batch_size, epochs=1, steps_per_epoch=1, verbose=0, shuffle=False)
     except tf.errors.CancelledError:
         if "graph" not in captured:
             raise
     finally:
-        model.train_function = None  # the next fit instantiates the step afresh
+        model.train_function = train_function  # the model's own, as it was (the dry run's is let go)
+        compat.drop_gradients(gradients)  # what its trace registered for good with TensorFlow
         if history is not None:
             model.history = history
     if "graph" not in captured:
@@ -137,58 +148,49 @@ def trace_train_step(model: keras.Model, batch_size: int, x=None, y=None) -> Tra
         captured["problem"] = step_pass.Unsupported(step_pass.SkipKind.NO_GRADIENTS, "", step_pass.NO_GRADIENTS)
     problem = captured["problem"]
     unsupported = f"{problem.kind}: {problem.detail}" if problem else None
-    return TracedStep(captured["graph"], step_pass.persistent_bytes(model), batch_size, captured["num_ops"],
-                      unsupported)
+    return TracedStep(captured["graph"], variables.persistent_bytes(model), batch_size, captured["num_ops"],
+                      unsupported, captured.get("ops", []), captured.get("function_name", ""),
+                      captured.get("onednn_later", False))
 
 
-def plan_all(traced: TracedStep, policies, budget_bytes, device, headroom: float = planner.DEFAULT_HEADROOM,
-             **kwargs) -> dict:
-    """A plan (or the error that stopped it) per policy for one traced step; a step the callback would not rewrite
+def plan_all(traced: TracedStep, policies, budget_bytes, device, headroom: float | None = None, **kwargs) -> dict:
+    """A plan (or the error that stopped it) per policy for one traced step, each made as the callback's pass makes
+    it (:meth:`~dymem_tf.passes.step_pass.StepPass.plan_captured`); a step the callback would not rewrite
     (``traced.unsupported``) gets :class:`StepLeftUnmodifiedError` for every swapping policy.
 
-    ``headroom`` is the share of the budget kept free: the callback's default when it has measured nothing (it
-    calibrates its own on the first step under a budget, which a dry run cannot); 0 compares policies at exactly
-    the same modelled budget."""
+    ``headroom`` is the share of the budget kept free (None: the callback's default when it has measured nothing;
+    it calibrates its own on the first step under a budget, which a dry run cannot); 0 compares policies at
+    exactly the same modelled budget. ``kwargs`` are :class:`~dymem_tf.planning.pipeline.PlanSettings` fields."""
     results = {}
     for policy in policies:
-        if traced.unsupported and (policy != "none" or traced.step_graph is None):
-            results[policy] = StepLeftUnmodifiedError(f"the callback would leave this step unmodified "
-                                                      f"({traced.unsupported})")
-            continue
-        settings = pipeline.PlanSettings(policy=policy, budget_bytes=budget_bytes, headroom=headroom,
-                                         persistent_bytes=traced.persistent_bytes, profile=device,
-                                         batch_size=traced.batch_size, **kwargs)
-        try:  # the same pipeline as the callback's pass; "none" leaves the step as Keras built it (no deferral)
-            results[policy] = pipeline.plan_step(traced.step_graph, settings, copy=True).plan
+        settings = pipeline.PlanSettings(policy=policy, profile=device, **kwargs)
+        request = step_pass.PlanRequest(budget_bytes=budget_bytes, headroom=headroom,
+                                        persistent_bytes=traced.persistent_bytes, default_batch_size=traced.batch_size)
+        try:
+            results[policy] = plan_traced(traced, settings, request)
         except ValueError as err:
             results[policy] = err
     return results
 
 
-@dataclasses.dataclass(frozen=True)
-class Options:
-    """What a dry run plans for, resolved as ``DymemCallback`` resolves its arguments on this machine."""
-
-    budget_bytes: int | None  # None: no budget (or a device without a limit, see ``unlimited``)
-    profile: device_profiles.DeviceProfile
-    offload_optimizer_state: bool | None  # as given to DymemCallback (None: where implemented)
-    offload_weights: bool | None
-    unlimited: bool  # memory_budget="auto" on a device without a memory limit: nothing needs swapping
-
-    def offload(self, policy: str) -> dict:
-        """The planner's offloading switches for ``policy``, as the callback decides them
-        (:func:`dymem_tf.keras.arguments.offloading`)."""
-        state, weights = arguments.offloading(self.budget_bytes, policy, self.offload_optimizer_state,
-                                              self.offload_weights)
-        return {"offload_variables": state, "offload_weights": weights}
+def plan_traced(traced: TracedStep, settings: pipeline.PlanSettings, request: step_pass.PlanRequest):
+    """The plan the callback's pass makes for ``traced`` with ``settings`` for ``request``; raises
+    :class:`StepLeftUnmodifiedError` for a step it would leave unmodified (``"none"`` plans it as Keras built it)
+    and :class:`~dymem_tf.planning.planner.BudgetTooSmallError` when no plan fits."""
+    if traced.unsupported and (settings.policy != "none" or traced.step_graph is None):
+        raise StepLeftUnmodifiedError(f"the callback would leave this step unmodified ({traced.unsupported})")
+    pass_ = step_pass.StepPass(settings, verbose=0)
+    where = (None, traced.batch_size, None)
+    return pass_.plan_captured(traced.step_graph, traced.ops, where, traced.onednn_later, request, copy=True).plan
 
 
-def resolve_options(memory_budget, profile, offload_optimizer_state=None, offload_weights=None) -> Options:
-    """``memory_budget`` in bytes (``"auto"``: this machine's device) and the cost profile (None: this machine's),
-    as the callback would resolve them here."""
-    budget = arguments.resolve_budget(memory_budget)
-    return Options(budget, device_profiles.get_profile(profile or arguments.default_device_profile()),
-                   offload_optimizer_state, offload_weights, arguments.is_auto(memory_budget) and budget is None)
+def resolve_budget(config: DymemConfig) -> tuple[int | None, bool]:
+    """The budget a dry run of ``config`` plans for, as the callback would on this machine (``"auto"``: this
+    machine's device), and whether the device has no limit (``"auto"`` then swaps nothing)."""
+    if not config.auto:
+        return config.budget_bytes, False
+    capacity = devices.device_memory_capacity()
+    return capacity, capacity is None
 
 
 def dry_run(model: keras.Model, batch_size: int, memory_budget="auto", *, profile=None, policy: str = "dymem",
@@ -197,28 +199,27 @@ def dry_run(model: keras.Model, batch_size: int, memory_budget="auto", *, profil
     """The :class:`~dymem_tf.planning.plan.Plan` ``DymemCallback`` would make for ``model``'s train step at
     ``batch_size``, without training: nothing runs and no variable changes (``plan.summary()`` prints it).
 
-    ``model`` is compiled (optimizer and loss); its batch is ``x`` and ``y`` when given, else zeros shaped like its
-    inputs and outputs (any structure: dicts of inputs too). The arguments mean what they mean for
-    ``DymemCallback``: ``memory_budget="auto"`` plans for this machine's device (a step that fits it swaps
-    nothing). What a dry run cannot do is measure: budgets are planned with the fixed headroom, as
-    ``DymemCallback(calibrate=False)`` does. Raises :class:`~dymem_tf.planning.planner.BudgetTooSmallError` when no
-    plan fits the budget, and :class:`StepLeftUnmodifiedError` for a step the callback would leave as it is.
+    ``model`` is compiled (optimizer and loss; with any ``jit_compile``: the callback plans the step without XLA);
+    its batch is ``x`` and ``y`` when given, else zeros shaped like its inputs and outputs (any structure: dicts
+    of inputs too). The arguments mean what they mean for ``DymemCallback`` (one :class:`DymemConfig` is made of
+    them): ``memory_budget="auto"`` plans for this machine's device (a step that fits it swaps nothing). What a
+    dry run cannot do is measure: budgets are planned with the fixed headroom, as ``DymemCallback(calibrate=False)``
+    does. Raises :class:`~dymem_tf.planning.planner.BudgetTooSmallError` when no plan fits the budget, and
+    :class:`StepLeftUnmodifiedError` for a step the callback would leave as it is.
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
     if getattr(model, "optimizer", None) is None or not getattr(model, "compiled", True):
         raise ValueError("compile the model first (model.compile(optimizer=..., loss=...)): the train step "
                          "includes the optimizer's update")
-    min_swap_bytes, _, _ = arguments.validate(
-        policy=policy, swapin_ahead=1, min_swap_bytes=min_swap_bytes, log_dir=None, defer_updates=True,
-        trace_allocations=False, offload_optimizer_state=offload_optimizer_state, offload_weights=offload_weights,
-        calibrate=False, xla=None, execution_order=execution_order, verbose=0, device=profile)
-    options = resolve_options(memory_budget, profile, offload_optimizer_state, offload_weights)
-    if options.unlimited:
-        policy = "none"  # a device without a limit: every step fits, nothing is swapped
+    config = DymemConfig.from_arguments(memory_budget, profile=profile, policy=policy, verbose=0, calibrate=False,
+                                        offload_optimizer_state=offload_optimizer_state,
+                                        offload_weights=offload_weights, min_swap_bytes=min_swap_bytes,
+                                        execution_order=execution_order)
+    budget, unlimited = resolve_budget(config)
+    if unlimited:  # a device without a limit: every step fits, nothing is swapped
+        config = dataclasses.replace(config, policy="none")
     traced = trace_train_step(model, batch_size, x, y)
-    result = plan_all(traced, (policy,), options.budget_bytes, options.profile, min_swap_bytes=min_swap_bytes,
-                      execution_order=execution_order, **options.offload(policy))[policy]
-    if isinstance(result, Exception):
-        raise result
-    return result
+    request = step_pass.PlanRequest(budget_bytes=budget, persistent_bytes=traced.persistent_bytes,
+                                    default_batch_size=batch_size)
+    return plan_traced(traced, config.plan_settings(), request)

@@ -1,6 +1,7 @@
 """What ``DymemCallback`` tells the user when memory runs out or a budget cannot be met: the refusals of the first
 step under a budget, the hint added to an out-of-memory error, and the warning about oneDNN's crash. Each takes the
-callback (``cb``) for the budget, the plan and the pass it reports on."""
+first-step session (``session``, :class:`~dymem_tf.keras.session.FitSession`) for the budget and the plan of the
+call it reports on."""
 from __future__ import annotations
 
 import os
@@ -37,53 +38,56 @@ def below_block_floor(budget: int, floor: int, resident: int, block: int) -> pla
         "short-lived and swapped tensors; raise the budget to at least that.", budget_bytes=budget)
 
 
-def too_close(cb, measured: int) -> planner.BudgetTooSmallError:
-    """The refusal after the least-memory plan fitted with less than its step slack of the budget to spare."""
-    batch = cb.plan.batch_size if cb.plan is not None else None
-    slack = first_step.step_slack(cb.budget_bytes)
-    suggested = planner.suggested_batch(batch, cb.budget_bytes, measured, cb.plan_request.persistent_bytes,
+def too_close(session, measured: int) -> planner.BudgetTooSmallError:
+    """The refusal after the least-memory plan fitted with less than its step slack of the budget to spare (the
+    plan of the session's latest call: the probe's)."""
+    plan = session.last_result.plan
+    batch = plan.batch_size if plan is not None else None
+    slack = first_step.step_slack(session.budget_bytes)
+    suggested = planner.suggested_batch(batch, session.budget_bytes, measured, session.request.persistent_bytes,
                                         margin=2 * slack)
     hint = batch_hint(batch, suggested)
     needed = first_step.least_budget(measured)
     return planner.BudgetTooSmallError(
-        f"memory_budget {fmt(cb.budget_bytes)} is too small to train reliably: with every tensor that can leave "
+        f"memory_budget {fmt(session.budget_bytes)} is too small to train reliably: with every tensor that can leave "
         f"the device swapped out, the first step used {fmt(measured)}, and later steps can use "
         f"{slack:.0%} more. The variables were restored. Raise the budget to at least "
-        f"{units.at_least(needed, cb.budget_bytes)} or {hint}.",
-        min_peak_bytes=measured, budget_bytes=cb.budget_bytes, suggested_batch=suggested)
+        f"{units.at_least(needed, session.budget_bytes)} or {hint}.",
+        min_peak_bytes=measured, budget_bytes=session.budget_bytes, suggested_batch=suggested)
 
 
-def measured_too_small(cb, err) -> planner.BudgetTooSmallError:
-    """The refusal after the least-memory plan ran out of memory in its first step (variables restored)."""
-    plan = cb.plan
+def measured_too_small(session, err) -> planner.BudgetTooSmallError:
+    """The refusal after the least-memory plan ran out of memory in its first step (variables restored): the plan
+    of the session's latest call, the probe's (None when the pass left that call's step unmodified)."""
+    plan = session.last_result.plan
     predicted = int(plan.predicted.peak_bytes or 0) if plan is not None else 0
-    persistent = cb.plan_request.persistent_bytes
+    persistent = session.request.persistent_bytes
     batch = plan.batch_size if plan is not None else None
     # the simulator underestimated this plan by an unknown amount: scale from the prediction with a margin,
     # and by at least one sample
-    suggested = planner.suggested_batch(batch, cb.budget_bytes, max(predicted, cb.budget_bytes + 1),
+    suggested = planner.suggested_batch(batch, session.budget_bytes, max(predicted, session.budget_bytes + 1),
                                         persistent, margin=first_step.CALIBRATION_MARGIN)
     if suggested is not None:
         suggested = max(min(suggested, batch - 1), 0)
     hint = batch_hint(batch, suggested)
     if plan is None:  # the pass left the step unmodified: nothing could be swapped
-        reasons = "; ".join(sorted({s.kind for s in cb.pass_.skipped})) or "no plan"
+        reasons = "; ".join(sorted({s.kind for s in session.skipped})) or "no plan"
         return planner.BudgetTooSmallError(
-            f"memory_budget {fmt(cb.budget_bytes)} is too small: the first step ran out of memory, and Dymem "
+            f"memory_budget {fmt(session.budget_bytes)} is too small: the first step ran out of memory, and Dymem "
             f"left it unmodified ({reasons}), so no swapping could help. No variable was changed. Raise the "
-            "budget or reduce the batch size.", budget_bytes=cb.budget_bytes)
+            "budget or reduce the batch size.", budget_bytes=session.budget_bytes)
     error = planner.BudgetTooSmallError(
-        f"memory_budget {fmt(cb.budget_bytes)} is too small: the first step ran out of memory even with every "
+        f"memory_budget {fmt(session.budget_bytes)} is too small: the first step ran out of memory even with every "
         f"tensor that can leave the device swapped out (predicted peak {fmt(predicted)}, of which "
         f"{fmt(plan.persistent_bytes)} weights and optimizer state that stay on the device; "
         f"{err.message.splitlines()[0] if err.message else ''}). No variable was changed. Raise the budget or "
         f"{hint}.",
-        min_peak_bytes=predicted or None, budget_bytes=cb.budget_bytes, suggested_batch=suggested)
+        min_peak_bytes=predicted or None, budget_bytes=session.budget_bytes, suggested_batch=suggested)
     return error
 
 
-def out_of_memory_hint(cb) -> str:
-    """What the out-of-memory error of a train step under this callback adds: the budget, and what to change."""
+def out_of_memory_hint(session) -> str:
+    """What the out-of-memory error of a train step in ``session``'s fit adds: the budget, and what to change."""
     limits = []
     gpus = devices.training_gpus()
     if gpus:  # GTBM's CPU pool (DYMEM_DEVICE_MEMORY_LIMIT) is not the step's memory there
@@ -99,30 +103,30 @@ def out_of_memory_hint(cb) -> str:
         device_limit = allocator.get_memory_limit() if allocator.is_active() else None
         raise_budget = (f"raise the budget ({allocator.LIMIT_ENV} before starting Python, or "
                         "dymem_tf.set_memory_limit)" if device_limit is not None else "use a device with more memory")
-    if cb.budget_bytes is not None:
-        limits.append(f"memory_budget={fmt(cb.budget_bytes)}")
+    if session.budget_bytes is not None:
+        limits.append(f"memory_budget={fmt(session.budget_bytes)}")
     where = "; ".join(limits) if limits else "the device's memory"
-    skipped = cb.last_skipped
+    skipped = session.last_skipped
     if skipped is not None:  # no plan runs in this step: swapping (or a plan's budget) cannot change anything
         why = skipped.reason.split(": ", 1)[-1].rstrip(".")
         return (f"dymem_tf: the train step ran out of device memory under the {where}. Dymem left this step "
                 f"unmodified ({skipped.kind}: {why}), so no tensor is swapped and swapping cannot help it. To "
                 f"fit: lower the batch size; or {raise_budget}.")
-    plan = cb.plan
+    plan = session.plan
     predicted = ""
     if plan is not None and plan.predicted.peak_bytes:
         predicted = f" The plan predicted a peak of {fmt(int(plan.predicted.peak_bytes))}."
     fixes = ["lower the batch size", raise_budget]
-    if cb.budget_bytes is not None and device_limit is not None and cb.budget_bytes > device_limit:
+    if session.budget_bytes is not None and device_limit is not None and session.budget_bytes > device_limit:
         fixes.append(f"plan for the device's real size: memory_budget=\"{fmt(device_limit)}\" (memory_budget "
-                     f"{fmt(cb.budget_bytes)} exceeds the device budget)")
-    elif cb.policy != "dymem" or cb.budget_bytes is None:
-        budget = fmt(cb.budget_bytes or device_limit) if (cb.budget_bytes or device_limit) \
+                     f"{fmt(session.budget_bytes)} exceeds the device budget)")
+    elif session.config.policy != "dymem" or session.budget_bytes is None:
+        budget = fmt(session.budget_bytes or device_limit) if (session.budget_bytes or device_limit) \
             else "<device memory>"
         fixes.append(f'let the planner swap enough feature maps to fit: DymemCallback(policy="dymem", '
                      f'memory_budget="{budget}")')
     else:
-        fixes.append(f"lower memory_budget below {fmt(cb.budget_bytes)} to leave room for what the planner "
+        fixes.append(f"lower memory_budget below {fmt(session.budget_bytes)} to leave room for what the planner "
                      "does not model (workspace, fragmentation), or min_swap_bytes=0 to swap small tensors too")
     return (f"dymem_tf: the train step ran out of device memory under the {where}.{predicted} To fit: "
             + "; or ".join(fixes) + ".")
@@ -147,11 +151,6 @@ def warn_onednn_out_of_memory_crash() -> None:
             f"dymem_tf: {allocator.LIMIT_ENV} caps the device pool while TensorFlow's oneDNN kernels are on; in "
             "TensorFlow 2.21 a oneDNN kernel that runs out of the budget crashes the process (SIGSEGV) instead of "
             "raising ResourceExhaustedError. Set TF_ENABLE_ONEDNN_OPTS=0 before starting Python to get the error.")
-
-
-def _batch_hint(batch: int | None, suggested: int | None) -> str:
-    return f"reduce the batch size from {batch} to about {suggested}" if suggested is not None else \
-        "reduce the batch size"
 
 
 def batch_hint(batch: int | None, suggested: int | None) -> str:

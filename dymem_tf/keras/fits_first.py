@@ -15,45 +15,48 @@ import tensorflow as tf
 from dymem_tf import compat
 from dymem_tf.keras import errors, variables
 from dymem_tf.memory import allocator, devices
-from dymem_tf.passes import step_pass
 from dymem_tf.planning import first_step
 
 
-def begin(callback) -> None:
-    """Set up a ``fit`` of ``callback`` (``memory_budget="auto"``): the step trains as the user compiled it (XLA
-    included, no pass, nothing swapped) while it fits the device, its first call guarded
-    (:func:`first_call_function`). A device without a limit, or ``policy="none"``, needs not even that; a
-    callback whose step did not fit in an earlier ``fit``, and a model whose weights and optimizer state do not
-    fit the device, plan the step for the device at once."""
-    model = callback.model
+def begin(session) -> None:
+    """Set up a ``fit`` for ``session`` (a :class:`~dymem_tf.keras.session.FitSession` with
+    ``memory_budget="auto"``): the step trains as the user compiled it (XLA included, no pass, nothing swapped)
+    while it fits the device, its first call guarded (:func:`first_call_function`). A device without a limit, or
+    ``policy="none"``, needs not even that; a step that did not fit in an earlier ``fit`` of the same callback, and
+    a model whose weights and optimizer state do not fit the device, plan the step for the device at once."""
+    model = session.model
     stats = devices.device_memory_stats()
-    held = step_pass.persistent_bytes(model)  # the variables there are before the optimizer builds its state
-    callback._others_bytes = devices.others_bytes(stats, held)
+    held = variables.persistent_bytes(model)  # the variables there are before the optimizer builds its state
+    session.others_bytes = devices.others_bytes(stats, held)
     capacity = devices.device_memory_capacity()
-    if capacity is None or callback.policy == "none":
-        callback._say("dymem_tf: the train step runs as compiled: "
-                      + ("the device has no memory limit." if capacity is None else 'policy="none".'))
+    if capacity is None or session.config.policy == "none":
+        session.control.plain_fits()
+        session.say("dymem_tf: the train step runs as compiled: "
+                    + ("the device has no memory limit." if capacity is None else 'policy="none".'))
         return
-    capacity = max(capacity - callback._others_bytes, 1)  # other models of the process keep their memory
-    if getattr(callback, "_device_too_small", False):
-        callback._plan_for_device()
+    capacity = max(capacity - session.others_bytes, 1)  # other models of the process keep their memory
+    if session.plain_known_to_fit:  # the same train function fitted in the callback's last fit, at this batch size
+        session.control.plain_fits()
+        return
+    if session.device_too_small:
+        session.plan_for_device()
         return
     state = variables.optimizer_state_bytes(model)
     if state is not None and held + state > capacity:
-        callback._say(f"dymem_tf: the model's weights and optimizer state ({errors.fmt(state)} of it) do not fit "
-                      f"the device's {errors.fmt(capacity)}; the step is planned for the device.")
-        callback._plan_for_device()
+        session.say(f"dymem_tf: the model's weights and optimizer state ({errors.fmt(state)} of it) do not fit "
+                    f"the device's {errors.fmt(capacity)}; the step is planned for the device.")
+        session.plan_for_device()
         return
     if variables.pageblock_floor(stats, held + (state or 0)) > capacity:
-        callback._say(f"dymem_tf: the model's weights and optimizer state need more of GTBM's pageblocks than the "
-                      f"device's {errors.fmt(capacity)} hold; the step is planned for the device.")
-        callback._plan_for_device()  # refused there if even the variables that must stay do not fit
+        session.say(f"dymem_tf: the model's weights and optimizer state need more of GTBM's pageblocks than the "
+                    f"device's {errors.fmt(capacity)} hold; the step is planned for the device.")
+        session.plan_for_device()  # refused there if even the variables that must stay do not fit
         return
     errors.warn_onednn_out_of_memory_crash()
     placed = _build_optimizer(model)
     if placed is None:
-        raise errors.state_does_not_fit(capacity, step_pass.persistent_bytes(model))
-    model.train_function = first_call_function(callback, model.train_function, capacity, place_state=not placed)
+        raise errors.state_does_not_fit(capacity, variables.persistent_bytes(model))
+    model.train_function = first_call_function(session, model.train_function, capacity, place_state=not placed)
 
 
 def _build_optimizer(model) -> bool | None:
@@ -81,7 +84,7 @@ def _place_state(model, capacity: int) -> None:
     try:
         variables.compact_weights(model)
     except tf.errors.ResourceExhaustedError:
-        raise errors.state_does_not_fit(capacity, step_pass.persistent_bytes(model)) from None
+        raise errors.state_does_not_fit(capacity, variables.persistent_bytes(model)) from None
 
 
 def one_batch(iterator, steps_per_execution):
@@ -119,62 +122,67 @@ def _instantiate(train_function, batch) -> None:
         pass
 
 
-def _run_or_none_if_out_of_memory(train_function, iterator):
+def _run_or_none_if_out_of_memory(train_function, iterator, gradient_keys: list):
     """``train_function(iterator)``, or None when it runs out of memory: the error and its traceback are gone when
     this returns, and with them the frames that kept the function and the failed call's state (a Grappler
-    ``TemporaryVariable`` of a gradient sum, for one) on the device (docs/benchmarks.md, "Largest batch")."""
+    ``TemporaryVariable`` of a gradient sum, for one) on the device (docs/benchmarks.md, "Largest batch"). The
+    gradient functions its trace registers with TensorFlow are added to ``gradient_keys``."""
     try:
-        return train_function(iterator)
+        with compat.new_gradients(gradient_keys):
+            return train_function(iterator)
     except tf.errors.ResourceExhaustedError:
         compat.release_step_resources()  # what the failed step left for the next call (a gradient sum's variable)
         return None
 
 
-def first_call_function(callback, train_function, capacity: int, place_state: bool = False):
+def first_call_function(session, train_function, capacity: int, place_state: bool = False):
     """``train_function`` whose first call runs guarded on the first batch and decides: a step that fits
     ``capacity`` with its slack to spare keeps ``train_function`` as the model's train function; one that runs
     out of memory (its variables put back) or comes within the slack is planned for the device by
-    ``callback._plan_for_device``, and a step that ran out of memory is run again on the same batch.
+    ``session.plan_for_device``, and a step that ran out of memory is run again on the same batch.
     ``place_state``: the optimizer's state is in the host arena and moves onto the device first (:func:`_place_state`)."""
 
     plain = [train_function]  # let go when the step is planned for the device: nothing needs it any more
 
     def first_call(iterator):
-        model = callback.model
+        model = session.model
         batch = one_batch(iterator, getattr(model, "steps_per_execution", 1))
-        snapshot = first_step.VariableSnapshot(model)
+        snapshot = variables.VariableSnapshot(model)
         if place_state:
             if batch is not None:  # what the instantiation keeps for good goes below the state, not above it
-                _instantiate(plain[0], batch)
+                with compat.new_gradients(session.gradient_keys):
+                    _instantiate(plain[0], batch)
                 snapshot.restore(changed_only=True)  # ops that read no batch may have run (a seed's update)
             _place_state(model, capacity)
         devices.reset_device_peaks()
-        outputs = _run_or_none_if_out_of_memory(plain[0], batch() if batch else iterator)
+        outputs = _run_or_none_if_out_of_memory(plain[0], batch() if batch else iterator, session.gradient_keys)
         if outputs is None:
             snapshot.restore()
             lost = "" if batch else " (the batches of that call were not trained)"
-            callback._say(f"dymem_tf: the train step ran out of the device's {errors.fmt(capacity)} in its first "
-                          f"step; the variables were put back{lost} and the step is planned for the device, "
-                          "swapping what does not fit.")
+            session.say(f"dymem_tf: the train step ran out of the device's {errors.fmt(capacity)} in its first "
+                        f"step; the variables were put back{lost} and the step is planned for the device, "
+                        "swapping what does not fit.")
             plain.clear()
+            session.keras_function = None  # nothing holds it now: a new one is made when the session ends
             gc.collect()  # the plain step's function and what its failed call left, before the probe is placed
-            callback._plan_for_device()
+            session.plan_for_device()
             return model.train_function(batch() if batch else iterator)
-        stats = callback._own(devices.device_memory_stats())
+        stats = session.own(devices.device_memory_stats())
         measured = stats["peak_bytes_reserved"] if stats is not None else None
         margin = first_step.plain_step_margin(capacity, stats.get("largest_alloc_size") if stats else None)
         if measured is not None and measured > capacity - margin:
-            callback._say(f"dymem_tf: the train step measured {errors.fmt(measured)} in its first step, within "
-                          f"{errors.fmt(margin)} of the device's {errors.fmt(capacity)} (what a later step may "
-                          "hold more: its largest buffer or a share of the device); from its next step on it is "
-                          "planned for the device, swapping what later steps could run out of.")
-            callback._plan_for_device()
+            session.say(f"dymem_tf: the train step measured {errors.fmt(measured)} in its first step, within "
+                        f"{errors.fmt(margin)} of the device's {errors.fmt(capacity)} (what a later step may "
+                        "hold more: its largest buffer or a share of the device); from its next step on it is "
+                        "planned for the device, swapping what later steps could run out of.")
+            session.plan_for_device()
         else:
+            session.control.plain_fits()
             model.train_function = plain[0]
             took = (f"{errors.fmt(measured)} of the device's {errors.fmt(capacity)}" if measured is not None
                     else f"it did not run out of the device's {errors.fmt(capacity)}")
-            callback._say(f"dymem_tf: the train step fits the device ({took} in its first step): it trains as "
-                          "compiled, nothing swapped.")
+            session.say(f"dymem_tf: the train step fits the device ({took} in its first step): it trains as "
+                        "compiled, nothing swapped.")
         return outputs
 
     first_call._dymem_wrapped = True  # pylint: disable=protected-access

@@ -603,6 +603,11 @@ def clear_mobility_map() -> None:
     lib.dymem_gtbm_clear_mobility_map()
 
 
+def mobility_map_size() -> int:
+    """How many ops the installed op-name -> mobility map names (0: none installed)."""
+    return int(_loaded_library().dymem_gtbm_mobility_map_size())
+
+
 @contextlib.contextmanager
 def mobility(group: str | int) -> Iterator[None]:
     """Place every allocation the current thread makes inside the block in ``group`` (nestable).

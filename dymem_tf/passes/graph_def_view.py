@@ -147,15 +147,23 @@ def parse(data: bytes) -> graph_pb2.GraphDef:
     return graph_pb2.GraphDef.FromString(data)
 
 
-def fingerprint(graph_def: graph_pb2.GraphDef) -> bytes:
-    """A digest equal for two instantiations of the same step (:data:`INSTANCE_ATTRS` and the debug information
-    cleared in ``graph_def``, which is otherwise unchanged)."""
+def fingerprint(graph_def: graph_pb2.GraphDef, outputs: bytes = b"") -> bytes:
+    """A digest equal for two instantiations of the same step, with their output records ``outputs``, whatever
+    the order of their nodes (TensorFlow may list the nodes of two traces of one step in different orders);
+    :data:`INSTANCE_ATTRS` and the debug information are cleared in ``graph_def``, which is otherwise unchanged."""
     for node in graph_def.node:
         node.ClearField("experimental_debug_info")
         for name in INSTANCE_ATTRS:
             if name in node.attr:
                 del node.attr[name]
-    return hashlib.sha256(graph_def.SerializeToString(deterministic=True)).digest()
+    records = _records(graph_def, outputs) if outputs else [()] * len(graph_def.node)
+    nodes = sorted((node.name, node.SerializeToString(deterministic=True), repr(record))
+                   for node, record in zip(graph_def.node, records))
+    digest = hashlib.sha256()
+    for name, data, record in nodes:
+        digest.update(b"%d:%s%d:%s%s" % (len(name), name.encode(), len(data), data, record.encode()))
+    digest.update(graph_def.library.SerializeToString(deterministic=True))
+    return digest.digest()
 
 
 class GraphView:

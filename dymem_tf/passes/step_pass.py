@@ -1,12 +1,15 @@
 """The Dymem pass over an instantiated train step: analyse ▶ defer ▶ plan ▶ rewrite, after Grappler.
 
-TensorFlow offers every instantiated function graph that holds gradient ops to a :class:`StepPass` while the
-callback's train function runs (:mod:`dymem_tf.passes.graph_pass`, ``cc/pass/graph_pass.cc``). The graph is the one
-TF will execute: Grappler has fused, folded and rewritten it already. The pass reads it (with the shapes TF's own shape inference gives, :mod:`dymem_tf.passes.graph_def_view`), builds the step
-graph of each training device (:mod:`dymem_tf.passes.graph_capture`), defers gradient-independent optimizer arithmetic
-(:mod:`dymem_tf.planning.update_deferral`), plans the swaps (:mod:`dymem_tf.planning.planner`) and hands the plan back to the C++
-pass, which inserts the swap ops by node name (all or nothing). Because Grappler has finished, the inserted ops
-cannot change any of its numeric rewrites: training is bit-identical by construction.
+TensorFlow offers every instantiated function graph that holds gradient ops to a :class:`StepPass` while a train
+function armed with it runs (:meth:`StepPass.armed`; :mod:`dymem_tf.passes.graph_pass`, ``cc/pass/graph_pass.cc``).
+The graph is the one TF will execute: Grappler has fused, folded and rewritten it already. The pass reads it (with
+the shapes TF's own shape inference gives, :mod:`dymem_tf.passes.graph_def_view`), builds the step graph of each
+training device (:mod:`dymem_tf.passes.graph_capture`), defers gradient-independent optimizer arithmetic
+(:mod:`dymem_tf.planning.update_deferral`), plans the swaps (:mod:`dymem_tf.planning.planner`) for the call's
+:class:`PlanRequest` and hands the plan back to the C++ pass, which inserts the swap ops by node name (all or
+nothing). Because Grappler has finished, the inserted ops cannot change any of its numeric rewrites: training is
+bit-identical by construction. Each armed call returns its own :class:`PassResult`; the pass keeps only its
+caches (:mod:`dymem_tf.passes.caches`).
 
 Each instantiation (first call, retrace on a new input shape) gets its own plan; under a distribution strategy
 with several local replicas each replica's device gets its own plan (``TraceRecord.replica``).
@@ -22,18 +25,14 @@ import dataclasses
 import enum
 import functools
 import gc
-import hashlib
 import logging
 import re
 import time
 from collections import Counter
 
-import numpy as np
-import tensorflow as tf
-
 from dymem_tf import compat, op_sets
 from dymem_tf.memory import placement
-from dymem_tf.passes import graph_capture, graph_def_view, graph_pass
+from dymem_tf.passes import caches, graph_capture, graph_def_view, graph_pass
 from dymem_tf.planning import first_step, pipeline, planner, simulator, stages
 
 logger = logging.getLogger("dymem_tf")
@@ -41,11 +40,12 @@ logger = logging.getLogger("dymem_tf")
 
 @dataclasses.dataclass(frozen=True)
 class PlanRequest:
-    """What the next instantiation of the train step is planned for. The callback makes one per state of its
-    first step (:mod:`dymem_tf.planning.first_step`) and arms the pass with it; the pass only reads it."""
+    """What one train function's instantiations are planned for: the per-instantiation values a first-step session
+    (:mod:`dymem_tf.keras.session`) makes from the configuration and what it measured. Immutable: each train
+    function is armed with its own."""
 
     budget_bytes: int | None = None  # None: no budget (swap every tensor worth swapping)
-    headroom: float = planner.DEFAULT_HEADROOM  # share of the budget the planner leaves free
+    headroom: float | None = None  # share of the budget the planner leaves free (None: the settings' default)
     #: plan for the least device memory (the first step under a budget, measured to calibrate the next plan)
     probe: bool = False
     calibration: first_step.Calibration | None = None  # what the probe measured, for the budgeted plan
@@ -62,15 +62,68 @@ class PlanRequest:
         instantiated anew for the calibrated plan, with the same graph."""
         return self.budget_bytes is not None
 
+    @property
+    def stage(self) -> str:
+        """Which plan of the first step this request makes: ``"probe"``, ``"calibrated"``, ``"refined"``, or
+        ``"plan"`` (no calibration: without a budget, or ``calibrate=False``)."""
+        if self.probe:
+            return "probe"
+        return self.calibration.stage if self.calibration is not None else "plan"
 
-@dataclasses.dataclass
-class PassOutcome:
-    """What became of the instantiations offered to a listener (:meth:`StepPass.listener`): made by whoever arms
-    the pass for one call of the train function, written by the pass, read after the call."""
+    def cache_key(self) -> tuple:
+        """What a plan made for this request depends on besides the graph and the settings: its budget, stage and
+        batch sizes. A calibration's measured figures are left out: a calibrated plan of the same graph, budget
+        and stage is made once per process (another ``fit``'s probe measures the same step again)."""
+        headroom = None if self.calibration is not None else self.headroom
+        return (self.budget_bytes, self.stage, headroom, self.persistent_bytes, self.default_batch_size,
+                self.observed_batch_size)
 
+
+@dataclasses.dataclass(frozen=True)
+class PassResult:
+    """What the pass did in one armed call of a train function (:meth:`StepPass.armed`): the instantiations it
+    planned and rewrote, those it left unmodified, the refusal that cancelled one, and the mobility map it
+    installed for the graphs it rewrote. Each call gets its own; nothing is shared between calls."""
+
+    records: tuple = ()  # TraceRecord, one per planned replica of each instantiation
+    skipped: tuple = ()  # SkippedTrace
     #: the error that made the pass cancel an instantiation (TF raises a CancelledError in its place)
     refusal: planner.BudgetTooSmallError | None = None
+    #: op name to GTBM mobility group of every op the rewritten graphs run (empty: none rewritten)
+    mobility: tuple = ()
+    cached: int = 0  # instantiations whose plan came from the plan cache (no planning)
+    #: exceptions the pass raised while planning (a bug: each left its graph unmodified, with a warning)
+    errors: tuple = ()
 
+    @property
+    def offered(self) -> bool:
+        """Whether the pass was offered a graph with gradient ops (planned, left unmodified, or failed)."""
+        return bool(self.records or self.skipped or self.refusal or self.errors)
+
+    @property
+    def plan(self):
+        """The plan of the last instantiation planned in the call, or None."""
+        return self.records[-1].plan if self.records else None
+
+
+class ArmedCall:
+    """Collects what the pass does while one call of a train function is armed; :attr:`result` is set when the
+    armed block exits (also when it raises)."""
+
+    def __init__(self) -> None:
+        self.records: list = []
+        self.skipped: list = []
+        self.refusal = None
+        self.mobility: dict = {}
+        self.cached = 0
+        self.result: PassResult | None = None
+
+    def close(self, errors=()) -> PassResult:
+        """Freeze what was collected, and the ``errors`` the pass raised (each left its graph unmodified), into
+        :attr:`result`."""
+        self.result = PassResult(tuple(self.records), tuple(self.skipped), self.refusal,
+                                 tuple(sorted(self.mobility.items())), self.cached, tuple(errors))
+        return self.result
 
 @dataclasses.dataclass
 class RewriteReport:
@@ -184,62 +237,97 @@ OBSERVED_UNDER_BUDGET = ("; the batch size is known only from the first batches 
 
 
 class StepPass:
-    """The listener the graph pass calls with each instantiated train-step graph; keeps the plans it made.
+    """Plans and rewrites each instantiated train-step graph offered while it is :meth:`armed`.
 
-    ``settings``: what every plan is made with (the callback's arguments, validated; fixed for the pass's life).
-    Each instantiation is planned with them as its :class:`PlanRequest` fills in (:func:`instantiation_settings`).
-    ``verbose``: 1 prints each plan's summary, 2 also the seconds of each stage of the pass."""
+    ``settings``: what every plan is made with (from the configuration; fixed for the pass's life). Each
+    instantiation is planned with them as its :class:`PlanRequest` fills in (:func:`instantiation_settings`).
+    ``verbose``: 1 prints each plan's summary, 2 also the seconds of each stage of the pass. ``plans``: the plan
+    cache (default: the process's, :data:`~dymem_tf.passes.caches.SHARED_PLANS`). The pass keeps no results: each
+    armed call returns its own :class:`PassResult`."""
 
-    def __init__(self, settings: pipeline.PlanSettings = pipeline.PlanSettings(), verbose: int = 1, print_fn=print):
+    def __init__(self, settings: pipeline.PlanSettings = pipeline.PlanSettings(), verbose: int = 1, print_fn=print,
+                 plans: caches.PlanCache | None = None):
         self.settings = settings
         self.verbose = verbose
-        self.records: list[TraceRecord] = []
-        self.skipped: list[SkippedTrace] = []
-        #: the most recent instantiation, when the pass left it unmodified (None once a later one is planned)
-        self.last_skipped: SkippedTrace | None = None
         self._print = print_fn
-        self._captures = CaptureCache()
+        self._captures = caches.CaptureCache()
+        self._plans = caches.SHARED_PLANS if plans is None else plans
         self._warned: set[str] = set()
-        self._mobility: dict = {}
 
-    def listener(self, request: PlanRequest, outcome: "PassOutcome | None" = None):
-        """The listener to arm the graph pass with (:func:`dymem_tf.passes.graph_pass.armed`): plans each graph
-        offered while armed for ``request``, and says in ``outcome`` why it cancelled one."""
-        return functools.partial(self.__call__, request=request, outcome=outcome)
+    @contextlib.contextmanager
+    def armed(self, request: PlanRequest | None = None, *, stage: str | None = None, batch_size: int | None = None):
+        """Plan every graph instantiated inside this block for ``request`` (None: no budget); yields an
+        :class:`ArmedCall` whose ``result`` is this block's :class:`PassResult` once it exits. ``stage`` and
+        ``batch_size`` as for :func:`dymem_tf.passes.graph_pass.armed`."""
+        call = ArmedCall()
+        listener = functools.partial(self.__call__, request=request, collected=call)
+        block = None
+        try:
+            with graph_pass.armed(listener, stage=stage, batch_size=batch_size) as block:
+                yield call
+        finally:
+            call.close(block.errors if block is not None else ())
+
+    def release(self) -> None:
+        """Let go of the graph kept for re-plans (at the end of a ``fit``; the plan cache stays)."""
+        self._captures = caches.CaptureCache()
 
     @property
-    def last_plan(self):
-        return self.records[-1].plan if self.records else None
+    def holds_graph(self) -> bool:
+        """Whether the pass keeps a graph for re-plans."""
+        return self._captures.holds_graph
 
     def __call__(self, call: graph_pass.PassCall, request: PlanRequest | None = None,
-                 outcome: "PassOutcome | None" = None) -> None:
-        """Plan and rewrite one instantiated graph for ``request`` (None: no budget, nothing measured); a refusal
-        cancels the instantiation and is kept in ``outcome``."""
+                 collected: ArmedCall | None = None) -> None:
+        """Plan and rewrite one instantiated graph for ``request`` (None: no budget, nothing measured), into
+        ``collected`` (None: nowhere); a refusal cancels the instantiation."""
         request = PlanRequest() if request is None else request
+        collected = ArmedCall() if collected is None else collected
         start = time.perf_counter()
         clock = stages.StageClock()
         with clock.active(), _collector_paused():
             with stages.stage("read"):
-                groups = self._captures.read(call.graph_def_bytes, call.outputs_bytes, keep=request.plans_again())
-            planned = []
+                graph_def = graph_def_view.parse(call.graph_def_bytes)
+                key = caches.graph_key(graph_def, call.outputs_bytes)
             onednn_later = call.stage != "after_partitioning" and bool(compat.onednn_enabled())
-            for replica, ops in groups:
+            plan_key = (key, self._settings_key(request, onednn_later), request.cache_key())
+            planned = self._plans.get(plan_key)
+            if planned is not None:
+                collected.cached += 1
+            else:
+                with stages.stage("read"):
+                    groups = self._captures.read(graph_def, key, call.outputs_bytes, request.plans_again(),
+                                                 replica_ops)
                 try:
-                    result = self.plan_ops(call.function_name, ops, replica, len(groups), onednn_later, request)
+                    planned = self._plan_groups(call.function_name, groups, onednn_later, request, collected)
                 except planner.BudgetTooSmallError as err:
-                    if outcome is not None:
-                        outcome.refusal = err
+                    collected.refusal = err
                     call.fail(str(err))
                     return
-                if result is not None:
-                    planned.append((replica, result))
+                if planned and not collected.skipped:
+                    self._plans.put(plan_key, planned)
             if planned:
-                self._apply(call, planned, start, clock)
+                self._apply(call, planned, start, clock, collected)
+
+    def _settings_key(self, request: PlanRequest, onednn_later: bool) -> str:
+        """The settings a plan for ``request`` depends on, as a key (the request's measurements left out)."""
+        return repr((self.settings, onednn_later))
+
+    def _plan_groups(self, function_name: str, groups: list, onednn_later: bool, request: PlanRequest,
+                     collected: ArmedCall) -> list:
+        """``(replica, PlannedStep)`` of each replica's ops that can be planned; the others are skipped."""
+        planned = []
+        for replica, ops in groups:
+            result = self.plan_ops(function_name, ops, replica, len(groups), onednn_later, request, collected)
+            if result is not None:
+                planned.append((replica, result))
+        return planned
 
     def plan_ops(self, function_name: str, ops: list, replica: int | None, replicas: int, onednn_later: bool,
-                 req: PlanRequest):
-        """The planned step for one device's ops for ``req``, or None when they are left unmodified.
-        ``onednn_later``: oneDNN's layout pass rewrites the graph after this plan (``PlanSettings.onednn_later``)."""
+                 req: PlanRequest, collected: ArmedCall | None = None):
+        """The planned step for one device's ops for ``req``, or None when they are left unmodified (said in
+        ``collected``). ``onednn_later``: oneDNN's layout pass rewrites the graph after this plan
+        (``PlanSettings.onednn_later``)."""
         batch = graph_batch_size(ops) or replica_batch(req.default_batch_size, replicas)
         observed = None
         if batch is None and req.observed_batch_size:
@@ -249,29 +337,32 @@ class StepPass:
             if req.budget_bytes is None and not req.probe:
                 batch = observed
         with stages.stage("capture"):
-            step_graph, problem = self._captures.capture(replica, ops, batch, observed if batch is None else None)
+            unplanned = observed if batch is None else None
+            step_graph, problem = self._captures.capture((replica, batch, unplanned),
+                                                         lambda: capture(ops, batch, unplanned))
         if problem is not None:
-            self.skip(function_name, problem, replica)
+            skipped = self.skip(function_name, problem, replica)
+            if collected is not None:
+                collected.skipped.append(skipped)
             return None
+        return self.plan_captured(step_graph, ops, (replica, batch, observed), onednn_later, req)
+
+    def plan_captured(self, step_graph, ops: list, where: tuple, onednn_later: bool, req: PlanRequest,
+                      copy: bool = False) -> pipeline.PlannedStep:
+        """The planned step of a captured ``step_graph`` (of ``ops``) for ``req``; ``where`` is ``(replica, batch
+        size planned with, batch size observed)``; ``copy``: leave ``step_graph`` as it is (a dry run plans one
+        graph under several policies)."""
+        _, batch, observed = where
         settings = instantiation_settings(self.settings, req, ops, batch, onednn_later)
         placed = not req.probe and req.calibration is not None and bool(req.calibration.persistent_group)
         # copy: another plan of the same graph follows (the preparation adds its deferral edges in place, and would
         # find none to insert on a graph that has them): the calibrated plan after the probe's, the placement's
         # re-plans
-        key = (replica, batch, observed, pipeline.preparation_key(settings))
+        key = (*where, pipeline.preparation_key(settings))
         prepared = self._captures.prepared(key, lambda: pipeline.prepare_step(
-            step_graph, settings, copy=req.plans_again() or placed))
+            step_graph, settings, copy=copy or req.plans_again() or placed))
         planned = self._placed_plan(prepared, settings, req) if placed else pipeline.finish_plan(prepared, settings)
-        plan = planned.plan
-        if req.probe:
-            plan.params.stage = "probe"
-            plan.notes.append("first step under the budget: the least-memory plan, measured to calibrate the next")
-        elif req.calibration is not None:
-            plan.params.stage = req.calibration.stage
-            plan.predicted.calibration = dataclasses.replace(req.calibration)
-            plan.notes.append(req.calibration.summary())
-        if batch is not None and batch == observed:
-            plan.notes.append(OBSERVED_NOTE.format(observed))
+        _finish(planned, req, batch, observed)
         return planned
 
     def _placed_plan(self, prepared: pipeline.PreparedStep, settings: pipeline.PlanSettings, req: PlanRequest):
@@ -317,48 +408,41 @@ class StepPass:
         placed = placement.place(res.allocations, group)
         return first_step.placed_prediction(req.calibration, placed)
 
-    def _apply(self, call: graph_pass.PassCall, planned: list, start: float, clock: stages.StageClock) -> None:
-        """Hand every replica's plan to the C++ pass at once and record what it inserted (and the pass's seconds
-        since ``start``, with ``clock``'s stages)."""
-        swaps = [d for _, step in planned for d in step.plan.swaps]
-        edges = [e for _, step in planned for e in step.deferrals]
-        resident = [r for _, step in planned for r in step.resident]
-        sequences = [(step.sequence.ops, step.sequence.with_added, step.sequence.bands) for _, step in planned
-                     if step.sequence.ops]
+    def _apply(self, call: graph_pass.PassCall, planned: list, start: float, clock: stages.StageClock,
+               collected: ArmedCall) -> None:
+        """Hand every replica's plan to the C++ pass at once and record in ``collected`` what it inserted (and the
+        pass's seconds since ``start``, with ``clock``'s stages)."""
         try:
             with stages.stage("rewrite"):
-                rewritten = call.apply(graph_pass.encode_plan(swaps, edges, resident, sequences))
+                rewritten = call.apply(encode_planned(planned))
         except graph_pass.PlanApplyError as err:
-            self.skip(call.function_name, Unsupported(SkipKind.UNSUPPORTED_GRAPH, "", f"the plan did not fit the "
-                                                                                   f"graph ({err})"), None)
+            problem = Unsupported(SkipKind.UNSUPPORTED_GRAPH, "", f"the plan did not fit the graph ({err})")
+            collected.skipped.append(self.skip(call.function_name, problem, None))
             return
         seconds = time.perf_counter() - start
         times = clock.times()
+        mobility = {}
         for replica, step in planned:
-            step_graph, plan, deferrals = step.step_graph, step.plan, step.deferrals
-            report = rewrite_report(plan, deferrals)
-            for name in report.swap_in_ops:
-                plan.mobility[name] = "mobile"
-            self._mobility.update(plan.mobility)  # every instantiation of this fit stays callable
-            record = TraceRecord(call.function_name, plan.batch_size, step_graph, plan, report, replica, rewritten,
-                                 seconds, times)
-            self.records.append(record)
-            self.last_skipped = None
+            plan = step.plan
+            mobility.update(plan.mobility)
+            report = rewrite_report(plan, step.deferrals)
+            collected.records.append(TraceRecord(call.function_name, plan.batch_size, step.step_graph, plan, report,
+                                                 replica, rewritten, seconds, times))
             if self.verbose:
                 where = f" (replica {replica})" if replica is not None else ""
                 self._print(plan.summary())
                 self._print(f"dymem_tf: rewrite{where}: {report.summary()} (pass: {seconds:.2f} s)")
                 if self.verbose >= 2:
                     self._print(f"dymem_tf: pass stages{where}: {times.summary()}")
-        _install_mobility(self._mobility)
+        collected.mobility.update(mobility)
+        install_mobility(collected.mobility)  # this call's graphs, for the step this call runs
 
-    def skip(self, function_name: str, problem: Unsupported, replica: int | None) -> None:
-        """Record that the graph is left unmodified, and warn once per construct."""
+    def skip(self, function_name: str, problem: Unsupported, replica: int | None) -> "SkippedTrace":
+        """The record of a graph left unmodified; warns once per construct."""
         reason = f"dymem_tf left this train step unmodified (no swapping): {problem.detail}"
-        self.last_skipped = SkippedTrace(function_name, problem.kind, problem.subject, reason, replica)
-        self.skipped.append(self.last_skipped)
         # one warning per construct: the same op in another replica or a retrace is the same construct
         self._warn_once(f"{problem.kind}:{_REPLICA_SCOPE.sub(_keep_slash, problem.subject)}", reason)
+        return SkippedTrace(function_name, problem.kind, problem.subject, reason, replica)
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -366,59 +450,46 @@ class StepPass:
             compat.warn_user(message)
 
 
-class CaptureCache:
-    """The graph of the last instantiation the pass read, and the step graphs captured from it.
+def _finish(planned: pipeline.PlannedStep, req: PlanRequest, batch: int | None, observed: int | None) -> None:
+    """Complete the plan just made for ``req``: its stage, its notes, and the mobility of the swap-ins the rewrite
+    adds (GTBM's mobile group). The plan is not changed after this."""
+    plan = planned.plan
+    if req.probe:
+        plan.params.stage = "probe"
+        plan.notes.append("first step under the budget: the least-memory plan, measured to calibrate the next")
+    elif req.calibration is not None:
+        plan.params.stage = req.calibration.stage
+        plan.predicted.calibration = dataclasses.replace(req.calibration)
+        plan.notes.append(req.calibration.summary())
+    if batch is not None and batch == observed:
+        plan.notes.append(OBSERVED_NOTE.format(observed))
+    for name in rewrite_report(plan, planned.deferrals).swap_in_ops:
+        plan.mobility[name] = "mobile"
 
-    Under a budget one ``fit`` instantiates the same train step two or three times (the probe's plan, the
-    calibrated plan, a refined one), and TensorFlow hands the pass the same graph each time: it is read, captured
-    and prepared for planning (:func:`~dymem_tf.planning.pipeline.prepare_step`) once. Callers that keep an entry must plan on copies of its step graph (the planning stages add
-    edges and mark tensors in place). Only the last graph is kept: a large step's analysis holds hundreds of MiB.
-    """
 
-    def __init__(self) -> None:
-        self._key: bytes | None = None
-        self._groups: list = []
-        self._graphs: dict = {}
-        self._prepared: dict = {}
-        self.hits = 0  # instantiations whose graph was read before
+def encode_planned(planned: list) -> str:
+    """The plan message of every replica's :class:`~dymem_tf.planning.pipeline.PlannedStep` in ``planned``
+    (``(replica, step)`` pairs)."""
+    swaps = [d for _, step in planned for d in step.plan.swaps]
+    edges = [e for _, step in planned for e in step.deferrals]
+    resident = [r for _, step in planned for r in step.resident]
+    sequences = [(step.sequence.ops, step.sequence.with_added, step.sequence.bands) for _, step in planned
+                 if step.sequence.ops]
+    return graph_pass.encode_plan(swaps, edges, resident, sequences)
 
-    def read(self, data: bytes, outputs: bytes, keep: bool) -> list[tuple[int | None, list]]:
-        """The graph's ops per training device (:func:`replica_ops`; ``data`` and ``outputs`` as
-        :class:`~dymem_tf.passes.graph_def_view.GraphView` takes them), read again only for another graph;
-        ``keep``: keep the graph (and what is captured from it) for the next call."""
-        graph_def = graph_def_view.parse(data)
-        # the fingerprint (a deterministic serialization of the whole graph) only where a hit is possible
-        key = None
-        if keep or self._key is not None:
-            key = graph_def_view.fingerprint(graph_def) + hashlib.sha256(outputs).digest()
-        if key is not None and key == self._key:
-            self.hits += 1
-            return self._groups
-        groups = replica_ops(graph_def_view.GraphView(graph_def, outputs))
-        self._key, self._groups, self._graphs = (key, groups, {}) if keep else (None, [], {})
-        self._prepared = {}
-        return groups
 
-    def capture(self, replica: int | None, ops: list, batch_size: int | None, observed_batch: int | None = None):
-        """:func:`capture` of one replica's ops, once per graph kept and batch size."""
-        entry = (replica, batch_size, observed_batch)
-        if entry in self._graphs:
-            return self._graphs[entry]
-        result = capture(ops, batch_size, observed_batch)
-        if self._key is not None:
-            self._graphs[entry] = result
-        return result
+_installed_mobility: list = [None]  # the map GTBM holds now (compared by identity: installing is not free)
 
-    def prepared(self, key: tuple, prepare):
-        """``prepare()`` (a :class:`~dymem_tf.planning.pipeline.PreparedStep` of a captured graph), made once per
-        graph kept and ``key`` (the capture's entry and :func:`~dymem_tf.planning.pipeline.preparation_key`);
-        the plans made from it must leave it unchanged, as :func:`~dymem_tf.planning.pipeline.finish_plan` does."""
-        if key not in self._prepared:
-            result = prepare()
-            if self._key is None:
-                return result
-            self._prepared[key] = result
-        return self._prepared[key]
+
+def install_mobility(mobility) -> None:
+    """Make ``mobility`` (op name to group, a mapping or its items) GTBM's mobility map, replacing the one it held;
+    a no-op when it already holds this one, or without GTBM."""
+    from dymem_tf.memory import allocator
+
+    if _installed_mobility[0] is mobility or not allocator.is_active():
+        return
+    allocator.set_mobility_map(dict(mobility))
+    _installed_mobility[0] = mobility
 
 
 def instantiation_settings(settings: pipeline.PlanSettings, req: PlanRequest, ops: list, batch: int | None,
@@ -429,7 +500,8 @@ def instantiation_settings(settings: pipeline.PlanSettings, req: PlanRequest, op
     ``onednn_later``: oneDNN's layout pass rewrites the graph after this plan (``PlanSettings.onednn_later``)."""
     return dataclasses.replace(
         settings, budget_bytes=None if req.probe else req.budget_bytes, persistent_bytes=req.persistent_bytes,
-        batch_size=batch, headroom=0.0 if req.probe else req.headroom, least_memory=req.probe,
+        batch_size=batch, headroom=0.0 if req.probe else settings.headroom if req.headroom is None else req.headroom,
+        least_memory=req.probe,
         memory=None if req.probe else req.memory, onednn_later=onednn_later,
         offload_variables=_may_offload(ops, settings.offload_variables, req),
         offload_weights=_may_offload(ops, settings.offload_weights, req))
@@ -587,32 +659,3 @@ def _loops_inside_the_step(sg) -> list:
     return [op for op in ops.values() if op.phase != "update" and (op.phase == "backward" or op.name in feeds_backward)
             and (op.type in LOOP_OP_TYPES and (op.type in ("While", "StatelessWhile")
                                                or op.frame.count("/") + bool(op.frame) > base))]
-
-
-def _install_mobility(mobility: dict) -> None:
-    from dymem_tf.memory import allocator
-
-    if allocator.is_active():
-        allocator.set_mobility_map(mobility)
-
-
-def persistent_bytes(model, optimizer: bool = True) -> int:
-    """Bytes of the model's variables, of its other optimizers'
-    (:func:`~dymem_tf.planning.first_step.other_optimizers`) and (``optimizer``) of ``model.optimizer``'s: what
-    lives across steps."""
-    seen, total = set(), 0
-    for var in list(model.variables) + first_step.optimizer_variables(model, main=optimizer):
-        key = id(var)
-        if key in seen:
-            continue
-        seen.add(key)
-        total += variable_bytes(var)
-    return total
-
-
-def variable_bytes(var) -> int:
-    """Bytes of one variable's value (unknown dimensions count as 0)."""
-    shape = [d if d is not None else 0 for d in var.shape]
-    return int(np.prod(shape, dtype=np.int64)) * tf.as_dtype(var.dtype).size
-
-

@@ -1,19 +1,23 @@
-"""The first step under a budget as a state machine: which plan the train step runs next, decided from what each
-guarded first step measured (the stages are described in :mod:`dymem_tf.planning.first_step`).
+"""The first step of a ``fit`` as a state machine: which train function runs next, decided from what each guarded
+first step measured (the stages under a budget are described in :mod:`dymem_tf.planning.first_step`).
 
 ::
+
+    AUTO ──fits, with slack──▶ PLAIN                       (memory_budget="auto": the step as compiled)
+      │
+      └─out of memory / within slack─▶ plan for the device: PROBE if guarded, else UNGUARDED
 
     PROBE ─────leaves slack────▶ CALIBRATED ──leaves slack──▶ SETTLED
       │                            │  │
       │ out of memory,             │  └─within slack (once)──▶ REFINED ──leaves slack──▶ SETTLED
-      │ within slack               │                             │
+      │ within slack, refused      │                             │
       ▼                            └─out of memory, refused ─┬───┘ out of memory, refused, within slack
-    refused (an error)                                       ▼
+    REFUSED (an error)                                       ▼
                                                           FALLBACK (the probe's plan trains)
 
-The controller knows no Keras and no TensorFlow: the callback reports what each first step measured (or that it
-ran out of memory, or that no plan fitted) and carries out the :class:`Decision` it gets back: restore the
-variables, install a train function planned for a new request, or go back to the probe's plan.
+PLAIN, UNGUARDED, SETTLED, FALLBACK and REFUSED are terminal: nothing is guarded any more. The controller knows no
+Keras and no TensorFlow: the first-step session (:mod:`dymem_tf.keras.session`) reports what each first step
+measured (or that it ran out of memory, or that no plan fitted) and carries out the :class:`Decision` it gets back.
 """
 from __future__ import annotations
 
@@ -24,22 +28,31 @@ from dymem_tf.planning import first_step
 
 
 class State(str, enum.Enum):
-    """Which plan's first step comes next, or which plan trains."""
+    """Which train function's first step comes next, or which one trains."""
 
+    AUTO = "auto"  # the step as compiled, its first step guarded (memory_budget="auto")
+    PLAIN = "plain"  # the step as compiled trains: it fits the device
     PROBE = "probe"  # the least-memory plan, measured to calibrate the next
     CALIBRATED = "calibrated"  # the plan made with the probe's calibration
     REFINED = "refined"  # the plan made with a calibration from the calibrated plan's own first step
     SETTLED = "settled"  # a budgeted plan left its slack: it trains
     FALLBACK = "fallback"  # the probe's plan trains (a budgeted plan ran out, was refused or left no slack)
+    UNGUARDED = "unguarded"  # a plan trains without a guarded first step (no budget, or nothing to calibrate)
+    REFUSED = "refused"  # the budget cannot be met: fit stops with an error, the variables as they were
 
     def __str__(self) -> str:
         return self.value
 
 
-class Action(str, enum.Enum):
-    """What the callback does after a first step."""
+#: States after which nothing is guarded and no decision is left to take.
+TERMINAL = frozenset({State.PLAIN, State.SETTLED, State.FALLBACK, State.UNGUARDED, State.REFUSED})
 
-    KEEP = "keep"  # the plan that ran trains on
+
+class Action(str, enum.Enum):
+    """What the session does after a first step."""
+
+    KEEP = "keep"  # the train function that ran trains on
+    PLAN = "plan"  # the step as compiled does not fit: plan it for the device
     CALIBRATE = "calibrate"  # plan again, calibrated on the step that ran (``Decision.source``), guarded
     FALL_BACK = "fall_back"  # train with the probe's plan, known to fit
     REFUSE = "refuse"  # the least-memory plan did not fit the budget: the variables are restored, fit stops
@@ -48,44 +61,74 @@ class Action(str, enum.Enum):
 @dataclasses.dataclass(frozen=True)
 class Decision:
     """The controller's answer to one first step: ``action``, the state it leads to, and for a calibration the
-    stage the calibration comes from (``"probe"`` or ``"calibrated"``, :data:`first_step.SOURCES`)."""
+    state whose first step it is calibrated on (``State.PROBE`` or ``State.CALIBRATED``)."""
 
     action: Action
     state: State
-    source: str | None = None
+    source: State | None = None
 
 
 class FirstStepControl:
-    """The first steps of one ``fit`` under ``budget_bytes``: starts at :attr:`State.PROBE`; :meth:`stepped`,
-    :meth:`ran_out_of_memory` and :meth:`refused` report a first step and return what to do next."""
+    """The first steps of one ``fit``: starts at ``state`` (:attr:`State.AUTO`, :attr:`State.PROBE` under a
+    positive ``budget_bytes``, or :attr:`State.UNGUARDED`); the report methods return what to do next."""
 
-    def __init__(self, budget_bytes: int):
-        if budget_bytes is None or int(budget_bytes) <= 0:
-            raise ValueError(f"a first step is controlled under a positive budget, got {budget_bytes!r}")
-        self.budget_bytes = int(budget_bytes)
-        self.state = State.PROBE
+    def __init__(self, budget_bytes: int | None = None, state: State = State.PROBE):
+        self.state = State(state)
+        self.budget_bytes = None
+        if self.state is State.PROBE:
+            self._set_budget(budget_bytes)
 
     @property
     def guarded(self) -> bool:
-        """Whether the next first step runs guarded (a plan whose outcome is still open)."""
-        return self.state in (State.PROBE, State.CALIBRATED, State.REFINED)
+        """Whether the next first step runs guarded (a train function whose outcome is still open)."""
+        return self.state in (State.AUTO, State.PROBE, State.CALIBRATED, State.REFINED)
+
+    @property
+    def settled(self) -> bool:
+        """Whether a terminal state is reached (:data:`TERMINAL`)."""
+        return self.state in TERMINAL
 
     def leaves_slack(self, measured: int | None) -> bool:
         """Whether a step that reserved ``measured`` bytes (None: not measured) leaves the room later steps need
         (:func:`first_step.slack_bytes` of the budget)."""
         return measured is None or first_step.leaves_slack(measured, self.budget_bytes)
 
+    def plain_fits(self) -> Decision:
+        """The step as compiled fitted the device with its slack: it trains."""
+        self._expect(State.AUTO)
+        return self._to(Action.KEEP, State.PLAIN)
+
+    def plan_for(self, budget_bytes: int | None, guarded: bool) -> Decision:
+        """The step is planned for ``budget_bytes`` (the step as compiled did not fit, or a budget was asked for):
+        its first step is the probe when ``guarded``."""
+        if self.state not in (State.AUTO, State.PROBE, State.UNGUARDED):
+            raise RuntimeError(f"the step cannot be planned anew in state {self.state}")
+        if not guarded:
+            self.budget_bytes = None if budget_bytes is None else int(budget_bytes)
+            return self._to(Action.PLAN, State.UNGUARDED)
+        self._set_budget(budget_bytes)
+        return self._to(Action.PLAN, State.PROBE)
+
+    def resume(self, state: State) -> Decision:
+        """Train with the train function an earlier ``fit`` settled in ``state`` (a terminal state but REFUSED),
+        after :meth:`plan_for`: nothing is guarded again."""
+        state = State(state)
+        if state not in TERMINAL or state is State.REFUSED or self.state not in (State.PROBE, State.UNGUARDED):
+            raise RuntimeError(f"cannot resume {state} from {self.state}")
+        return self._to(Action.KEEP, state)
+
     def stepped(self, measured: int | None, in_use: int | None = None) -> Decision:
-        """A guarded first step ran and reserved ``measured`` bytes at its peak (``in_use`` of them in use)."""
+        """A guarded planned first step ran and reserved ``measured`` bytes at its peak (``in_use`` of them in
+        use)."""
         if self.state is State.PROBE:
             if not self.leaves_slack(measured):
-                return self._to(Action.REFUSE, State.PROBE)
-            return self._to(Action.CALIBRATE, State.CALIBRATED, "probe")
+                return self._to(Action.REFUSE, State.REFUSED)
+            return self._to(Action.CALIBRATE, State.CALIBRATED, State.PROBE)
         if self.state is State.CALIBRATED:
             if self.leaves_slack(measured):
                 return self._to(Action.KEEP, State.SETTLED)
             if in_use:  # calibrated again once, from this step's own fragmentation
-                return self._to(Action.CALIBRATE, State.REFINED, "calibrated")
+                return self._to(Action.CALIBRATE, State.REFINED, State.CALIBRATED)
             return self._to(Action.FALL_BACK, State.FALLBACK)
         if self.state is State.REFINED:
             if self.leaves_slack(measured):
@@ -97,17 +140,26 @@ class FirstStepControl:
         """A guarded first step ran out of memory (its variables are restored): the probe's refuses the budget, a
         budgeted plan's falls back to the probe's plan."""
         if self.state is State.PROBE:
-            return self._to(Action.REFUSE, State.PROBE)
+            return self._to(Action.REFUSE, State.REFUSED)
         return self._to(Action.FALL_BACK, State.FALLBACK)
 
     def refused(self) -> Decision:
-        """No plan fitted the calibrated budget (the step never ran): the probe's plan, measured to fit, trains;
-        with no probe run yet there is nothing to fall back to."""
-        if self.state is State.PROBE:
-            return self._to(Action.REFUSE, State.PROBE)
+        """No plan fitted the budget (the step never ran): after a probe, the probe's plan, measured to fit,
+        trains; with no probe run yet there is nothing to fall back to."""
+        if self.state in (State.PROBE, State.UNGUARDED):
+            return self._to(Action.REFUSE, State.REFUSED)
         return self._to(Action.FALL_BACK, State.FALLBACK)
 
-    def _to(self, action: Action, state: State, source: str | None = None) -> Decision:
+    def _set_budget(self, budget_bytes: int | None) -> None:
+        if budget_bytes is None or int(budget_bytes) <= 0:
+            raise ValueError(f"a first step is guarded under a positive budget, got {budget_bytes!r}")
+        self.budget_bytes = int(budget_bytes)
+
+    def _expect(self, state: State) -> None:
+        if self.state is not state:
+            raise RuntimeError(f"this report belongs to state {state}, not {self.state}")
+
+    def _to(self, action: Action, state: State, source: State | None = None) -> Decision:
         """Move to ``state`` and say so with ``action``."""
         self.state = state
         return Decision(action, state, source)
