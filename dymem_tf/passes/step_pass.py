@@ -290,7 +290,7 @@ class StepPass:
                 graph_def = graph_def_view.parse(call.graph_def_bytes)
                 key = caches.graph_key(graph_def, call.outputs_bytes)
             onednn_later = call.stage != "after_partitioning" and bool(compat.onednn_enabled())
-            plan_key = (key, self._settings_key(request, onednn_later), request.cache_key())
+            plan_key = (key, self._settings_key(onednn_later), request.cache_key())
             planned = self._plans.get(plan_key)
             if planned is not None:
                 collected.cached += 1
@@ -304,13 +304,14 @@ class StepPass:
                     collected.refusal = err
                     call.fail(str(err))
                     return
-                if planned and not collected.skipped:
+                if planned and len(planned) == len(groups):  # every replica planned: the graph's whole plan
                     self._plans.put(plan_key, planned)
             if planned:
                 self._apply(call, planned, start, clock, collected)
 
-    def _settings_key(self, request: PlanRequest, onednn_later: bool) -> str:
-        """The settings a plan for ``request`` depends on, as a key (the request's measurements left out)."""
+    def _settings_key(self, onednn_later: bool) -> str:
+        """The settings every plan of this pass depends on, as a key of the plan cache (the request's budget and
+        stage are :meth:`PlanRequest.cache_key`)."""
         return repr((self.settings, onednn_later))
 
     def _plan_groups(self, function_name: str, groups: list, onednn_later: bool, request: PlanRequest,
