@@ -107,13 +107,8 @@ def _plan(args) -> int:
           f"budget {budget_text}, profile {config.profile.name}")
     request = step_pass.PlanRequest(budget_bytes=budget_bytes, persistent_bytes=traced.persistent_bytes,
                                     default_batch_size=traced.batch_size)
-    plans = {}
-    for policy in policies:
-        try:
-            plans[policy] = dry_run.plan_traced(traced, dataclasses.replace(config, policy=policy).plan_settings(),
-                                                request)
-        except ValueError as err:
-            plans[policy] = err
+    plans = dry_run.plan_each(traced, {policy: dataclasses.replace(config, policy=policy).plan_settings()
+                                       for policy in policies}, request)
     if "dymem" in plans and not isinstance(plans["dymem"], Exception):
         print(plans["dymem"].summary())
         if args.save:

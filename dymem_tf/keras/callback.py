@@ -6,7 +6,7 @@ import weakref
 import keras
 
 from dymem_tf import compat
-from dymem_tf.keras import arguments, errors, fit_batch, fit_guard
+from dymem_tf.keras import arguments, errors, fit_guard
 from dymem_tf.keras.config import DymemConfig
 from dymem_tf.keras.session import FitSession
 from dymem_tf.memory import devices
@@ -87,7 +87,7 @@ class DymemCallback(keras.callbacks.Callback):
         self._steps = -1  # the dashboard's step: every batch of every fit
         self._device_too_small = False  # the step as compiled did not fit the device in an earlier fit
         self._given_back = None  # weak reference to the train function the last fit gave the model back
-        self._plain_input = None  # (batch size, input signature) at which it fitted the device as compiled, if it did
+        self._plain_inputs = None  # the session inputs at which that function fitted the device as compiled, if it did
         self._kept = None  # the planned train function the last fit ended with (session.KeptStep)
         self._said_off_here = False
 
@@ -108,11 +108,9 @@ class DymemCallback(keras.callbacks.Callback):
         fit_locals = compat.fit_frame_locals(self.model)
         # the model's train function is the one the last fit gave back: same model, not compiled again since
         same = self._given_back is not None and self._given_back() is self.model.train_function
-        plain_fits = same and self._plain_input is not None and self._plain_input == (
-            fit_batch.fit_batch_size(fit_locals), compat.fit_element_spec(fit_locals))
         self.session = FitSession(self.model, self.config, self.pass_, fit_locals, self._device_too_small,
-                                  plain_known_to_fit=plain_fits, kept=self._kept if same else None, say=self._say,
-                                  warn=self._warn)
+                                  plain_inputs=self._plain_inputs if same else None,
+                                  kept=self._kept if same else None, say=self._say, warn=self._warn)
         self._plans_written = 0
         self.session.begin()
         if self.config.log_dir:
@@ -154,8 +152,7 @@ class DymemCallback(keras.callbacks.Callback):
             self._kept = self.session.end()
             given_back = self.model.train_function
             self._given_back = weakref.ref(given_back) if given_back is not None else None
-            plain = self.session.state is State.PLAIN and self.session.element_spec is not None
-            self._plain_input = (self.session.batch_size, self.session.element_spec) if plain else None
+            self._plain_inputs = self.session.inputs if self.session.state is State.PLAIN else None
         if self._writer is not None:
             writer, self._writer = self._writer, None
             writer.close()  # also stops and saves an allocator trace

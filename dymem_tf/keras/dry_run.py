@@ -161,15 +161,21 @@ def plan_all(traced: TracedStep, policies, budget_bytes, device, headroom: float
     ``headroom`` is the share of the budget kept free (None: the callback's default when it has measured nothing;
     it calibrates its own on the first step under a budget, which a dry run cannot); 0 compares policies at
     exactly the same modelled budget. ``kwargs`` are :class:`~dymem_tf.planning.pipeline.PlanSettings` fields."""
+    request = step_pass.PlanRequest(budget_bytes=budget_bytes, headroom=headroom,
+                                    persistent_bytes=traced.persistent_bytes, default_batch_size=traced.batch_size)
+    return plan_each(traced, {policy: pipeline.PlanSettings(policy=policy, profile=device, **kwargs)
+                              for policy in policies}, request)
+
+
+def plan_each(traced: TracedStep, settings: dict, request: step_pass.PlanRequest) -> dict:
+    """:func:`plan_traced` for each ``{name: PlanSettings}`` of ``settings``: its plan, or the ValueError that
+    stopped it (a refusal, a step left unmodified)."""
     results = {}
-    for policy in policies:
-        settings = pipeline.PlanSettings(policy=policy, profile=device, **kwargs)
-        request = step_pass.PlanRequest(budget_bytes=budget_bytes, headroom=headroom,
-                                        persistent_bytes=traced.persistent_bytes, default_batch_size=traced.batch_size)
+    for name, each in settings.items():
         try:
-            results[policy] = plan_traced(traced, settings, request)
+            results[name] = plan_traced(traced, each, request)
         except ValueError as err:
-            results[policy] = err
+            results[name] = err
     return results
 
 

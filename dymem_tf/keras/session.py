@@ -47,8 +47,7 @@ class KeptStep:
     relaxed shapes, which the pass cannot size), so that the step is neither traced nor planned again."""
 
     budget_bytes: int | None
-    batch_size: int | None
-    element_spec: object  # the train function's input signature (the fit's dataset's element spec)
+    inputs: tuple  # the fit's FitSession.inputs: batch size and input signature
     step: _Step
     state: State
     records: tuple = ()
@@ -62,14 +61,11 @@ class FitSession:
     what the session decided, ``warn`` warns."""
 
     def __init__(self, model, config: DymemConfig, pass_: step_pass.StepPass, fit_locals: dict | None = None,
-                 device_too_small: bool = False, plain_known_to_fit: bool = False, kept: KeptStep | None = None,
+                 device_too_small: bool = False, plain_inputs: tuple | None = None, kept: KeptStep | None = None,
                  say=print, warn=compat.warn_user):
         self.model, self.config, self.pass_ = model, config, pass_
         self.say, self.warn = say, warn
         self.device_too_small = device_too_small
-        #: the model's train function is the one an earlier fit of the same callback found to fit the device, at
-        #: this fit's batch size: it trains as compiled at once, unguarded (memory_budget="auto")
-        self.plain_known_to_fit = plain_known_to_fit
         self.kept = kept  # the last fit's planned train function (KeptStep), reused where it fits this fit
         #: the train function fit made (or reused): the model's again when the session ends, unless it ran out of
         #: memory (then a new one, made then)
@@ -77,6 +73,9 @@ class FitSession:
         self.request = step_pass.PlanRequest(default_batch_size=fit_batch.fit_batch_size(fit_locals),
                                              observed_batch_size=fit_batch.observed_batch_size(fit_locals))
         self.element_spec = compat.fit_element_spec(fit_locals)  # None: unknown (nothing is kept for a next fit)
+        #: the model's train function is the one an earlier fit of the same callback found to fit the device, at
+        #: these inputs (``plain_inputs``): it trains as compiled at once, unguarded (memory_budget="auto")
+        self.plain_known_to_fit = plain_inputs is not None and plain_inputs == self.inputs
         self.control = FirstStepControl(state=State.AUTO if config.auto else State.UNGUARDED)
         self.records: list = []  # this fit's rewritten instantiations (each plan with its first step's measurement)
         self.skipped: list = []  # this fit's instantiations left unmodified
@@ -119,10 +118,8 @@ class FitSession:
         compat.drop_gradients(self.gradient_keys)
         step = getattr(self.model.train_function, "dymem_step", None)
         kept = None
-        if (step is not None and self.control.settled and self.control.state is not State.REFUSED
-                and self.element_spec is not None):
-            kept = KeptStep(self.budget_bytes, self.batch_size, self.element_spec, step, self.control.state,
-                            tuple(step.records))
+        if step is not None and self.control.settled and self.control.state is not State.REFUSED and self.inputs:
+            kept = KeptStep(self.budget_bytes, self.inputs, step, self.control.state, tuple(step.records))
         if self.keras_function is None:  # it ran out of memory and was let go: a new one, not traced until called
             self.model.train_function = None
             self.model.make_train_function()
@@ -144,6 +141,12 @@ class FitSession:
     def batch_size(self) -> int | None:
         """The running ``fit``'s batch size (None when unknown)."""
         return self.request.default_batch_size
+
+    @property
+    def inputs(self) -> tuple | None:
+        """What the train function's instantiations depend on besides the model: the batch size and the input
+        signature of the running ``fit`` (None when the signature is unknown)."""
+        return (self.batch_size, self.element_spec) if self.element_spec is not None else None
 
     @property
     def plan(self):
@@ -204,8 +207,7 @@ class FitSession:
         if guard:
             self._saved_limit = devices.cap_at(budget_bytes + self.others_bytes)
         kept = self.kept
-        if kept is not None and (kept.budget_bytes, kept.batch_size, kept.element_spec) == (
-                budget_bytes, self.batch_size, self.element_spec):
+        if kept is not None and (kept.budget_bytes, kept.inputs) == (budget_bytes, self.inputs):
             self._resume(kept)
             return
         self._xla_asked = xla.turn_off(model, config.xla, self.say, self.warn)
@@ -278,7 +280,8 @@ class FitSession:
 
     def _took(self, result: step_pass.PassResult | None, step: _Step) -> step_pass.PassResult:
         """Keep what one call's pass did (``result``) in this fit's records and ``step``'s; ``step``'s mobility
-        map now includes the graphs the call rewrote."""
+        map now includes the graphs the call rewrote (the pass installed theirs for the call; ``step``'s is
+        installed before its next call)."""
         result = result or step_pass.PassResult()
         self.last_result = result
         self.records.extend(result.records)
@@ -286,7 +289,6 @@ class FitSession:
         self.skipped.extend(result.skipped)
         if result.mobility:
             step.mobility = {**(step.mobility or {}), **dict(result.mobility)}
-            step_pass.install_mobility(step.mobility)
         return result
 
     def _after_first_call(self, step: _Step, result: step_pass.PassResult) -> None:
