@@ -152,9 +152,13 @@ bool IsForwardEdge(const tensorflow::Edge& e) { return !e.src()->IsNextIteration
 // The output record of every op node of `graph`, by name, with shapes inferred by the runtime's own op registry
 // (Python's may lack the kernels' dtypes, e.g. bfloat16 fusions). With `batch` > 0 the step's input batch dimension
 // is taken to be `batch` (see RefineBatch). A Merge sees its back edge's input as unknown, as TF's ShapeRefiner does.
-ShapeAnnotations InferOutputs(const tensorflow::Graph& graph, int64_t batch) {
+// A call TF did not inline (a jit_compile function on the CPU) gets its outputs' shapes from its body in `library`
+// (null: the graph's own).
+ShapeAnnotations InferOutputs(const tensorflow::Graph& graph, int64_t batch,
+                              const tensorflow::FunctionLibraryDefinition* library = nullptr) {
   ShapeAnnotations records;
   tensorflow::ShapeRefiner refiner(graph.versions(), graph.op_registry());
+  refiner.set_function_library_for_shape_inference(library != nullptr ? library : &graph.flib_def());
   std::vector<tensorflow::Node*> order;
   tensorflow::GetReversePostOrder(graph, &order, /*stable_comparator=*/{}, IsForwardEdge);
   for (tensorflow::Node* n : order) {
@@ -177,11 +181,11 @@ void AppendRecords(const tensorflow::GraphDef& def, const ShapeAnnotations& shap
   }
 }
 
-// Serializes `graph` into the call's kGraph buffer and its output records (InferOutputs) into kOutputs.
-void Serialize(const tensorflow::Graph& graph, PassCall* call) {
+// Serializes `graph` into the call's kGraph buffer and its output records (InferOutputs with `library`) into kOutputs.
+void Serialize(const tensorflow::Graph& graph, const tensorflow::FunctionLibraryDefinition* library, PassCall* call) {
   tensorflow::GraphDef def;
   graph.ToGraphDef(&def, /*include_flib_def=*/false);
-  call->shapes = InferOutputs(graph, g_batch_hint.load());
+  call->shapes = InferOutputs(graph, g_batch_hint.load(), library);
   call->offered_ids = graph.num_node_ids();
   AppendRecords(def, call->shapes, &call->buffers[kOutputs]);
   call->buffers[kGraph] = def.SerializeAsString();
@@ -284,12 +288,13 @@ void SerializeChanged(const std::vector<tensorflow::Node*>& changed, PassCall* c
 
 // Offers `graph` of function `name`, at `stage`, to the Python planner; a planner failure leaves the graph as it was, a kFail
 // fails the instantiation.
-absl::Status Offer(Handler handler, Stage stage, const std::string& name, tensorflow::Graph* graph) {
+absl::Status Offer(Handler handler, Stage stage, const std::string& name, tensorflow::Graph* graph,
+                   const tensorflow::FunctionLibraryDefinition* library) {
   if (!HasGradientOps(*graph)) return absl::OkStatus();
   PassCall call;
   call.graph = graph;
   call.stage = stage;
-  Serialize(*graph, &call);
+  Serialize(*graph, library, &call);
   g_handled.fetch_add(1);
   const std::string& def = call.buffers[kGraph];
   if (handler(&call, name.c_str(), def.data(), def.size()) == kFail) {
@@ -312,7 +317,7 @@ class DymemStepPass : public tensorflow::GraphOptimizationPass {
     Handler handler = ArmedFor(kStage);
     if (handler == nullptr || options.graph == nullptr || *options.graph == nullptr) return absl::OkStatus();
     const std::string name = options.function_def != nullptr ? options.function_def->signature().name() : "";
-    return Offer(handler, kStage, name, options.graph->get());
+    return Offer(handler, kStage, name, options.graph->get(), options.flib_def);
   }
 };
 
@@ -325,7 +330,7 @@ class DymemPartitionPass : public tensorflow::GraphOptimizationPass {
     for (auto& partition : *options.partition_graphs) {
       if (partition.second == nullptr) continue;
       const std::string& name = options.debug_filename_prefix;
-      absl::Status status = Offer(handler, kAfterPartitioning, name, partition.second.get());
+      absl::Status status = Offer(handler, kAfterPartitioning, name, partition.second.get(), options.flib_def);
       if (!status.ok()) return status;
     }
     return absl::OkStatus();
