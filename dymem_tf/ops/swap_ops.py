@@ -20,12 +20,17 @@ SUPPORTED_DTYPES: tuple[tf.DType, ...] = (
 )
 
 
+#: What the swap ops take besides those: variant tensors of TensorLists (a while loop's accumulators), whose
+#: elements are copied one by one, on the CPU device only (no GPU kernel takes variant).
+LIST_DTYPES: tuple[tf.DType, ...] = (tf.variant,)
+
+
 def _check_dtype(op: str, tensor: tf.Tensor) -> None:
-    if tensor.dtype.base_dtype not in SUPPORTED_DTYPES:
+    if tensor.dtype.base_dtype not in SUPPORTED_DTYPES + LIST_DTYPES:
         names = ", ".join(d.name for d in SUPPORTED_DTYPES)
         raise TypeError(
-            f"{op} cannot swap a tensor of dtype {tensor.dtype.name}: only numeric and bool tensors can be moved "
-            f"to host memory (supported: {names})."
+            f"{op} cannot swap a tensor of dtype {tensor.dtype.name}: only numeric and bool tensors, and variant "
+            f"tensors of TensorLists, can be moved to host memory (supported: {names}, variant)."
         )
 
 
@@ -33,7 +38,9 @@ def swap_out(x, name: str | None = None) -> tf.Tensor:
     """Copy ``x`` to host memory (``DymemSwapOut``); returns the host tensor, same dtype, shape and value.
 
     On the CPU device the copy lives in dymem's host pool, outside the device allocator's budget; on a GPU it is
-    pinned host memory. Raises ``TypeError`` for non-numeric dtypes (string, variant, resource).
+    pinned host memory. A variant tensor of TensorLists (CPU device) becomes one of new TensorLists, same element
+    shape, dtype and maximum size, whose elements are host-pool copies. Raises ``TypeError`` for string and
+    resource tensors (``InvalidArgumentError`` from the op for a variant that holds no TensorList).
     """
     x = tf.convert_to_tensor(x)
     _check_dtype("DymemSwapOut", x)
@@ -41,7 +48,8 @@ def swap_out(x, name: str | None = None) -> tf.Tensor:
 
 
 def swap_in(host, name: str | None = None) -> tf.Tensor:
-    """Copy a swapped-out tensor back into device memory (``DymemSwapIn``), tagged MOBILE for GTBM."""
+    """Copy a swapped-out tensor back into device memory (``DymemSwapIn``), tagged MOBILE for GTBM; a swapped-out
+    TensorList comes back as a new one whose elements are device copies."""
     host = tf.convert_to_tensor(host)
     _check_dtype("DymemSwapIn", host)
     return load_ops_library().dymem_swap_in(host, name=name)

@@ -5,11 +5,13 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
+#include <new>
 #include <string>
 #include <utility>
 
 #include "tensorflow/core/framework/allocation_description.pb.h"
 #include "tensorflow/core/framework/types.h"
+#include "tensorflow/core/framework/variant.h"
 #include "absl/strings/str_cat.h"
 #include "tensorflow/core/platform/errors.h"
 
@@ -60,6 +62,47 @@ class HostPoolBuffer final : public TensorBuffer {
  private:
   HostPool* const pool_;
   const size_t payload_bytes_;
+  const size_t block_bytes_;
+};
+
+// A tensor buffer of `count` Variants in a block of the host pool: constructed (empty) with the buffer, destroyed
+// before the block goes back, as TF's own allocators do for variant tensors.
+class HostPoolVariantBuffer final : public TensorBuffer {
+ public:
+  HostPoolVariantBuffer(HostPool* pool, void* data, int64_t count, size_t block_bytes)
+      : TensorBuffer(data), pool_(pool), count_(count), block_bytes_(block_bytes) {
+    auto* values = static_cast<tensorflow::Variant*>(data);
+    for (int64_t i = 0; i < count_; ++i) new (values + i) tensorflow::Variant();
+  }
+
+  ~HostPoolVariantBuffer() override {
+    auto* values = static_cast<tensorflow::Variant*>(data());
+    for (int64_t i = 0; i < count_; ++i) values[i].~Variant();
+    pool_->Deallocate(data(), block_bytes_);
+  }
+
+  size_t size() const override { return static_cast<size_t>(count_) * sizeof(tensorflow::Variant); }
+  TensorBuffer* root_buffer() override { return this; }
+
+  void FillAllocationDescription(AllocationDescription* proto) const override {
+    proto->set_requested_bytes(static_cast<int64_t>(size()));
+    proto->set_allocated_bytes(static_cast<int64_t>(block_bytes_));
+    proto->set_allocator_name("dymem_host_pool");
+    proto->set_ptr(reinterpret_cast<uintptr_t>(data()));
+  }
+
+  bool GetAllocatedBytes(size_t* out_bytes) const override {
+    *out_bytes = block_bytes_;
+    return true;
+  }
+
+  tensorflow::AllocatorMemoryType GetMemoryType() const override {
+    return tensorflow::AllocatorMemoryType::kHostPageable;
+  }
+
+ private:
+  HostPool* const pool_;
+  const int64_t count_;
   const size_t block_bytes_;
 };
 
@@ -348,6 +391,22 @@ absl::Status AllocateHostPoolTensor(DataType dtype, const TensorShape& shape, Te
   auto* buffer = new HostPoolBuffer(pool, ptr, bytes, block_bytes);
   *out = Tensor(dtype, shape, buffer);  // the tensor takes its own reference...
   buffer->Unref();                      // ...so drop the one `new` gave us
+  return absl::OkStatus();
+}
+
+absl::Status AllocateHostPoolVariantTensor(const TensorShape& shape, Tensor* out) {
+  const int64_t count = shape.num_elements();
+  if (count == 0) {
+    *out = Tensor(tensorflow::DT_VARIANT, shape);  // no elements: no buffer
+    return absl::OkStatus();
+  }
+  HostPool* pool = HostPool::Global();
+  void* ptr = nullptr;
+  size_t block_bytes = 0;
+  TF_RETURN_IF_ERROR(pool->Allocate(static_cast<size_t>(count) * sizeof(tensorflow::Variant), &ptr, &block_bytes));
+  auto* buffer = new HostPoolVariantBuffer(pool, ptr, count, block_bytes);
+  *out = Tensor(tensorflow::DT_VARIANT, shape, buffer);
+  buffer->Unref();
   return absl::OkStatus();
 }
 

@@ -125,6 +125,11 @@ class HostPool {
 absl::Status AllocateHostPoolTensor(tensorflow::DataType dtype, const tensorflow::TensorShape& shape,
                                     tensorflow::Tensor* out);
 
+// Makes `*out` a DT_VARIANT tensor of `shape` whose Variants (empty) live in the global host pool, outside the device
+// budget (a swapped-out TensorList's container); they are destroyed, and the memory returns to the pool, when the last
+// reference to the buffer goes away.
+absl::Status AllocateHostPoolVariantTensor(const tensorflow::TensorShape& shape, tensorflow::Tensor* out);
+
 // Makes `*out` a tensor of `dtype`/`shape` whose buffer `base` allocates (DymemSwapOut's GPU kernel: TF's pinned host
 // allocator), charged to `pool`: its bytes are reserved under the pool's byte limit first (ResourceExhausted when
 // they do not fit) and released when the last reference to the buffer goes away. Zero-element tensors get no buffer.

@@ -8,6 +8,14 @@
 // MOBILE for GTBM. GPU device: asynchronous copies through the device context into TF's pinned host memory, modelled
 // on tensorflow/core/grappler/optimizers/gpu_swapping_kernels.cc; the pinned copies are charged to the host pool
 // (AllocateChargedTensor), so its byte limit and statistics cover them too.
+//
+// TensorLists: a DT_VARIANT tensor whose elements hold TensorLists (a while loop's accumulators, what its gradient
+// loop pops) swaps element by element: DymemSwapOut's output holds new TensorLists (same element_shape,
+// element_dtype and max_num_elements) whose element tensors live in the host pool, DymemSwapIn's holds new ones
+// whose elements are MOBILE device memory. The input's lists are only read: once its last reference goes, the
+// device elements are freed. CPU device only: the GPU kernels are not registered for variant (a variant swap node
+// placed on a GPU has no kernel), since TF moves a GPU TensorList's elements with VariantDeviceCopy, not with one
+// DeviceContext copy of the variant tensor.
 
 #include <algorithm>
 #include <cstdint>
@@ -22,6 +30,8 @@
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/framework/types.h"
+#include "tensorflow/core/framework/variant.h"
+#include "tensorflow/core/kernels/tensor_list.h"
 #include "tensorflow/core/platform/errors.h"
 #include "tensorflow/core/util/work_sharder.h"
 
@@ -40,17 +50,37 @@ using tensorflow::OpKernelConstruction;
 using tensorflow::OpKernelContext;
 using tensorflow::Tensor;
 
-// Every type whose tensors are plain bytes (DataTypeCanUseMemcpy): the numeric types and bool.
+using tensorflow::TensorList;
+using tensorflow::Variant;
+
+// Every type whose tensors are plain bytes (DataTypeCanUseMemcpy): the numeric types and bool; and variant, for
+// tensors of TensorLists (CPU device only, see the file's comment).
 #define DYMEM_SWAP_TYPES \
   "T: {half, bfloat16, float, double, int8, int16, int32, int64, uint8, uint16, uint32, uint64, complex64, " \
-  "complex128, bool}"
+  "complex128, bool, variant}"
+
+// The types of DYMEM_SWAP_TYPES that the GPU kernels take: all but variant.
+constexpr DataType kGpuSwapTypes[] = {
+    tensorflow::DT_HALF,   tensorflow::DT_BFLOAT16, tensorflow::DT_FLOAT,  tensorflow::DT_DOUBLE,
+    tensorflow::DT_INT8,   tensorflow::DT_INT16,    tensorflow::DT_INT32,  tensorflow::DT_INT64,
+    tensorflow::DT_UINT8,  tensorflow::DT_UINT16,   tensorflow::DT_UINT32, tensorflow::DT_UINT64,
+    tensorflow::DT_COMPLEX64, tensorflow::DT_COMPLEX128, tensorflow::DT_BOOL};
+
+// The output is shaped like the input and, for a variant (a TensorList), keeps its element shape and dtype as the
+// input's handle data, so that shape inference downstream (TensorListPopBack, TensorListStack) still sees them.
+absl::Status SwapShape(tensorflow::shape_inference::InferenceContext* c) {
+  c->set_output(0, c->input(0));
+  const auto* handle = c->input_handle_shapes_and_types(0);
+  if (handle != nullptr) c->set_output_handle_shapes_and_types(0, *handle);
+  return absl::OkStatus();
+}
 
 REGISTER_OP("DymemSwapOut")
     .Input("x: T")
     .Output("host: T")
     .Attr(DYMEM_SWAP_TYPES)
     .SetIsStateful()
-    .SetShapeFn(tensorflow::shape_inference::UnchangedShape);
+    .SetShapeFn(SwapShape);
 // Copies `x` to host memory. `host` holds the same value; on a GPU it lives in pinned host memory, on the CPU device
 // in dymem's host pool, outside the device allocator's budget.
 
@@ -59,7 +89,7 @@ REGISTER_OP("DymemSwapIn")
     .Output("y: T")
     .Attr(DYMEM_SWAP_TYPES)
     .SetIsStateful()
-    .SetShapeFn(tensorflow::shape_inference::UnchangedShape);
+    .SetShapeFn(SwapShape);
 // Copies a swapped-out tensor back into device memory, allocated as a MOBILE tensor when GTBM is the allocator.
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -95,18 +125,107 @@ absl::Status CheckSwappable(const char* op, DataType dtype) {
   return absl::OkStatus();
 }
 
+// Where a TensorList swap puts the copies of its elements.
+enum class Destination { kHostPool, kDevice };
+
+absl::Status CopyTensorTo(OpKernelContext* ctx, const char* op, Destination to, const Tensor& src, Tensor* dst,
+                          int64_t* bytes);
+
+// `src`'s bytes in a new buffer at `to` (the host pool, or MOBILE memory of the device allocator), into `*dst`;
+// adds the bytes copied to `*bytes`.
+absl::Status CopyBytesTo(OpKernelContext* ctx, const char* op, Destination to, const Tensor& src, Tensor* dst,
+                         int64_t* bytes) {
+  TF_RETURN_IF_ERROR(CheckSwappable(op, src.dtype()));
+  if (to == Destination::kHostPool) {
+    TF_RETURN_IF_ERROR(AllocateHostPoolTensor(src.dtype(), src.shape(), dst));
+  } else {
+    ScopedMobility mobile(kMobilityMobile);
+    TF_RETURN_IF_ERROR(ctx->allocate_temp(src.dtype(), src.shape(), dst));
+  }
+  const absl::string_view data = src.tensor_data();
+  CopyBytes(ctx, static_cast<char*>(dst->data()), data.data(), data.size());
+  *bytes += static_cast<int64_t>(data.size());
+  return absl::OkStatus();
+}
+
+// A new TensorList like `src` (element shape, dtype, maximum size) whose elements are copies at `to`, into `*dst`.
+// An element TensorListReserve left unset (no buffer) stays unset.
+absl::Status CopyListTo(OpKernelContext* ctx, const char* op, Destination to, const TensorList& src,
+                        TensorList* dst, int64_t* bytes) {
+  dst->element_shape = src.element_shape;
+  dst->element_dtype = src.element_dtype;
+  dst->max_num_elements = src.max_num_elements;
+  std::vector<Tensor>& elements = dst->tensors();
+  elements.reserve(src.tensors().size());
+  for (const Tensor& element : src.tensors()) {
+    if (element.dtype() == tensorflow::DT_INVALID || !element.IsInitialized()) {
+      elements.push_back(element);
+      continue;
+    }
+    elements.emplace_back();
+    TF_RETURN_IF_ERROR(CopyTensorTo(ctx, op, to, element, &elements.back(), bytes));
+  }
+  return absl::OkStatus();
+}
+
+// A variant tensor like `src` whose TensorLists are copied to `to` (CopyListTo), into `*dst`: the container too
+// lives at `to`, so that nothing of a swapped-out list stays in the device's budget; InvalidArgument naming the
+// type held when an element is not a TensorList.
+absl::Status CopyListsTo(OpKernelContext* ctx, const char* op, Destination to, const Tensor& src, Tensor* dst,
+                         int64_t* bytes) {
+  if (to == Destination::kHostPool) {
+    TF_RETURN_IF_ERROR(AllocateHostPoolVariantTensor(src.shape(), dst));
+  } else {
+    TF_RETURN_IF_ERROR(ctx->allocate_temp(tensorflow::DT_VARIANT, src.shape(), dst));
+  }
+  const auto in = src.flat<Variant>();
+  auto out = dst->flat<Variant>();
+  for (int64_t i = 0; i < in.size(); ++i) {
+    const TensorList* list = in(i).get<TensorList>();
+    if (list == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(op, " swaps variant tensors of TensorLists only, not of ",
+                                                     in(i).TypeName()));
+    }
+    TensorList copy;
+    TF_RETURN_IF_ERROR(CopyListTo(ctx, op, to, *list, &copy, bytes));
+    out(i) = std::move(copy);
+  }
+  return absl::OkStatus();
+}
+
+// `src` copied to `to` into `*dst`: its bytes, or for a variant tensor its TensorLists element by element.
+absl::Status CopyTensorTo(OpKernelContext* ctx, const char* op, Destination to, const Tensor& src, Tensor* dst,
+                          int64_t* bytes) {
+  if (src.dtype() == tensorflow::DT_VARIANT) return CopyListsTo(ctx, op, to, src, dst, bytes);
+  return CopyBytesTo(ctx, op, to, src, dst, bytes);
+}
+
 class DymemSwapOutCpuOp : public OpKernel {
  public:
   explicit DymemSwapOutCpuOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& x = ctx->input(0);
+    if (x.dtype() == tensorflow::DT_VARIANT) {
+      SwapLists(ctx, x);
+      return;
+    }
     OP_REQUIRES_OK(ctx, CheckSwappable("DymemSwapOut", x.dtype()));
     Tensor host;
     OP_REQUIRES_OK(ctx, AllocateHostPoolTensor(x.dtype(), x.shape(), &host));
     const absl::string_view src = x.tensor_data();
     CopyBytes(ctx, static_cast<char*>(host.data()), src.data(), src.size());
     HostPool::Global()->RecordSwapOut(static_cast<int64_t>(src.size()));
+    ctx->set_output(0, host);
+  }
+
+ private:
+  // `x`'s TensorLists with their elements copied into the host pool.
+  static void SwapLists(OpKernelContext* ctx, const Tensor& x) {
+    Tensor host;
+    int64_t bytes = 0;
+    OP_REQUIRES_OK(ctx, CopyListsTo(ctx, "DymemSwapOut", Destination::kHostPool, x, &host, &bytes));
+    HostPool::Global()->RecordSwapOut(bytes);
     ctx->set_output(0, host);
   }
 };
@@ -117,6 +236,10 @@ class DymemSwapInCpuOp : public OpKernel {
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& host = ctx->input(0);
+    if (host.dtype() == tensorflow::DT_VARIANT) {
+      SwapLists(ctx, host);
+      return;
+    }
     OP_REQUIRES_OK(ctx, CheckSwappable("DymemSwapIn", host.dtype()));
     Tensor* y = nullptr;
     {
@@ -126,6 +249,16 @@ class DymemSwapInCpuOp : public OpKernel {
     const absl::string_view src = host.tensor_data();
     CopyBytes(ctx, static_cast<char*>(y->data()), src.data(), src.size());
     HostPool::Global()->RecordSwapIn(static_cast<int64_t>(src.size()));
+  }
+
+ private:
+  // `host`'s TensorLists with their elements copied into MOBILE device memory.
+  static void SwapLists(OpKernelContext* ctx, const Tensor& host) {
+    Tensor y;
+    int64_t bytes = 0;
+    OP_REQUIRES_OK(ctx, CopyListsTo(ctx, "DymemSwapIn", Destination::kDevice, host, &y, &bytes));
+    HostPool::Global()->RecordSwapIn(bytes);
+    ctx->set_output(0, y);
   }
 };
 
@@ -207,8 +340,13 @@ class DymemSwapInGpuOp : public AsyncOpKernel {
   }
 };
 
-REGISTER_KERNEL_BUILDER(Name("DymemSwapOut").Device(tensorflow::DEVICE_GPU).HostMemory("host"), DymemSwapOutGpuOp);
-REGISTER_KERNEL_BUILDER(Name("DymemSwapIn").Device(tensorflow::DEVICE_GPU).HostMemory("host"), DymemSwapInGpuOp);
+// Not for variant: see the file's comment.
+REGISTER_KERNEL_BUILDER(
+    Name("DymemSwapOut").Device(tensorflow::DEVICE_GPU).TypeConstraint("T", kGpuSwapTypes).HostMemory("host"),
+    DymemSwapOutGpuOp);
+REGISTER_KERNEL_BUILDER(
+    Name("DymemSwapIn").Device(tensorflow::DEVICE_GPU).TypeConstraint("T", kGpuSwapTypes).HostMemory("host"),
+    DymemSwapInGpuOp);
 
 #endif  // DYMEM_WITH_GPU_KERNELS
 

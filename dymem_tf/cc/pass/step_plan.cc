@@ -23,6 +23,8 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "tensorflow/core/framework/node_def_util.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_def.pb.h"
 #include "tensorflow/core/framework/types.h"
 #include "tensorflow/core/graph/node_builder.h"
 
@@ -454,9 +456,24 @@ Node* Find(const NodeIndex& index, const std::string& name, std::string* error) 
   return nullptr;
 }
 
-// Whether a tensor of this type can be swapped (plain bytes, not a reference).
+// The types DymemSwapOut is registered for (its attribute T's allowed values); empty when it is not registered.
+const std::unordered_set<int>& SwapOutTypes() {
+  static const std::unordered_set<int>* types = [] {
+    auto* found = new std::unordered_set<int>;
+    const tensorflow::OpDef* def = nullptr;
+    if (!tensorflow::OpRegistry::Global()->LookUpOpDef("DymemSwapOut", &def).ok()) return found;
+    for (const auto& attr : def->attr()) {
+      if (attr.name() == "T") found->insert(attr.allowed_values().list().type().begin(),
+                                            attr.allowed_values().list().type().end());
+    }
+    return found;
+  }();
+  return *types;
+}
+
+// Whether a tensor of this type can be swapped: not a reference, and a type the swap ops take.
 bool Swappable(tensorflow::DataType dtype) {
-  return !tensorflow::IsRefType(dtype) && tensorflow::DataTypeCanUseMemcpy(dtype);
+  return !tensorflow::IsRefType(dtype) && SwapOutTypes().count(dtype) > 0;
 }
 
 // Checks one `var` record: a resource output, consumers that read it, untaken new names (added to `taken`).
@@ -501,7 +518,8 @@ bool ValidateVariableOp(const VariableOpRecord& r, const NodeIndex& index, std::
   Node* like = Find(index, r.like, error);
   tensorflow::DataType dtype;
   if (like == nullptr) return false;
-  if (!tensorflow::GetNodeAttr(like->attrs(), "dtype", &dtype).ok() || !Swappable(dtype)) {
+  if (!tensorflow::GetNodeAttr(like->attrs(), "dtype", &dtype).ok() || !Swappable(dtype) ||
+      !tensorflow::DataTypeCanUseMemcpy(dtype)) {
     *error = absl::StrCat("'", r.like, "' gives no dtype a variable read can take");
     return false;
   }
