@@ -4,7 +4,6 @@ training stays bit-identical to plain training."""
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import tensorflow as tf
 import keras
 
@@ -58,4 +57,78 @@ def test_the_outputs_of_a_call_tf_does_not_inline_are_sized_from_its_body_and_sw
     assert not cb.skipped
     calls = [s for s in cb.plan.swaps if "/StatefulPartitionedCall:" in s.tensor]
     assert calls and all(s.bytes == 8 * 16 * 16 * 8 * 4 for s in calls)
+    assert_identical(plain, dymem)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Loops
+
+SEQ, FEATURES, UNITS = 12, 8, 16
+
+
+def stacked_lstm() -> keras.Model:
+    """Two LSTMs, the first returning sequences: on the CPU each runs as a lowered while loop whose accumulated
+    lists (each step's gates and states, kept for the gradient loop) are most of the step's memory."""
+    model = keras.Sequential([keras.Input((SEQ, FEATURES)), keras.layers.LSTM(UNITS, return_sequences=True),
+                              keras.layers.LSTM(UNITS), keras.layers.Dense(10)])
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=LOSS)
+    return model
+
+
+def sequences(n: int, seed: int = 1):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(n, SEQ, FEATURES)).astype("float32"), rng.integers(0, 10, n)
+
+
+def test_the_lists_a_forward_loop_accumulates_are_sized_by_their_length_and_element():
+    from dymem_tf.keras import dry_run
+
+    traced = dry_run.trace_train_step(stacked_lstm(), 8)
+    assert traced.unsupported is None  # once "control-flow": a loop left the step unmodified
+    sg = traced.step_graph
+    exits = [t for t in sg.tensors.values() if t.dtype == "variant" and sg.ops[t.producer].type == "Exit"]
+    sized = [t for t in exits if t.bytes]
+    # each loop accumulates its states (8 x 16 floats a step) for the gradient loop: SEQ of them per list
+    assert sized and {t.shape for t in sized} >= {(SEQ, 8, UNITS)}
+    assert all(t.bytes == 4 * np.prod(t.shape) and not t.persistent for t in sized)
+    # a weight read in each iteration is the variable's buffer, stored again and again: no list is sized by it
+    assert all(t.shape[1:] != (FEATURES, 4 * UNITS) and t.shape[1:] != (UNITS, 4 * UNITS) for t in sized)
+    # the gradient loop's entries wait for its incoming gradient: the lists are read where the loop starts
+    enters = [sg.ops[c] for t in sized for c in t.consumers]
+    assert enters and all(op.type == "Enter" and op.is_backward for op in enters)
+    assert min(op.layer for op in enters) > max(sg.ops[t.producer].layer for t in sized) + 5
+
+
+def test_a_step_with_loops_is_planned_around_them_and_trains_identically():
+    x, y = sequences(32)
+    plain = fit(stacked_lstm, x, y)
+    cb = dymem_tf.DymemCallback(memory_budget=None, min_swap_bytes=0, verbose=0)
+    dymem = fit(stacked_lstm, x, y, [cb])
+    assert not cb.skipped
+    lists = [s for s in cb.plan.swaps if "/while/exit/" in s.tensor]
+    assert lists, [s.tensor for s in cb.plan.swaps]
+    assert_identical(plain, dymem)
+
+
+def test_the_lists_a_gradient_loop_pops_are_streamed_through_host_memory_under_a_budget():
+    """Under a budget the loops' accumulators live in host memory: each element is swapped out as it is pushed and
+    swapped in as it is popped, inside the loops. The probe and the calibrated plan both stream them."""
+    from dymem_tf.keras import dry_run
+    from dymem_tf.planning import loop_lists
+
+    sg = dry_run.trace_train_step(stacked_lstm(), 8).step_graph
+    streamed = loop_lists.streamable_lists(sg)
+    assert streamed and all(sg.tensors[x.tensor].bytes == x.bytes > 0 for x in streamed)
+    for x in streamed:
+        assert all(sg.ops[push].type == "TensorListPushBack" and sg.ops[push].frame for _, push in x.pushes)
+        assert all(sg.ops[pop].type == "TensorListPopBack" and sg.ops[pop].is_backward and readers
+                   for pop, *readers in x.pops)
+    x, y = sequences(32)
+    plain = fit(stacked_lstm, x, y)
+    cb = dymem_tf.DymemCallback(memory_budget="1GiB", min_swap_bytes=0, verbose=0)
+    dymem = fit(stacked_lstm, x, y, [cb])
+    assert [len(r.plan.streamed_lists) for r in cb.records] == [len(streamed)] * 2  # the probe, the calibrated plan
+    pushes = sum(len(x.pushes) for x in streamed)
+    assert cb.records[-1].report.streamed_lists == len(streamed)
+    assert len(cb.records[-1].report.swap_out_ops) >= pushes + sum(len(x.pops) for x in streamed)
     assert_identical(plain, dymem)

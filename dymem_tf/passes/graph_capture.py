@@ -24,8 +24,10 @@ import tensorflow as tf
 
 from dymem_tf import op_sets
 from dymem_tf.passes import host_memory
-from dymem_tf.planning.analysis import (ALIAS_OP_TYPES, FORWARDING_OP_TYPES, METADATA_OP_TYPES, CycleError, OpInfo,
-                                       StepGraph, TensorInfo, aliased_input, analyse, descendants)
+from dymem_tf.planning import branches, loop_lists
+from dymem_tf.planning.analysis import (ALIAS_OP_TYPES, FORWARDING_OP_TYPES, FRAME_SEPARATOR, METADATA_OP_TYPES,
+                                       CycleError, OpInfo, StepGraph, TensorInfo, aliased_input, analyse, descendants,
+                                       outer_frame)
 
 (_GRAD_PREFIX,) = op_sets.GRADIENT_SCOPES
 #: Ops whose outputs alias variable storage (persistent memory): never swapped, counted in persistent bytes.
@@ -272,8 +274,8 @@ def capture_step_graph(ops: Sequence[tf.Operation], batch_size: int | None = Non
             tensors[t.name] = TensorInfo(t.name, op.name, k, dtype, dims, nbytes,
                                          persistent=persistent, shape_known=known, alias_of=alias_of)
             outs.append(t.name)
-        # A lowered loop's back edge (NextIteration -> Merge) is left out: the step graph stays a DAG, and the
-        # pass reports the loop itself (dymem_tf.passes.step_pass.unsupported_construct).
+        # A lowered loop's back edge (NextIteration -> Merge) is left out: the step graph stays a DAG, in which a
+        # loop's body runs once; what the loop keeps across iterations leaves it as lists (loop_lists).
         inputs = [t.name for t in op.inputs if t.op.name in names
                   and not (op.type == "Merge" and t.op.type == "NextIteration")]
         infos.append(OpInfo(
@@ -304,6 +306,9 @@ def capture_step_graph(ops: Sequence[tf.Operation], batch_size: int | None = Non
         raise UnsupportedGraphError(str(err)) from err
     if enter_frames:  # without loops every op runs in the step's own frame ("")
         _mark_frames(sg, enter_frames)
+        sg.meta["loop_lists_sized"] = loop_lists.size_loop_lists(sg, _scalar_constants(ops))
+        if order_loop_entries(sg):
+            analyse(sg)
     if any(op.type == "Switch" for op in infos):  # without conditionals no op is in a branch
         _mark_conditional(sg)
     return sg
@@ -336,11 +341,49 @@ def _mark_frames(sg: StepGraph, enter_frames: dict[str, str]) -> None:
         sources = [sg.tensors[t].producer for t in op.inputs] + list(op.control_inputs)
         outer = next((sg.ops[p].frame for p in sources if sg.ops[p].frame), "")
         if op.type == "Enter":
-            op.frame = f"{outer}/{enter_frames.get(name, name)}".lstrip("/")
+            frame = enter_frames.get(name) or name
+            op.frame = f"{outer}{FRAME_SEPARATOR}{frame}" if outer else frame
         elif op.type == "Exit":
-            op.frame = outer.rpartition("/")[0]
+            op.frame = outer_frame(outer)
         else:
             op.frame = outer
+
+
+def _scalar_constants(ops) -> dict[str, int]:
+    """The value of every scalar integer ``Const`` among ``ops``, by its output's name."""
+    values = {}
+    for op in ops:
+        if op.type != "Const":
+            continue
+        try:
+            proto = op.get_attr("value")
+        except (ValueError, TypeError):
+            continue
+        if getattr(proto, "tensor_shape", None) is None or proto.tensor_shape.dim:
+            continue
+        if proto.int_val or proto.int64_val:
+            values[f"{op.name}:0"] = int((proto.int_val or proto.int64_val)[0])
+    return values
+
+
+def order_loop_entries(sg: StepGraph) -> int:
+    """Add an ordering edge (``kind="loop-start"``, in the step graph only) from the producer of the last input a
+    lowered loop receives to each of the loop's other ``Enter`` ops, so that the dependency layers hold every input
+    where the loop can first use it: a gradient loop's iterations wait for the incoming gradient, and the lists
+    its forward loop accumulated are read there, not where they were handed over. Returns the edges added."""
+    entries: dict[str, list[OpInfo]] = {}
+    for op in sg.ops.values():
+        if op.type == "Enter" and op.inputs:
+            entries.setdefault(op.frame, []).append(op)
+    added = 0
+    for enters in entries.values():
+        producer_of = {e.name: sg.tensors[e.inputs[0]].producer for e in enters}
+        last = max(producer_of.values(), key=lambda p: (sg.ops[p].layer, sg.position(p)))
+        for e in enters:
+            if producer_of[e.name] != last and not sg.graph.has_edge(last, e.name):
+                sg.graph.add_edge(last, e.name, kind="loop-start")
+                added += 1
+    return added
 
 
 def _frame_name(op) -> str:
@@ -365,9 +408,10 @@ def _mark_conditional(sg: StepGraph) -> None:
         op = sg.ops[name]
         preds = [depth[p] for p in sg.graph.predecessors(name)]
         d = max(preds, default=0)
-        if op.type == "Merge":
+        plumbing = op.type in ("Switch", "Merge") and branches.in_loop_plumbing(sg, op)
+        if op.type == "Merge" and not plumbing:
             d = max(d - 1, 0)
-        depth[name] = d + 1 if op.type == "Switch" else d
+        depth[name] = d + 1 if op.type == "Switch" and not plumbing else d
     base = min((depth[n] for n, op in sg.ops.items() if op.phase == "backward"), default=0)
     for name, op in sg.ops.items():
         op.conditional = depth[name] > base

@@ -325,7 +325,7 @@ def graphs_offered() -> int:
     return int(_library().dymem_pass_handled())
 
 
-def encode_plan(swaps, control_edges=(), resident=(), sequences=()) -> str:
+def encode_plan(swaps, control_edges=(), resident=(), sequences=(), streamed_lists=()) -> str:
     """The pass's text form of a plan: ``swaps`` are :class:`~dymem_tf.planning.plan.SwapDecision`-like records
     (``tensor``, ``swap_ins`` with ``consumers`` and ``trigger_op``), ``control_edges`` ``(from, to)`` op pairs.
 
@@ -336,7 +336,8 @@ def encode_plan(swaps, control_edges=(), resident=(), sequences=()) -> str:
     ``vin`` whose buffer GTBM places in its persistent group: the variable stays on the device from then on).
     ``sequences``: ``(names, with_added, bands)`` triples, each list chained in its order as far as the graph
     allows (``seq`` records), with the nodes the plan adds on its device when ``with_added`` (``seqadded``), in
-    ``bands`` (each name's band, non-decreasing; empty: each name its own).
+    ``bands`` (each name's band, non-decreasing; empty: each name its own). ``streamed_lists``: the loops' lists
+    kept in host memory (:class:`~dymem_tf.planning.plan.StreamedList`, :func:`_streamed_list_records`).
     """
     lines = []
     for decision in swaps:
@@ -369,6 +370,8 @@ def encode_plan(swaps, control_edges=(), resident=(), sequences=()) -> str:
                     lines += [record("reroute", consumer=c, source=unwrap, port=0, target=name) for c, unwrap in reads]
                 else:
                     lines += _alias_copy_records(name, reads)
+    for streamed in streamed_lists:
+        lines += _streamed_list_records(streamed)
     for resource, users in resident:  # kept variables: back on the device before their users, if they were not
         producer, port = split_tensor_name(resource)
         name = resident_op_name(resource)
@@ -400,6 +403,26 @@ def resident_op_name(resource: str) -> str:
     the device)."""
     op, port = split_tensor_name(resource)
     return f"{op}/dymem_resident_{port}"
+
+
+def _streamed_list_records(streamed) -> list[str]:
+    """The records that keep a loop's list in host memory: each pushed element swapped out (``out``) and the push
+    rerouted to the host copy; each popped element, a host tensor, swapped in for its readers (an ``out`` of the
+    pop's element, a copy in host memory the ``in`` record needs as its source, then the ``in``). All of them run
+    inside the loops."""
+    lines = []
+    for element, push in streamed.pushes:
+        producer, port = split_tensor_name(element)
+        out = swap_out_name(element)
+        lines.append(record("out", producer=producer, port=port, swap_out=out))
+        lines.append(record("reroute", consumer=push, source=producer, port=port, target=out))
+    for pop, *readers in streamed.pops:
+        element = f"{pop}:1"
+        out = swap_out_name(element)
+        lines.append(record("out", producer=pop, port=1, swap_out=out))
+        lines.append(record("in", swap_out=out, swap_in=swap_in_name(element, 0), trigger="",
+                            consumers=",".join(readers)))
+    return lines
 
 
 def _weight_records(decision) -> list[str]:

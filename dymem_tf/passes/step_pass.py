@@ -14,9 +14,9 @@ caches (:mod:`dymem_tf.passes.caches`).
 Each instantiation (first call, retrace on a new input shape) gets its own plan; under a distribution strategy
 with several local replicas each replica's device gets its own plan (``TraceRecord.replica``).
 
-Constructs the pass cannot plan leave the graph unmodified, with one warning per construct
-(:class:`SkippedTrace`): a loop feeding the backward pass, forward tensors needed by the backward pass whose size
-is unknown, a step without gradient ops.
+Loops, conditionals and calls TF did not inline are planned around or seen into (:func:`unsupported_construct`).
+What the pass cannot plan leaves the graph unmodified, with one warning per construct (:class:`SkippedTrace`):
+forward tensors needed by the backward pass whose size is unknown, a step without gradient ops.
 """
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ from dymem_tf import compat, op_sets
 from dymem_tf.memory import placement
 from dymem_tf.passes import caches, graph_capture, graph_def_view, graph_pass
 from dymem_tf.planning import first_step, pipeline, planner, simulator, stages
+from dymem_tf.planning.analysis import frame_depth
 
 logger = logging.getLogger("dymem_tf")
 
@@ -137,6 +138,7 @@ class RewriteReport:
     offloaded_variables: int = 0  # optimizer variables offloaded between their uses (part of swapped_tensors)
     offloaded_weights: int = 0  # weights kept in host memory between their uses (part of swapped_tensors)
     recomputed: int = 0  # feature maps computed again for the backward pass (part of swapped_tensors)
+    streamed_lists: int = 0  # loops' lists kept in host memory element by element (their ops in the lists above)
 
     def summary(self) -> str:
         text = (f"{self.swapped_tensors} tensors swapped: {len(self.swap_out_ops)} swap-outs, "
@@ -147,6 +149,8 @@ class RewriteReport:
             text += f"; {self.offloaded_weights} of them weights kept in host memory between their uses"
         if self.recomputed:
             text += f"; {self.recomputed} of them recomputed instead"
+        if self.streamed_lists:
+            text += f"; {self.streamed_lists} loop lists kept in host memory element by element"
         return text
 
 
@@ -179,7 +183,6 @@ class SkipKind(str, enum.Enum):
     """Why the pass left a graph unmodified."""
 
     UNSUPPORTED_GRAPH = "unsupported-graph"  # no ops, a cycle, a plan that did not fit the graph
-    CONTROL_FLOW = "control-flow"  # a loop inside the step
     UNKNOWN_SHAPE = "unknown-shape"  # a tensor kept for the backward pass has no static size
     NO_GRADIENTS = "no-gradients"  # nothing is kept for a backward pass
 
@@ -199,7 +202,7 @@ class Unsupported:
 @dataclasses.dataclass
 class SkippedTrace:
     """A graph the pass left unmodified: ``kind`` is ``"unsupported-graph"`` (no ops, a cycle, a plan that did
-    not fit the graph), ``"control-flow"``, ``"unknown-shape"`` or ``"no-gradients"``; ``subject`` names the op
+    not fit the graph), ``"unknown-shape"`` or ``"no-gradients"``; ``subject`` names the op
     or tensor; ``reason`` is the warning's text."""
 
     function_name: str
@@ -209,14 +212,6 @@ class SkippedTrace:
     replica: int | None = None
 
 
-#: Loops (a Keras RNN on the TensorFlow backend; lowered to Enter/Exit/NextIteration frames by the time the pass
-#: runs): they keep per-iteration feature maps in TensorList accumulators, which the planner can neither size
-#: nor swap.
-LOOP_OP_TYPES = frozenset({"While", "StatelessWhile", "Enter", "NextIteration", "LoopCond"})
-#: Conditionals and function calls that were not inlined: what the backward pass needs from them leaves them as
-#: outputs, so they are planned as opaque ops.
-OPAQUE_OP_TYPES = frozenset({"If", "StatelessIf", "Case", "StatelessCase", "PartitionedCall",
-                             "StatefulPartitionedCall"})
 #: Lowered control flow's plumbing: its outputs forward tensors (a loop's counter, an Optional) and are not
 #: feature maps.
 FLOW_OP_TYPES = frozenset({"Switch", "Merge", "Enter", "Exit", "NextIteration", "LoopCond"})
@@ -476,7 +471,8 @@ def encode_planned(planned: list) -> str:
     resident = [r for _, step in planned for r in step.resident]
     sequences = [(step.sequence.ops, step.sequence.with_added, step.sequence.bands) for _, step in planned
                  if step.sequence.ops]
-    return graph_pass.encode_plan(swaps, edges, resident, sequences)
+    streamed = [x for _, step in planned for x in step.plan.streamed_lists]
+    return graph_pass.encode_plan(swaps, edges, resident, sequences, streamed)
 
 
 _installed_mobility: list = [None]  # the map GTBM holds now (compared by identity: installing is not free)
@@ -557,6 +553,12 @@ def rewrite_report(plan, deferrals) -> RewriteReport:
             if swap_in.consumers:
                 report.swap_in_ops.append(graph_pass.swap_in_name(decision.tensor, i))
                 report.rerouted_inputs += len(swap_in.consumers)
+    for streamed in plan.streamed_lists:
+        report.streamed_lists += 1
+        report.swap_out_ops += [graph_pass.swap_out_name(element) for element, _ in streamed.pushes]
+        report.swap_out_ops += [graph_pass.swap_out_name(f"{pop}:1") for pop, *_ in streamed.pops]
+        report.swap_in_ops += [graph_pass.swap_in_name(f"{pop}:1", 0) for pop, *_ in streamed.pops]
+        report.rerouted_inputs += len(streamed.pushes) + sum(len(readers) for _, *readers in streamed.pops)
     return report
 
 
@@ -605,33 +607,25 @@ def capture(ops: list, batch_size: int | None, observed_batch: int | None = None
 def unsupported_construct(sg, batch_size: int | None = None, observed_batch: int | None = None) -> Unsupported | None:
     """The first construct in the step that the pass cannot plan, or None.
 
-    * a loop (``While``: ``tf.while_loop``, a Keras RNN on the TensorFlow backend) in the backward pass, or in the
-      forward pass upstream of it: its body lives in another FuncGraph and keeps the feature maps of every iteration
-      in TensorList accumulators, which the analysis cannot size or swap, so the step's memory cannot be planned
-      (a loop elsewhere -- the optimizer update -- holds no feature map and is fine; ``If``/``Case`` and nested
-      function calls are planned as opaque ops: what the backward pass needs from them leaves them as outputs);
-    * a forward tensor that the backward pass reads whose static shape is unknown beyond the batch dimension: its
-      size, and so the step's peak, cannot be modelled;
+    * a forward tensor of the step's own loop frame that the backward pass reads whose static shape is unknown
+      beyond the batch dimension: its size, and so the step's peak, cannot be modelled;
     * no gradient ops: nothing is kept for a backward pass, so there is nothing to swap.
+
+    A loop is planned around: its ops stay in their frame, the lists it accumulates for its gradient leave it as
+    tensors sized by :func:`~dymem_tf.planning.loop_lists.size_loop_lists`, and tensors of the step's frame can be
+    swapped across it. Conditionals and calls TF did not inline are ops like any other.
     """
     ops = sg.ops
     if not any(op.phase == "backward" for op in ops.values()):
         return Unsupported(SkipKind.NO_GRADIENTS, "", NO_GRADIENTS)
-    loops = _loops_inside_the_step(sg)
-    if loops:
-        first = loops[0]
-        more = f" and {len(loops) - 1} more" if len(loops) > 1 else ""
-        return Unsupported(SkipKind.CONTROL_FLOW, first.name,
-                f"its {first.phase} pass contains a loop ({first.type} op {first.name!r}{more}); a loop body keeps "
-                "each iteration's feature maps in TensorList accumulators, which the pass can neither size nor "
-                "swap, so the step's memory cannot be planned.")
+    base = min((frame_depth(op.frame) for op in ops.values() if op.phase == "backward"), default=0)
     unknown = []
     for t in sg.tensors.values():
         if t.shape_known or t.persistent or t.alias_of is not None or t.dtype in ("resource", "variant", "string"):
             continue
         prod = ops[t.producer]
-        if prod.is_backward or prod.type in FLOW_OP_TYPES:
-            continue
+        if prod.is_backward or prod.type in FLOW_OP_TYPES or frame_depth(prod.frame) > base:
+            continue  # a loop's own tensors live and die in its iterations
         if any(ops[c].is_backward and ops[c].type not in FLOW_OP_TYPES and sg.is_data_consumer(c)
                for c in t.consumers):
             unknown.append(t)
@@ -648,15 +642,3 @@ def unsupported_construct(sg, batch_size: int | None = None, observed_batch: int
                 f"so its size cannot be planned{batch_note}.")
     return None
 
-
-def _loops_inside_the_step(sg) -> list:
-    """Loop ops in the backward pass or feeding it that run inside the step: a functional ``While``, or an op in a
-    lowered loop frame deeper than the step's own (Keras' steps_per_execution runs the whole step inside a loop,
-    which is fine: its ops are planned within that frame)."""
-    ops = sg.ops
-    base = min((op.frame.count("/") + bool(op.frame) for op in ops.values() if op.phase == "backward"), default=0)
-    feeds_backward = graph_capture.reach(sg.graph, [n for n, op in ops.items() if op.phase == "backward"],
-                                         sg.graph.predecessors)
-    return [op for op in ops.values() if op.phase != "update" and (op.phase == "backward" or op.name in feeds_backward)
-            and (op.type in LOOP_OP_TYPES and (op.type in ("While", "StatelessWhile")
-                                               or op.frame.count("/") + bool(op.frame) > base))]

@@ -105,8 +105,28 @@ class OpInfo:
     layer: int = -1
     phase: Phase | Literal[""] = ""  # informational; is_backward covers "backward" and "update"
     conditional: bool = False  # inside a lowered conditional branch: may not run (dead), so never a trigger
-    frame: str = ""  # lowered loop frame ("" outside loops; "outer/inner" when nested)
+    frame: str = ""  # lowered loop frame ("" outside loops; "outer|inner" when nested, see FRAME_SEPARATOR)
     device: str = ""  # the device the op is placed on ("" when unplaced)
+
+
+#: Joins nested lowered loop frames in :attr:`OpInfo.frame`: TF's frame names (a While op's name) contain "/".
+FRAME_SEPARATOR = "|"
+
+
+def frame_depth(frame: str) -> int:
+    """How many lowered loops ``frame`` is nested in (0: the step's own frame)."""
+    return frame.count(FRAME_SEPARATOR) + 1 if frame else 0
+
+
+def outer_frame(frame: str) -> str:
+    """The frame around ``frame`` ("" around a loop of the step's own frame)."""
+    return frame.rpartition(FRAME_SEPARATOR)[0]
+
+
+def input_frame(op: OpInfo) -> str:
+    """The frame in which ``op`` reads its inputs: an ``Enter`` takes a tensor of the frame around its loop into it,
+    every other op reads in its own frame (a swap-in may feed an op only in that frame)."""
+    return outer_frame(op.frame) if op.type == "Enter" else op.frame
 
 
 class StepGraph:

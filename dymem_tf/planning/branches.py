@@ -2,7 +2,8 @@
 the simulator counts.
 
 A lowered ``cond`` is a ``Switch`` per value it takes in (output 0 feeds the false branch, output 1 the true one,
-both switched on one predicate) and a ``Merge`` per value it returns. Only one branch runs: the ops of the other
+both switched on one predicate) and a ``Merge`` per value it returns (a lowered loop's Switch and Merge carry its
+variables and open no branch: :func:`in_loop_plumbing`). Only one branch runs: the ops of the other
 are dead and allocate nothing. The simulator runs every op of the graph, so without this it would hold both
 branches' tensors at once; instead it counts, for each conditional, the branch whose tensors take more bytes (the
 worst case of the two) and leaves the other's tensors out (:func:`uncounted_ops`).
@@ -31,12 +32,23 @@ def branch_paths(step_graph: StepGraph) -> dict[str, tuple[Level, ...]]:
                 continue
             path = paths[tensor.producer]
             producer = ops[tensor.producer]
-            if producer.type == "Switch" and len(producer.inputs) > 1:
+            if producer.type == "Switch" and len(producer.inputs) > 1 and not in_loop_plumbing(step_graph, producer):
                 path = path + ((producer.inputs[1], _port(t)),)
             found.append(path)
         found += [paths[c] for c in op.control_inputs if c in paths]
-        paths[name] = _common_prefix(found) if op.type == "Merge" else max(found, key=len, default=())
+        joins = op.type == "Merge" and not in_loop_plumbing(step_graph, op)
+        paths[name] = _common_prefix(found) if joins else max(found, key=len, default=())
     return paths
+
+
+def in_loop_plumbing(step_graph: StepGraph, op) -> bool:
+    """Whether ``op`` (a ``Switch`` or ``Merge``) carries a lowered loop's variable rather than a conditional's: a
+    Switch on a ``LoopCond``'s predicate (its outputs lead to the body and to the ``Exit``, both of which run), or a
+    Merge of a value entering the loop. Neither opens or closes a branch."""
+    producers = [step_graph.ops[step_graph.tensors[t].producer] for t in op.inputs if t in step_graph.tensors]
+    if op.type == "Switch":
+        return len(producers) > 1 and producers[1].type == "LoopCond"
+    return op.type == "Merge" and any(p.type == "Enter" for p in producers)
 
 
 def uncounted_ops(step_graph: StepGraph) -> set[str]:

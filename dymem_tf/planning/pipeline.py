@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from dymem_tf.planning import (backward_ordering, offload, planner, read_ordering, recompute, sequencing,
-                               update_deferral)
+from dymem_tf.planning import (backward_ordering, loop_lists, offload, planner, read_ordering, recompute,
+                               sequencing, update_deferral)
 from dymem_tf.planning.analysis import StepGraph
 from dymem_tf.planning.cost_model import CostModel
 from dymem_tf.planning.device_profiles import DeviceProfile
@@ -174,13 +174,21 @@ class PreparedStep:
     modelled: int
     modelled_weights: int
     recomputable: list
+    streamed: list  # the loops' lists kept in host memory (planning.plan.StreamedList)
 
 
 def preparation_key(settings: PlanSettings) -> tuple:
     """The settings :func:`prepare_step` reads: two plans of one graph whose keys are equal can share one
     preparation (the first step's probe and the calibrated plan under a budget)."""
     return (settings.policy, settings.defer_updates, settings.offload_variables, settings.offload_weights,
-            settings.recompute, settings.min_swap_bytes)
+            settings.recompute, settings.min_swap_bytes, streams_lists(settings))
+
+
+def streams_lists(settings: PlanSettings) -> bool:
+    """Whether the plan keeps loops' lists in host memory (:mod:`dymem_tf.planning.loop_lists`): for the dymem
+    policy under a budget or for the least-memory plan. Each element then crosses the link twice, so a step without
+    a budget keeps them on the device."""
+    return settings.policy == "dymem" and (settings.budget_bytes is not None or settings.least_memory)
 
 
 def plan_step(step_graph: StepGraph, settings: PlanSettings, copy: bool = False) -> PlannedStep:
@@ -219,8 +227,13 @@ def prepare_step(step_graph: StepGraph, settings: PlanSettings, copy: bool = Fal
         modelled_weights = offload.mark(graph, weights)
     with stage("recompute"):
         recomputable = recomputable_for(graph, settings)
+    with stage("stream"):
+        streamed = loop_lists.streamable_lists(graph, settings.min_swap_bytes) if streams_lists(settings) else []
+        if streamed:
+            graph = graph.copy() if graph is step_graph else graph
+            loop_lists.mark_streamed(graph, streamed)
     return PreparedStep(graph, variables, weights, deferrals, orderings, holds, modelled, modelled_weights,
-                        recomputable)
+                        recomputable, streamed)
 
 
 def finish_plan(prepared: PreparedStep, settings: PlanSettings) -> PlannedStep:
@@ -259,6 +272,10 @@ def finish_plan(prepared: PreparedStep, settings: PlanSettings) -> PlannedStep:
         plan.params.offloadable_weight_bytes = modelled_weights
         plan.notes.append(f"{len(weights)} weights ({modelled_weights / 2**20:.1f} MiB) may be kept in host memory "
                           f"between their uses; {len(plan.offloaded_weights)} are")
+    if prepared.streamed:
+        plan.streamed_lists = list(prepared.streamed)
+        plan.notes.append(f"{len(prepared.streamed)} loop lists ({sum(x.bytes for x in prepared.streamed) / 2**20:.1f} "
+                          "MiB) kept in host memory element by element, copied as the loops push and pop them")
     untriggered = drop_conditional_triggers(plan, graph)
     if untriggered:
         plan.notes.append(f"{untriggered} swap-ins start without a trigger: their layers run only inside "

@@ -105,6 +105,18 @@ class SwapDecision:
 
 
 @dataclass
+class StreamedList:
+    """A TensorList a forward loop accumulates for its gradient loop, kept in host memory element by element
+    (:mod:`dymem_tf.planning.loop_lists`): each pushed element is swapped out and the push reads the host copy;
+    each popped element is swapped in for its readers."""
+
+    tensor: str  # the list as the forward loop hands it out (an Exit's output)
+    bytes: int
+    pushes: list[list[str]] = field(default_factory=list)  # [element tensor, push op] per write
+    pops: list[list[str]] = field(default_factory=list)  # [pop op, reader op, ...] per read
+
+
+@dataclass
 class Prediction:
     """What the simulator predicts of the plan's step, and of the same step without swaps."""
 
@@ -157,6 +169,8 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     params: PlanParams = field(default_factory=PlanParams)
     measured: Measurement | None = None
+    #: the loops' lists kept in host memory element by element (the swap ops run inside the loops)
+    streamed_lists: list[StreamedList] = field(default_factory=list)
 
     # ------------------------------------------------------------------------------------------------ queries
     @property
@@ -244,7 +258,9 @@ class Plan:
         if params.get("profile"):
             params["profile"] = DeviceProfile(**_known(DeviceProfile, params["profile"]))
         measured = d.pop("measured", None)
+        streamed = [StreamedList(**_known(StreamedList, x)) for x in d.pop("streamed_lists", None) or []]
         return cls(swaps=[_swap(s) for s in d.pop("swaps", None) or []], predicted=Prediction(**predicted),
+                   streamed_lists=streamed,
                    params=PlanParams(**params),
                    measured=Measurement(**_known(Measurement, measured)) if measured else None, **d)
 

@@ -45,7 +45,7 @@ from typing import Literal, Mapping, Sequence
 import numpy as np
 
 from dymem_tf import units
-from dymem_tf.planning.analysis import ALIAS_OP_TYPES, FREE_OP_TYPES, StepGraph, analyse, no_autograph
+from dymem_tf.planning.analysis import ALIAS_OP_TYPES, FREE_OP_TYPES, StepGraph, analyse, input_frame, no_autograph
 from dymem_tf.planning.cost_model import CostModel, as_cost_model
 from dymem_tf.planning.device_profiles import DeviceProfile
 from dymem_tf.planning.plan import Plan, PlanParams, RecomputeRoute, SwapDecision, SwapIn, WeightRoute
@@ -179,7 +179,8 @@ class _Planner:
             runs = op.type not in FREE_OP_TYPES
             works = runs and (op.flops > 0 or op.bytes_accessed > 0)  # moves data, not only metadata
             tier = 0 if (op.is_backward and works) else 1 if op.is_backward and runs else 2 if runs else 3
-            return (tier + 4 * op.conditional, self.pos[name])  # a conditional op may never run
+            # a conditional op may never run; an op inside a loop cannot trigger a swap-in outside it
+            return (tier + 4 * op.conditional + 8 * bool(op.frame), self.pos[name])
         return min(ops, key=rank)
 
     def h2d(self, nbytes: int) -> float:
@@ -197,14 +198,16 @@ class _Planner:
                 continue
             if sg.ops[t.producer].is_backward and not t.variable:
                 continue
+            if t.dtype == "variant" and "GPU" in sg.ops[t.producer].device.upper():
+                continue  # a loop's list: the swap ops copy TensorLists on the CPU device only
             wrap, chain = self.optional_wrap(t.name), set()
             if wrap:
                 chain = sg.optional_chain(wrap)
             elif sg.ops[t.producer].conditional:
                 continue  # made in a lowered branch and read in the gradient's: no swap-in can serve it there
             frame = sg.ops[t.producer].frame
-            if any(sg.ops[c].frame != frame for c in t.consumers):
-                continue  # read across a loop frame's boundary: swap ops cannot sit there
+            if any(input_frame(sg.ops[c]) != frame for c in t.consumers):
+                continue  # read inside another loop frame: swap ops cannot sit there
             orig, bwd = [], []
             for c in t.consumers:
                 if sg.ops[c].is_backward and sg.is_data_consumer(c):
@@ -392,7 +395,7 @@ class _Planner:
         an op that reads a variable or aliases a read (such an op may wait for a weight's swap-in itself, or be the
         weight's own read): the nearest layer in its range with another op is taken instead."""
         if cand.kind != "weight":
-            return self._layer_trigger(layer)
+            return self._framed_trigger(cand, group, layer, c_layer)
         if self._quiet_triggers is None:
             self._quiet_triggers = [self._pick_trigger(q) if (q := [n for n in ops if not self._holds_variable(n)])
                                     else None for ops in self.sg.layers]
@@ -401,6 +404,21 @@ class _Planner:
             if self._quiet_triggers[g] is not None:
                 return self._quiet_triggers[g], g
         return self._layer_trigger(layer)
+
+    def _framed_trigger(self, cand: _Candidate, group: int, layer: int, c_layer: int) -> tuple[str, int]:
+        """The trigger of ``layer``, or where its ops all run inside a loop the swapped tensor is not in (no edge
+        may cross a frame), the nearest op of the tensor's frame in the group's range: the latest before ``layer``
+        (a loop's ``Exit`` as it ends), else the earliest after it."""
+        frame = self.sg.ops[cand.producer].frame
+        trigger = self.trigger_of_layer[layer]
+        if self.sg.ops[trigger].frame == frame:
+            return trigger, layer
+        lo = self._min_layer(cand, group)
+        for g in itertools.chain(range(layer - 1, lo - 1, -1), range(layer + 1, c_layer)):
+            ops = [n for n in self.sg.layers[g] if self.sg.ops[n].frame == frame]
+            if ops:
+                return self._pick_trigger(ops), g
+        return trigger, layer
 
     def _holds_variable(self, name: str) -> bool:
         """Whether op ``name`` uses a variable's resource or reads only persistent tensors through an alias."""

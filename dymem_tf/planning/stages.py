@@ -15,8 +15,8 @@ import time
 from typing import Iterator
 
 #: The stages in pipeline order (the order :meth:`StageTimes.summary` prints them in); others follow in first-use order.
-STAGES = ("read", "capture", "offload", "defer", "order", "hold", "recompute", "candidates", "search", "simulate",
-          "triggers", "sequence", "placement", "rewrite")
+STAGES = ("read", "capture", "offload", "defer", "order", "hold", "recompute", "stream", "candidates", "search",
+          "simulate", "triggers", "sequence", "placement", "rewrite")
 
 _clock: contextvars.ContextVar["StageClock | None"] = contextvars.ContextVar("dymem_stage_clock", default=None)
 
