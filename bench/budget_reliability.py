@@ -47,7 +47,7 @@ IDENTITY_KEYS = ("identical", "identical_budgeted", "repeatable", "skipped")
 BATCH = {"vgg16": 32, "resnet50_sgd": 32, "resnet50_adam": 32, "densenet121": 32, "inception_v3": 16,
          "mobilenet_v2": 32, "efficientnet_b0": 32, "transformer_encoder": 32, "gpt_decoder": 16, "unet": 8,
          "gan": 64, "lstm": 64, "bert": 16, "bert_base": 4, "gpt2": 16,
-         "gated_cnn": 32, "resnet152": 4}
+         "gated_cnn": 32, "resnet152": 4, "convnext_tiny": 16, "lstm_text": 64, "gated_cnn_wide": 64}
 MiB = 1 << 20
 
 
@@ -460,6 +460,8 @@ def main(argv=None) -> int:
     parser.add_argument("--identity-only", action="store_true",
                         help="only the bit-identity runs (oneDNN off and on), written to their own section and "
                              "docs/identity.json")
+    parser.add_argument("--json", help="save the run to this file instead of docs/ and leave docs/benchmarks.md as "
+                                       "it is (a run of a few models beside the saved full one)")
     parser.add_argument("--report-from", help="re-render docs/benchmarks.md's section from a saved JSON run")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--phase", choices=("identity", "digest", "p0", "p_dymem", "budget"), help=argparse.SUPPRESS)
@@ -498,12 +500,13 @@ def main(argv=None) -> int:
         print(f"{name} ...", flush=True)
         results.append(run_model(name, args))
         print(json.dumps(results[-1])[:400], flush=True)
-        if saving:  # after every model, so that an interrupted run keeps what it measured
+        if saving or args.json:  # after every model, so that an interrupted run keeps what it measured
             _save(results, args, time.perf_counter() - t0, complete=False)
     section = _render(results, args, time.perf_counter() - t0)
     print(section)
-    if saving:
+    if saving and not args.json:
         write_section(os.path.join(REPO, "docs", "benchmarks.md"), section, *_markers(args))
+    if saving or args.json:
         _save(results, args, time.perf_counter() - t0, complete=True)
     return 0
 
@@ -522,11 +525,12 @@ def _markers(args) -> tuple[str, str]:
 
 
 def _save(results, args, seconds, complete):
-    """Writes the run so far to docs/budget_reliability.json, docs/budget_reliability_of_peak.json with
-    ``--of-peak``, or docs/identity.json with ``--identity-only`` (``complete`` false until the last model ran)."""
+    """Writes the run so far to ``--json``'s file, else docs/budget_reliability.json,
+    docs/budget_reliability_of_peak.json with ``--of-peak``, or docs/identity.json with ``--identity-only``
+    (``complete`` false until the last model ran)."""
     name = ("identity.json" if getattr(args, "identity_only", False) else
             "budget_reliability_of_peak.json" if args.of_peak else "budget_reliability.json")
-    with open(os.path.join(REPO, "docs", name), "w") as fh:
+    with open(getattr(args, "json", None) or os.path.join(REPO, "docs", name), "w") as fh:
         json.dump({"argv": args.argv, "steps": args.steps, "samples": args.samples, "seconds": seconds,
                    "of_peak": args.of_peak, "identity_only": getattr(args, "identity_only", False),
                    "identity_steps": args.identity_steps, "complete": complete, "results": results}, fh, indent=1)

@@ -205,6 +205,23 @@ def lstm(batch: int, samples: int, seed: int, seq: int = 32, features: int = 32)
     return model, rng.normal(size=(samples, seq, features)).astype("float32"), rng.integers(0, 10, size=(samples,))
 
 
+def lstm_text(batch: int, samples: int, seed: int, seq: int = 200, vocabulary: int = 20000):
+    """An LSTM text classifier (issue 47): Embedding 20k x 128, LSTM(256) returning sequences, LSTM(256), Dense,
+    trained with Adam. On the CPU each LSTM runs as a while loop whose accumulated lists are most of the step."""
+    model = keras.Sequential([keras.Input((seq,), dtype="int32"), keras.layers.Embedding(vocabulary, 128),
+                              keras.layers.LSTM(256, return_sequences=True), keras.layers.LSTM(256),
+                              keras.layers.Dense(2)])
+    model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(seed)
+    return model, rng.integers(0, vocabulary, size=(samples, seq)).astype("int32"), rng.integers(0, 2, size=(samples,))
+
+
+def gated_cnn_wide(batch: int, samples: int, seed: int):
+    """The gated CNN of issue 47: 6 gated convolutions of 64 channels at 32px (batch 64 in its measurements)."""
+    return gated_cnn(batch, samples, seed, size=32, width=64, convs=6)
+
+
 def _keras_hub(model: str):
     """The ``keras_hub`` module, or an ImportError saying how to install it (the ``bench`` extra)."""
     try:
@@ -266,6 +283,10 @@ ZOO = {
     "mobilenet_v2": _application("MobileNetV2", 32, lambda: keras.optimizers.Adam(1e-3)),
     "efficientnet_b0": _application("EfficientNetB0", 32, lambda: keras.optimizers.Adam(1e-3)),
     "resnet152": _application("ResNet152", 128, _sgd),  # a big CNN at 128px (issue 29's big-model suite)
+    # issue 47's models: grouped convolutions run as calls TF does not inline, loops, conditionals
+    "convnext_tiny": _application("ConvNeXtTiny", 64, lambda: keras.optimizers.AdamW(1e-3)),
+    "lstm_text": lstm_text,
+    "gated_cnn_wide": gated_cnn_wide,
     "transformer_encoder": transformer_encoder,
     "gpt_decoder": gpt_decoder,
     "unet": unet,
