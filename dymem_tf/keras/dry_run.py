@@ -107,7 +107,7 @@ def _sparse(loss) -> bool:
     return "sparse" in str(name).lower() or "sparse" in type(loss).__name__.lower()
 
 
-def trace_train_step(model: keras.Model, batch_size: int, x=None, y=None) -> TracedStep:
+def trace_train_step(model: keras.Model, batch_size: int, x=None, y=None, *, also=None) -> TracedStep:
     """The analysed train step of ``model`` at ``batch_size``, as the callback would plan it, without running it.
 
     The step is instantiated by a ``fit`` on one batch (``x`` and ``y``, or zeros shaped like the model's inputs and
@@ -115,6 +115,11 @@ def trace_train_step(model: keras.Model, batch_size: int, x=None, y=None) -> Tra
     what the callback plans) and cancels the instantiation, so the step never runs and no variable changes.
     Differences from a run: the batch is this one, and a step that the callback would see with an unknown batch
     dimension (a partial last batch) is captured here with a full one.
+
+    The optimizer's slots are built first, as the callback builds them (:func:`~dymem_tf.keras.variables.
+    build_optimizer`): an optimizer that builds inside the trace creates variables there, and TensorFlow then traces
+    the whole step a second time. ``also``: a graph-pass listener offered the instantiated graph before it is
+    captured (``bench/zoo_coverage.py`` times the callback's pass on it); it must neither fail the call nor raise.
     """
     if x is None:
         x, sample_y = sample_batch(model, batch_size)
@@ -122,13 +127,17 @@ def trace_train_step(model: keras.Model, batch_size: int, x=None, y=None) -> Tra
     captured = {}
 
     def capture(call):
-        graph = call.graph()
-        _, ops = step_pass.replica_ops(graph)[0]
-        captured["graph"], captured["problem"] = step_pass.capture(ops, batch_size)  # as the callback does
+        if also is not None:
+            also(call)
+        with step_pass.collector_paused():  # as in the pass: its objects would make each collection walk the heap
+            graph = call.graph()
+            _, ops = step_pass.replica_ops(graph)[0]
+            captured["graph"], captured["problem"] = step_pass.capture(ops, batch_size)  # as the callback does
         captured.update(num_ops=len(ops), ops=ops, function_name=call.function_name,
                         onednn_later=call.stage != "after_partitioning" and bool(compat.onednn_enabled()))
         call.fail("dry run: the step's graph was captured and is not run")
 
+    variables.build_optimizer(model)  # as the callback does before the step is traced: one trace, not two
     history, train_function, gradients = getattr(model, "history", None), model.train_function, []
     try:
         # the step the callback plans runs without XLA (dymem_tf.keras.xla), which would swallow its gradient ops
@@ -179,15 +188,19 @@ def plan_each(traced: TracedStep, settings: dict, request: step_pass.PlanRequest
     return results
 
 
-def plan_traced(traced: TracedStep, settings: pipeline.PlanSettings, request: step_pass.PlanRequest):
+def plan_traced(traced: TracedStep, settings: pipeline.PlanSettings, request: step_pass.PlanRequest,
+                copy: bool = True):
     """The plan the callback's pass makes for ``traced`` with ``settings`` for ``request``; raises
     :class:`StepLeftUnmodifiedError` for a step it would leave unmodified (``"none"`` plans it as Keras built it)
-    and :class:`~dymem_tf.planning.planner.BudgetTooSmallError` when no plan fits."""
+    and :class:`~dymem_tf.planning.planner.BudgetTooSmallError` when no plan fits. ``copy=False`` lets the plan add
+    its ordering edges to ``traced.step_graph`` in place (for a step planned only once)."""
     if traced.unsupported and (settings.policy != "none" or traced.step_graph is None):
         raise StepLeftUnmodifiedError(f"the callback would leave this step unmodified ({traced.unsupported})")
     pass_ = step_pass.StepPass(settings, verbose=0)
     where = (None, traced.batch_size, None)
-    return pass_.plan_captured(traced.step_graph, traced.ops, where, traced.onednn_later, request, copy=True).plan
+    with step_pass.collector_paused():
+        return pass_.plan_captured(traced.step_graph, traced.ops, where, traced.onednn_later, request,
+                                   copy=copy).plan
 
 
 def resolve_budget(config: DymemConfig) -> tuple[int | None, bool]:
@@ -228,4 +241,4 @@ def dry_run(model: keras.Model, batch_size: int, memory_budget="auto", *, profil
     traced = trace_train_step(model, batch_size, x, y)
     request = step_pass.PlanRequest(budget_bytes=budget, persistent_bytes=traced.persistent_bytes,
                                     default_batch_size=batch_size)
-    return plan_traced(traced, config.plan_settings(), request)
+    return plan_traced(traced, config.plan_settings(), request, copy=False)  # planned once: no copy

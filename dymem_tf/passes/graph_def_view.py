@@ -156,14 +156,15 @@ def fingerprint(graph_def: graph_pb2.GraphDef, outputs: bytes = b"") -> bytes:
         for name in INSTANCE_ATTRS:
             if name in node.attr:
                 del node.attr[name]
-    records = _records(graph_def, outputs) if outputs else [()] * len(graph_def.node)
-    nodes = sorted((node.name, node.SerializeToString(deterministic=True), repr(record))
-                   for node, record in zip(graph_def.node, records))
-    digest = hashlib.sha256()
-    for name, data, record in nodes:
-        digest.update(b"%d:%s%d:%s%s" % (len(name), name.encode(), len(data), data, record.encode()))
-    digest.update(graph_def.library.SerializeToString(deterministic=True))
-    return digest.digest()
+    nodes = list(graph_def.node)
+    records = _records(graph_def, outputs) if outputs else [()] * len(nodes)
+    names = [node.name for node in nodes]
+    parts = []
+    for i in sorted(range(len(nodes)), key=names.__getitem__):  # by name: a GraphDef's names are unique
+        name, data = names[i].encode(), nodes[i].SerializeToString(deterministic=True)
+        parts.append(b"%d:%s%d:%s%s" % (len(name), name, len(data), data, repr(records[i]).encode()))
+    parts.append(graph_def.library.SerializeToString(deterministic=True))
+    return hashlib.sha256(b"".join(parts)).digest()
 
 
 class GraphView:
@@ -214,9 +215,24 @@ def _tensor_name(graph_def_input: str) -> str:
     return graph_def_input if ":" in graph_def_input else f"{graph_def_input}:0"
 
 
+#: ``(outputs, node count, records)`` of the last :func:`_records`: the pass decodes one graph's records for its
+#: cache key (:func:`fingerprint`) and again for its view (:class:`GraphView`), from the same bytes
+_last_records: list = [None]
+
+
 def _records(graph_def, outputs: bytes) -> list[list[tuple]]:
     """Each node's outputs as ``(dtype, dims)`` pairs, decoded from its output records (``dims``: a tuple with
-    None for an unknown size, or None for an unknown rank)."""
+    None for an unknown size, or None for an unknown rank); read-only (the last decoding is shared)."""
+    last = _last_records[0]
+    if last is not None and last[0] is outputs and last[1] == len(graph_def.node):
+        return last[2]
+    records = _decode_records(graph_def, outputs)
+    _last_records[0] = (outputs, len(graph_def.node), records)
+    return records
+
+
+def _decode_records(graph_def, outputs: bytes) -> list[list[tuple]]:
+    """What :func:`_records` returns, decoded."""
     values = array.array("q")
     values.frombytes(outputs)
     values = values.tolist()

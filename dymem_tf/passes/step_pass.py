@@ -280,7 +280,7 @@ class StepPass:
         collected = ArmedCall() if collected is None else collected
         start = time.perf_counter()
         clock = stages.StageClock()
-        with clock.active(), _collector_paused():
+        with clock.active(), collector_paused():
             with stages.stage("read"):
                 graph_def = graph_def_view.parse(call.graph_def_bytes)
                 key = caches.graph_key(graph_def, call.outputs_bytes)
@@ -513,7 +513,7 @@ def _may_offload(ops, asked: bool, req: PlanRequest) -> bool:
 
 
 @contextlib.contextmanager
-def _collector_paused():
+def collector_paused():
     """Python's cyclic garbage collector off while the pass runs: the pass creates several hundred thousand
     objects on a large step, and each collection they trigger walks the whole heap (a third of the capture's time
     on a 47k-op step); what the pass leaves behind is collected afterwards as usual."""

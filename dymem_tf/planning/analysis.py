@@ -143,6 +143,8 @@ class StepGraph:
         self._aliases: dict[str, list[str]] | None = None
         self._generations: list[list[str]] | None = None  # of ``graph`` (not the layers' run-time order)
         self._paths: Reachability | None = None
+        #: the simulator's preparation of this graph (:func:`dymem_tf.planning.simulator.prepared`)
+        self._simulator: tuple | None = None
         self._build_graph()
 
     # ----------------------------------------------------------------------------------------------- construction
@@ -186,7 +188,7 @@ class StepGraph:
         new.meta = dict(self.meta)
         new.layers = [list(layer) for layer in self.layers]
         new.graph = _copied(self.graph)
-        new._order = new._position = new._aliases = new._generations = new._paths = None
+        new._order = new._position = new._aliases = new._generations = new._paths = new._simulator = None
         return new
 
     @classmethod
@@ -643,4 +645,5 @@ def analyse(step_graph: StepGraph) -> StepGraph:
     step_graph._aliases = None
     step_graph._generations = generations
     step_graph._paths = None
+    step_graph._simulator = None
     return step_graph

@@ -49,7 +49,7 @@ from dymem_tf.planning.analysis import ALIAS_OP_TYPES, FREE_OP_TYPES, StepGraph,
 from dymem_tf.planning.cost_model import CostModel, as_cost_model
 from dymem_tf.planning.device_profiles import DeviceProfile
 from dymem_tf.planning.plan import Plan, PlanParams, RecomputeRoute, SwapDecision, SwapIn, WeightRoute
-from dymem_tf.planning.simulator import SimResult, Simulator, adopted_values, returned_values
+from dymem_tf.planning.simulator import SimResult, adopted_values, prepared, returned_values
 from dymem_tf.planning.stages import stage, timed
 from dymem_tf.units import mib
 
@@ -150,7 +150,7 @@ class _Planner:
         self.min_swap_bytes = max(int(min_swap_bytes), 1)
         self.swapin_ahead = swapin_ahead
         self.group_gap_layers = group_gap_layers
-        self.sim = Simulator(sg, cost, temporaries)
+        self.sim = prepared(sg, cost, temporaries)
         self.order = self.sim.order
         self.pos = self.sim.pos
         self.start = self.sim.base_start  # stall-free schedule

@@ -184,8 +184,29 @@ class SimResult:
                           compute_time_s=float(self.compute_time_s), peak_op=self.peak_op)
 
 
+def prepared(step_graph: StepGraph, cost: CostModel, temporaries: Mapping[str, int] | None = None) -> "Simulator":
+    """A :class:`Simulator` of ``step_graph`` for ``cost`` and ``temporaries``: the one made last for this graph
+    when nothing it was made of has changed since (the graph's analysis, its tensors' sizes and kinds, the cost model,
+    the temporaries), else a new one, kept with the graph. The planner's search and the plan's own simulations after
+    it (the sequencing's bands, the placement's prediction) then share one preparation of a large step."""
+    key = (cost, dict(temporaries) if temporaries else None, _tensor_state(step_graph))
+    memo = getattr(step_graph, "_simulator", None)  # kept with the graph's analysis (see StepGraph)
+    if memo is not None and memo[0] is step_graph.execution_order() and memo[1] == key:
+        return memo[2]
+    sim = Simulator(step_graph, cost, temporaries)
+    step_graph._simulator = (sim.order, key, sim)  # noqa: SLF001
+    return sim
+
+
+def _tensor_state(step_graph: StepGraph) -> int:
+    """A hash of what a simulator reads of the tensors besides the edges: which are persistent or variables, their
+    sizes and their aliases (the offload stage marks tensors in place, without a new analysis)."""
+    return hash(tuple((t.persistent, t.variable, t.bytes, t.alias_of) for t in step_graph.tensors.values()))
+
+
 class Simulator:
-    """A step graph and cost model prepared once, simulated for many swap sets (the planner's inner loop)."""
+    """A step graph and cost model prepared once, simulated for many swap sets (the planner's inner loop); a
+    simulator is never changed after it is made (:func:`prepared` shares one)."""
 
     def __init__(self, step_graph: StepGraph, cost: CostModel, temporaries: Mapping[str, int] | None = None):
         """``temporaries``: bytes an op holds while it runs besides its outputs (kernel workspaces, measured by
@@ -675,5 +696,5 @@ def simulate(step_graph: StepGraph, plan: Plan | Iterable[SwapDecision] | None,
             persistent_bytes = plan.persistent_bytes
     else:
         swaps = list(plan or [])
-    return Simulator(step_graph, as_cost_model(profile), temporaries).run(swaps, persistent_bytes or 0,
-                                                                          timeline=timeline)
+    return prepared(step_graph, as_cost_model(profile), temporaries).run(swaps, persistent_bytes or 0,
+                                                                         timeline=timeline)
