@@ -4,12 +4,12 @@ training stays bit-identical to plain training."""
 from __future__ import annotations
 
 import numpy as np
-import tensorflow as tf
+import pytest
 import keras
 
 import dymem_tf
 
-tf.config.experimental.enable_op_determinism()
+pytestmark = pytest.mark.usefixtures("deterministic")  # bit-identity checks (conftest.deterministic)
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 

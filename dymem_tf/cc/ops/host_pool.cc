@@ -33,7 +33,7 @@ namespace {
 
 // A tensor buffer whose memory belongs to the host pool. size() is the tensor's payload; the (possibly larger)
 // block size is what the pool accounts for and what GetAllocatedBytes reports.
-class HostPoolBuffer final : public TensorBuffer {
+class HostPoolBuffer : public TensorBuffer {
  public:
   HostPoolBuffer(HostPool* pool, void* data, size_t payload_bytes, size_t block_bytes)
       : TensorBuffer(data), pool_(pool), payload_bytes_(payload_bytes), block_bytes_(block_bytes) {}
@@ -66,11 +66,13 @@ class HostPoolBuffer final : public TensorBuffer {
 };
 
 // A tensor buffer of `count` Variants in a block of the host pool: constructed (empty) with the buffer, destroyed
-// before the block goes back, as TF's own allocators do for variant tensors.
-class HostPoolVariantBuffer final : public TensorBuffer {
+// before the block goes back (the base's destructor runs after this one's), as TF's own allocators do for variant
+// tensors.
+class HostPoolVariantBuffer final : public HostPoolBuffer {
  public:
   HostPoolVariantBuffer(HostPool* pool, void* data, int64_t count, size_t block_bytes)
-      : TensorBuffer(data), pool_(pool), count_(count), block_bytes_(block_bytes) {
+      : HostPoolBuffer(pool, data, static_cast<size_t>(count) * sizeof(tensorflow::Variant), block_bytes),
+        count_(count) {
     auto* values = static_cast<tensorflow::Variant*>(data);
     for (int64_t i = 0; i < count_; ++i) new (values + i) tensorflow::Variant();
   }
@@ -78,32 +80,10 @@ class HostPoolVariantBuffer final : public TensorBuffer {
   ~HostPoolVariantBuffer() override {
     auto* values = static_cast<tensorflow::Variant*>(data());
     for (int64_t i = 0; i < count_; ++i) values[i].~Variant();
-    pool_->Deallocate(data(), block_bytes_);
-  }
-
-  size_t size() const override { return static_cast<size_t>(count_) * sizeof(tensorflow::Variant); }
-  TensorBuffer* root_buffer() override { return this; }
-
-  void FillAllocationDescription(AllocationDescription* proto) const override {
-    proto->set_requested_bytes(static_cast<int64_t>(size()));
-    proto->set_allocated_bytes(static_cast<int64_t>(block_bytes_));
-    proto->set_allocator_name("dymem_host_pool");
-    proto->set_ptr(reinterpret_cast<uintptr_t>(data()));
-  }
-
-  bool GetAllocatedBytes(size_t* out_bytes) const override {
-    *out_bytes = block_bytes_;
-    return true;
-  }
-
-  tensorflow::AllocatorMemoryType GetMemoryType() const override {
-    return tensorflow::AllocatorMemoryType::kHostPageable;
   }
 
  private:
-  HostPool* const pool_;
   const int64_t count_;
-  const size_t block_bytes_;
 };
 
 // A tensor buffer that `base` allocated and `pool` counts (pinned host memory on a GPU): freed by `base`, then
