@@ -34,7 +34,7 @@ from dymem_tf import compat, op_sets
 from dymem_tf.memory import placement
 from dymem_tf.passes import caches, graph_capture, graph_def_view, graph_pass
 from dymem_tf.planning import first_step, pipeline, planner, simulator, stages
-from dymem_tf.planning.analysis import frame_depth
+from dymem_tf.planning.analysis import frame_depth, step_frame_depth
 
 logger = logging.getLogger("dymem_tf")
 
@@ -618,7 +618,7 @@ def unsupported_construct(sg, batch_size: int | None = None, observed_batch: int
     ops = sg.ops
     if not any(op.phase == "backward" for op in ops.values()):
         return Unsupported(SkipKind.NO_GRADIENTS, "", NO_GRADIENTS)
-    base = min((frame_depth(op.frame) for op in ops.values() if op.phase == "backward"), default=0)
+    base = step_frame_depth(ops.values())
     unknown = []
     for t in sg.tensors.values():
         if t.shape_known or t.persistent or t.alias_of is not None or t.dtype in ("resource", "variant", "string"):

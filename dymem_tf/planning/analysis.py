@@ -123,6 +123,12 @@ def outer_frame(frame: str) -> str:
     return frame.rpartition(FRAME_SEPARATOR)[0]
 
 
+def step_frame_depth(ops: Iterable[OpInfo]) -> int:
+    """The loop depth of the step's own frame, its shallowest backward op's (Keras' steps_per_execution runs the
+    whole step inside a loop; a loop deeper than this runs inside the step)."""
+    return min((frame_depth(op.frame) for op in ops if op.phase == "backward"), default=0)
+
+
 def input_frame(op: OpInfo) -> str:
     """The frame in which ``op`` reads its inputs: an ``Enter`` takes a tensor of the frame around its loop into it,
     every other op reads in its own frame (a swap-in may feed an op only in that frame)."""

@@ -13,7 +13,7 @@ elements on the CPU device only, so lists on a GPU are not streamed.
 """
 from __future__ import annotations
 
-from dymem_tf.planning.analysis import OpInfo, StepGraph, TensorInfo, frame_depth
+from dymem_tf.planning.analysis import OpInfo, StepGraph, TensorInfo, frame_depth, step_frame_depth
 from dymem_tf.planning.plan import StreamedList
 
 #: Ops that store one element in a TensorList: the input index of the element (the list is input 0).
@@ -125,7 +125,7 @@ def streamable_lists(sg: StepGraph, min_bytes: int = 1) -> list[StreamedList]:
     """The sized lists of at least ``min_bytes`` that a forward loop of the step's frame fills with
     ``TensorListPushBack`` only and a gradient loop reads with ``TensorListPopBack`` only, on a device other than a
     GPU, in the step's order: what :func:`streamed` may keep in host memory."""
-    base = min((frame_depth(op.frame) for op in sg.ops.values() if op.phase == "backward"), default=0)
+    base = step_frame_depth(sg.ops.values())
     found = []
     for op in sg.ops.values():
         if op.type != "Exit" or op.is_backward or frame_depth(op.frame) != base or "GPU" in op.device.upper():
