@@ -300,18 +300,23 @@ def capture_step_graph(ops: Sequence[tf.Operation], batch_size: int | None = Non
         "variable_read_bytes": variable_bytes})
     enter_frames = {op.name: _frame_name(op) for op in ops if op.type == "Enter"}
     _mark_backward(sg)
-    try:
-        analyse(sg)
-    except CycleError as err:
-        raise UnsupportedGraphError(str(err)) from err
+    _analyse(sg)
     if enter_frames:  # without loops every op runs in the step's own frame ("")
         _mark_frames(sg, enter_frames)
         sg.meta["loop_lists_sized"] = loop_lists.size_loop_lists(sg, _scalar_constants(ops))
         if order_loop_entries(sg):
-            analyse(sg)
+            _analyse(sg)
     if any(op.type == "Switch" for op in infos):  # without conditionals no op is in a branch
         _mark_conditional(sg)
     return sg
+
+
+def _analyse(sg: StepGraph) -> None:
+    """:func:`~dymem_tf.planning.analysis.analyse`, raising :class:`UnsupportedGraphError` for a cyclic graph."""
+    try:
+        analyse(sg)
+    except CycleError as err:
+        raise UnsupportedGraphError(str(err)) from err
 
 
 #: The op types whose outputs :func:`_aliased_tensor` may find sharing an input's buffer.
