@@ -68,23 +68,15 @@ def _producer(sg: StepGraph, op: OpInfo, index: int, kind: str) -> OpInfo | None
 
 def _list_element(sg: StepGraph, merge: OpInfo) -> tuple[tuple, int] | None:
     """(shape, bytes) of the element the loop of ``merge`` writes into the list it carries (the largest, if its
-    writes differ), or None when no write of a known size is found. Follows the list through the loop's frame."""
-    seen, todo, best = set(), list(merge.outputs[:1]), None
-    while todo:
-        name = todo.pop()
-        if name in seen:
+    writes differ), or None when no write of a known size is found (the list's users: :func:`_list_users`)."""
+    best = None
+    for op in _list_users(sg, merge.outputs[0], merge.frame):
+        slot = _LIST_WRITERS.get(op.type)
+        if slot is None or len(op.inputs) <= slot:
             continue
-        seen.add(name)
-        for consumer in sg.tensors[name].consumers:
-            op = sg.ops[consumer]
-            if op.frame != merge.frame or op.type in ("Exit", "NextIteration"):
-                continue
-            slot = _LIST_WRITERS.get(op.type)
-            if slot is not None and op.inputs and op.inputs[0] == name and len(op.inputs) > slot:
-                element = sg.tensors[op.inputs[slot]]
-                if _holds_new_bytes(sg, element) and (best is None or element.bytes > best[1]):
-                    best = (element.shape, element.bytes)
-            todo += [o for o in op.outputs if sg.tensors[o].dtype == "variant"]
+        element = sg.tensors[op.inputs[slot]]
+        if _holds_new_bytes(sg, element) and (best is None or element.bytes > best[1]):
+            best = (element.shape, element.bytes)
     return best
 
 
