@@ -74,3 +74,19 @@ def deterministic():
     yield
     if not was_on:
         tf_config.disable_op_determinism()
+
+
+def unknown_width_model():
+    """A model whose backward pass keeps a tensor whose width only the step knows (a boolean mask): planned around
+    without a budget, left unmodified under one."""
+    import keras
+
+    keras.utils.set_random_seed(1)
+    inp = keras.Input((6, 8))
+    h = keras.layers.Dense(16)(keras.layers.Flatten()(inp))
+    kept = keras.layers.Lambda(lambda t: tf.boolean_mask(t, tf.math.is_finite(t[0]), axis=1))(h)
+    energy = keras.layers.Lambda(lambda t: tf.reduce_sum(tf.square(t), axis=1, keepdims=True))(kept)
+    model = keras.Model(inp, keras.layers.Dense(10)(keras.layers.Concatenate()([h, energy])))
+    model.compile(optimizer=keras.optimizers.SGD(0.05),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model

@@ -23,7 +23,7 @@ import dymem_tf
 from dymem_tf.memory import host_pool
 from dymem_tf.passes import graph_def_view, graph_pass, step_pass
 from dymem_tf.planning import pipeline
-from conftest import script_result  # the tests folder is on sys.path (pytest's default import mode)
+from conftest import script_result, unknown_width_model  # the tests folder is on sys.path (pytest default)
 
 tf.config.experimental.enable_op_determinism()
 
@@ -154,29 +154,47 @@ def test_infer_outputs_refuses_what_is_not_a_graph():
         graph_pass.infer_outputs(b"\xff\xff not a graph")
 
 
-def test_train_steps_inlined_into_a_loop_are_left_unmodified_with_one_warning():
+@pytest.mark.parametrize("budget", [None, 1 << 30])
+def test_train_steps_inlined_into_a_loop_are_planned_around_unknown_sizes_without_a_budget(budget):
+    """The loop is lowered before the pass runs (Enter / NextIteration frames); TF's shape inference cannot size
+    the loop-carried loss and most feature maps. Without a budget the step is planned around them (issue #47: they
+    stay on the device, the plan says so) and trains as without the pass; under a budget its peak cannot be
+    bounded, so it runs as Grappler left it, with one warning."""
     x, y = data(8)
-    keras.utils.set_random_seed(1)
-    model = net()
-    model.compile(optimizer=keras.optimizers.SGD(0.05), loss=LOSS)
-    model.fit(x, y, batch_size=8, verbose=0)  # builds optimizer and metrics
-    passes = step_pass.StepPass(pipeline.PlanSettings(min_swap_bytes=0), verbose=0)
 
-    @tf.function
-    def two_steps(xb, yb):
-        def body(i):
-            model.train_step((xb, yb))
-            return i + 1
-        return tf.while_loop(lambda i: i < 2, body, [tf.constant(0)])
+    def two_steps_weights(request):
+        keras.utils.set_random_seed(1)
+        model = net()
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss=LOSS)
+        model.fit(x, y, batch_size=8, verbose=0)  # builds optimizer and metrics
+        passes = step_pass.StepPass(pipeline.PlanSettings(min_swap_bytes=0), verbose=0)
 
-    with warnings.catch_warnings(record=True) as caught, passes.armed(step_pass.PlanRequest()) as call:
-        warnings.simplefilter("always")
-        two_steps(tf.constant(x), tf.constant(y))
-    texts = dymem_warnings(caught)
-    # the loop is lowered before the pass runs (Enter / NextIteration frames); TF's shape inference cannot size the
-    # loop-carried loss, so the step cannot be planned and runs as Grappler left it, with one warning
-    assert len(texts) == 1, texts
-    assert not call.result.records and call.result.skipped[0].kind == "unknown-shape"
+        @tf.function
+        def two_steps(xb, yb):
+            def body(i):
+                model.train_step((xb, yb))
+                return i + 1
+            return tf.while_loop(lambda i: i < 2, body, [tf.constant(0)])
+
+        if request is None:
+            two_steps(tf.constant(x), tf.constant(y))
+            return None, [], [w.numpy() for w in model.weights]
+        with warnings.catch_warnings(record=True) as caught, passes.armed(request) as call:
+            warnings.simplefilter("always")
+            two_steps(tf.constant(x), tf.constant(y))
+        return call.result, dymem_warnings(caught), [w.numpy() for w in model.weights]
+
+    _, _, base_w = two_steps_weights(None)
+    result, texts, weights = two_steps_weights(step_pass.PlanRequest(budget_bytes=budget))
+    assert_same_weights(weights, base_w)
+    if budget is None:
+        assert texts == [] and not result.skipped and len(result.records) == 1
+        plan = result.records[0].plan
+        assert plan.swaps and any("kept for the backward pass" in n and "no static size" in n for n in plan.notes)
+        assert all(result.records[0].step_graph.tensors[s.tensor].shape_known for s in plan.swaps)
+    else:
+        assert len(texts) == 1 and "cannot be bounded under a memory_budget" in texts[0], texts
+        assert not result.records and result.skipped[0].kind == "unknown-shape"
 
 
 class CounterModel(keras.Model):
@@ -518,23 +536,27 @@ def _images_of_unknown_size():
     return tf.data.Dataset.from_generator(gen, output_signature=spec).batch(8, drop_remainder=True), None
 
 
-@pytest.mark.parametrize("case, build, make_data, kind, fragment", [
-    ("unknown dims", _dynamic, _images_of_unknown_size, "unknown-shape", "unknown static shape ([8, ?, ?,"),
-    ("no gradients", _frozen, lambda: data(16), "no-gradients", "no gradient ops"),
+@pytest.mark.parametrize("case, build, make_data, kind, fragment, budget", [
+    # unknown sizes block a budget only (without one the step is planned around them: the test below)
+    ("unknown dims", _dynamic, _images_of_unknown_size, "unknown-shape", "unknown static shape ([8, ?, ?,",
+     "64MiB"),
+    ("no gradients", _frozen, lambda: data(16), "no-gradients", "no gradient ops", None),
 ])
-def test_unsupported_construct_is_left_unmodified_with_one_warning(case, build, make_data, kind, fragment):
+def test_unsupported_construct_is_left_unmodified_with_one_warning(case, build, make_data, kind, fragment, budget):
     x, y = make_data()
     batch = None if y is None else 8
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Keras' own warnings (no trainable weights)
         base, base_w, _ = fit(build, [], x, y, batch_size=batch)
-    cb = dymem_tf.DymemCallback(memory_budget=None, min_swap_bytes=0, verbose=0)
+    cb = dymem_tf.DymemCallback(memory_budget=budget, min_swap_bytes=0, verbose=0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         hist, weights, _ = fit(build, [cb], x, y, batch_size=batch)
     texts = dymem_warnings(caught)
     assert len(texts) == 1, texts  # one warning although Keras traces the step twice (variable creation)
     assert fragment in texts[0] and "unmodified" in texts[0]
+    if kind == "unknown-shape":  # and what to do about it
+        assert "Give the inputs a static shape" in texts[0] and "memory_budget=None" in texts[0], texts[0]
     # a warning about the user's model points at the user's code (here: fit() above), not at dymem_tf
     (where,) = [(w.filename, w.lineno) for w in caught if "dymem_tf" in str(w.message)]
     first = fit.__code__.co_firstlineno
@@ -544,17 +566,20 @@ def test_unsupported_construct_is_left_unmodified_with_one_warning(case, build, 
     assert_same_weights(weights, base_w)
 
 
-@pytest.mark.parametrize("budget", [None, "64MiB"])
-def test_out_of_memory_in_a_step_left_unmodified_says_why_and_suggests_no_swapping(budget):
-    """Images of unknown size leave the step unmodified: when that step runs out of memory, the hint says so and
-    why, and asks for a smaller batch or a larger budget only (no policy, budget below ... or min_swap_bytes: no
-    plan runs)."""
-    ds, _ = _images_of_unknown_size()
+@pytest.mark.parametrize("budget, build, make_data, kind", [
+    (None, _frozen, lambda: data(16), "no-gradients"),
+    ("64MiB", _dynamic, _images_of_unknown_size, "unknown-shape"),  # unknown sizes block a budget only
+])
+def test_out_of_memory_in_a_step_left_unmodified_says_why_and_suggests_no_swapping(budget, build, make_data, kind):
+    """A step without gradients, or images of unknown size under a budget, leave the step unmodified: when that
+    step runs out of memory, the hint says so and why, and asks for a smaller batch or a larger budget only (no
+    policy, budget below ... or min_swap_bytes: no plan runs)."""
+    x, y = make_data()
     cb = dymem_tf.DymemCallback(memory_budget=budget, min_swap_bytes=0, verbose=0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        fit(_dynamic, [cb], ds, None, batch_size=None)
-    assert cb.plan is None and cb.skipped[-1].kind == "unknown-shape"
+        fit(build, [cb], x, y, batch_size=None if y is None else 8)
+    assert cb.plan is None and cb.skipped[-1].kind == kind
 
     def failing(iterator):
         raise tf.errors.ResourceExhaustedError(None, None, "OOM when allocating tensor with shape[8,6,16]")
@@ -562,10 +587,74 @@ def test_out_of_memory_in_a_step_left_unmodified_says_why_and_suggests_no_swappi
     with pytest.raises(tf.errors.ResourceExhaustedError) as info:
         cb.session.wrap(failing, cb.session.request)(iter(()))  # a train function of the fit that just ran
     hint = info.value.message.split("\n\n", 1)[1]
-    assert "Dymem left this step unmodified (unknown-shape: tensor " in hint
+    assert f"Dymem left this step unmodified ({kind}: " in hint
+    if kind == "unknown-shape":  # the reason says what to do: static shapes, or no budget
+        assert "(unknown-shape: tensor " in hint and "memory_budget=None" in hint
     assert "swapping cannot help" in hint and "lower the batch size" in hint and "raise the budget" in hint
     assert "policy=" not in hint and "min_swap_bytes" not in hint and "memory_budget below" not in hint
     assert "swap enough" not in hint
+
+
+def _resized_cnn():
+    """Images of any size: a convolution at the input's size (unknown), resized to 16 px, then convolutions of
+    known size."""
+    inp = keras.Input((None, None, 3))
+    h = keras.layers.Conv2D(8, 3, padding="same", activation="relu")(inp)
+    h = keras.layers.Resizing(16, 16)(h)
+    h = keras.layers.Conv2D(8, 3, padding="same", activation="relu")(h)
+    h = keras.layers.Conv2D(8, 3, padding="same", activation="relu")(h)
+    return keras.Model(inp, keras.layers.Dense(10)(keras.layers.GlobalAveragePooling2D()(h)))
+
+
+def _images_of_two_sizes():
+    """Batches of 8 images of 20 px, then of 24 px, from a generator whose images have no static size."""
+    rng = np.random.default_rng(1)
+    xs = [rng.normal(size=(8, s, s, 3)).astype("float32") for s in (20, 20, 24)]
+
+    def gen():
+        for i, x in enumerate(xs):
+            yield from ((image, np.int64((i + j) % 10)) for j, image in enumerate(x))
+
+    spec = (tf.TensorSpec((None, None, 3), tf.float32), tf.TensorSpec((), tf.int64))
+    return tf.data.Dataset.from_generator(gen, output_signature=spec).batch(8, drop_remainder=True), None
+
+
+@pytest.mark.parametrize("build", [_resized_cnn, _dynamic])
+def test_images_of_unknown_size_are_planned_around_without_a_budget(build):
+    """Issue #47: a step whose backward pass keeps tensors of unknown size is planned without a budget: the
+    tensors of known size are swapped as usual, those of unknown size are no candidates and stay on the device,
+    the plan says how many, no warning, and training is bit-identical to plain training."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Keras: the generator ran out of data
+        base, base_w, _ = fit(build, [], *_images_of_two_sizes(), batch_size=None)
+    cb = dymem_tf.DymemCallback(memory_budget=None, min_swap_bytes=0, verbose=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hist, weights, model = fit(build, [cb], *_images_of_two_sizes(), batch_size=None)
+    assert dymem_warnings(caught) == [] and cb.skipped == []
+    assert hist == base and len(hist["loss"]) == 1
+    assert_same_weights(weights, base_w)
+    assert len(cb.records) == 1  # one trace serves both sizes
+    record = cb.records[0]
+    sg, plan = record.step_graph, record.plan
+    problem = step_pass.unsupported_construct(sg, 8)
+    assert problem is not None and problem.kind == "unknown-shape" and problem.count >= 2  # input, first conv
+    assert plan.swaps and record.report.swap_out_ops
+    assert all(sg.tensors[s.tensor].shape_known and sg.tensors[s.tensor].bytes > 0 for s in plan.swaps)
+    assert problem.subject not in {s.tensor for s in plan.swaps}
+    assert problem.note() in plan.notes and f"{problem.count} tensors kept for the backward pass" in problem.note()
+    if build is _resized_cnn:  # the feature maps after the resize are swapped
+        assert sum(sg.tensors[s.tensor].shape == (8, 16, 16, 8) for s in plan.swaps) >= 2, plan.summary()
+
+
+def test_a_dry_run_plans_around_unknown_sizes_without_a_budget_only():
+    from dymem_tf.keras import dry_run
+
+    model = unknown_width_model()
+    plan = dry_run.dry_run(model, 8, memory_budget=None, min_swap_bytes=0)
+    assert plan.swaps and any("kept for the backward pass" in n and "no static size" in n for n in plan.notes)
+    with pytest.raises(dry_run.StepLeftUnmodifiedError, match="unknown-shape: .*memory_budget=None"):
+        dry_run.dry_run(model, 8, memory_budget="64MiB", min_swap_bytes=0)
 
 
 @tf.function

@@ -25,12 +25,16 @@ class TracedStep:
     persistent_bytes: int
     batch_size: int
     num_ops: int
-    #: why the callback would leave this step unmodified (:func:`dymem_tf.passes.step_pass.unsupported_construct`), or None
+    #: why the callback would leave this step unmodified (:func:`~dymem_tf.passes.step_pass.unsupported_construct`;
+    #: for some budgets only: ``problem``), or None
     unsupported: str | None = None
     ops: list = dataclasses.field(default_factory=list)  # the step's ops, as the pass was offered them
     function_name: str = ""
     #: oneDNN's layout pass rewrites the graph after the pass (``PlanSettings.onednn_later``), as in the callback
     onednn_later: bool = False
+    #: the construct behind ``unsupported`` (a :class:`~dymem_tf.passes.step_pass.Unsupported`): tensors of unknown
+    #: size leave the step unmodified under a budget only (:meth:`~dymem_tf.passes.step_pass.Unsupported.blocks`)
+    problem: object = None
 
 
 class StepLeftUnmodifiedError(ValueError):
@@ -159,13 +163,13 @@ def trace_train_step(model: keras.Model, batch_size: int, x=None, y=None, *, als
     unsupported = f"{problem.kind}: {problem.detail}" if problem else None
     return TracedStep(captured["graph"], variables.persistent_bytes(model), batch_size, captured["num_ops"],
                       unsupported, captured.get("ops", []), captured.get("function_name", ""),
-                      captured.get("onednn_later", False))
+                      captured.get("onednn_later", False), problem)
 
 
 def plan_all(traced: TracedStep, policies, budget_bytes, device, headroom: float | None = None, **kwargs) -> dict:
     """A plan (or the error that stopped it) per policy for one traced step, each made as the callback's pass makes
-    it (:meth:`~dymem_tf.passes.step_pass.StepPass.plan_captured`); a step the callback would not rewrite
-    (``traced.unsupported``) gets :class:`StepLeftUnmodifiedError` for every swapping policy.
+    it (:meth:`~dymem_tf.passes.step_pass.StepPass.plan_captured`); a step the callback would not rewrite for
+    ``budget_bytes`` (``traced.unsupported``) gets :class:`StepLeftUnmodifiedError` for every swapping policy.
 
     ``headroom`` is the share of the budget kept free (None: the callback's default when it has measured nothing;
     it calibrates its own on the first step under a budget, which a dry run cannot); 0 compares policies at
@@ -191,16 +195,21 @@ def plan_each(traced: TracedStep, settings: dict, request: step_pass.PlanRequest
 def plan_traced(traced: TracedStep, settings: pipeline.PlanSettings, request: step_pass.PlanRequest,
                 copy: bool = True):
     """The plan the callback's pass makes for ``traced`` with ``settings`` for ``request``; raises
-    :class:`StepLeftUnmodifiedError` for a step it would leave unmodified (``"none"`` plans it as Keras built it)
-    and :class:`~dymem_tf.planning.planner.BudgetTooSmallError` when no plan fits. ``copy=False`` lets the plan add
-    its ordering edges to ``traced.step_graph`` in place (for a step planned only once)."""
-    if traced.unsupported and (settings.policy != "none" or traced.step_graph is None):
+    :class:`StepLeftUnmodifiedError` for a step it would leave unmodified for ``request`` (``"none"`` plans it as
+    Keras built it; tensors of unknown size block a budget only, and are noted in a plan without one) and
+    :class:`~dymem_tf.planning.planner.BudgetTooSmallError` when no plan fits. ``copy=False`` lets the plan add its
+    ordering edges to ``traced.step_graph`` in place (for a step planned only once)."""
+    blocks = traced.problem is None or traced.problem.blocks(request)
+    if traced.unsupported and ((settings.policy != "none" and blocks) or traced.step_graph is None):
         raise StepLeftUnmodifiedError(f"the callback would leave this step unmodified ({traced.unsupported})")
     pass_ = step_pass.StepPass(settings, verbose=0)
     where = (None, traced.batch_size, None)
     with step_pass.collector_paused():
-        return pass_.plan_captured(traced.step_graph, traced.ops, where, traced.onednn_later, request,
+        plan = pass_.plan_captured(traced.step_graph, traced.ops, where, traced.onednn_later, request,
                                    copy=copy).plan
+    if traced.problem is not None and not blocks:  # tensors of unknown size, planned around without a budget
+        plan.notes.append(traced.problem.note())
+    return plan
 
 
 def resolve_budget(config: DymemConfig) -> tuple[int | None, bool]:

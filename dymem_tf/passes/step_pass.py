@@ -16,7 +16,8 @@ with several local replicas each replica's device gets its own plan (``TraceReco
 
 Loops, conditionals and calls TF did not inline are planned around or seen into (:func:`unsupported_construct`).
 What the pass cannot plan leaves the graph unmodified, with one warning per construct (:class:`SkippedTrace`):
-forward tensors needed by the backward pass whose size is unknown, a step without gradient ops.
+forward tensors needed by the backward pass whose size is unknown, under a budget (without one they stay on the
+device and the rest is planned), a step without gradient ops.
 """
 from __future__ import annotations
 
@@ -183,7 +184,7 @@ class SkipKind(str, enum.Enum):
     """Why the pass left a graph unmodified."""
 
     UNSUPPORTED_GRAPH = "unsupported-graph"  # no ops, a cycle, a plan that did not fit the graph
-    UNKNOWN_SHAPE = "unknown-shape"  # a tensor kept for the backward pass has no static size
+    UNKNOWN_SHAPE = "unknown-shape"  # a tensor kept for the backward pass has no static size (under a budget)
     NO_GRADIENTS = "no-gradients"  # nothing is kept for a backward pass
 
     def __str__(self) -> str:
@@ -197,6 +198,24 @@ class Unsupported:
     kind: SkipKind
     subject: str
     detail: str
+    #: ``UNKNOWN_SHAPE``: how many tensors kept for the backward pass have no static size, and the first one's shape
+    count: int = 0
+    shape: str = ""
+
+    def blocks(self, req: PlanRequest) -> bool:
+        """Whether this construct leaves the step unmodified when planned for ``req``: always, except tensors of
+        unknown size without a budget, which are planned around (they stay on the device, never swapped; the
+        known-size tensors are swapped as usual). Under a budget (the probe's least-memory plan included) their
+        size would leave the step's peak unbounded."""
+        return not (self.kind is SkipKind.UNKNOWN_SHAPE and req.budget_bytes is None and not req.probe)
+
+    def note(self) -> str:
+        """The plan's note for a step planned around this construct (:meth:`blocks` is False)."""
+        many = self.count != 1
+        return (f"{self.count} tensor{'s' if many else ''} kept for the backward pass ({self.subject!r} "
+                f"{self.shape}{' and others' if many else ''}) {'have' if many else 'has'} no static size: not "
+                f"swapped, {'they stay' if many else 'it stays'} on the device and {'count' if many else 'counts'} "
+                "as 0 bytes in the predicted peak")
 
 
 @dataclasses.dataclass
@@ -336,12 +355,15 @@ class StepPass:
             unplanned = observed if batch is None else None
             step_graph, problem = self._captures.capture((replica, batch, unplanned),
                                                          lambda: capture(ops, batch, unplanned))
-        if problem is not None:
+        if problem is not None and problem.blocks(req):
             skipped = self.skip(function_name, problem, replica)
             if collected is not None:
                 collected.skipped.append(skipped)
             return None
-        return self.plan_captured(step_graph, ops, (replica, batch, observed), onednn_later, req)
+        planned = self.plan_captured(step_graph, ops, (replica, batch, observed), onednn_later, req)
+        if problem is not None:  # tensors of unknown size, planned around without a budget
+            planned.plan.notes.append(problem.note())
+        return planned
 
     def plan_captured(self, step_graph, ops: list, where: tuple, onednn_later: bool, req: PlanRequest,
                       copy: bool = False) -> pipeline.PlannedStep:
@@ -595,8 +617,8 @@ def graph_batch_size(ops) -> int | None:
 
 def capture(ops: list, batch_size: int | None, observed_batch: int | None = None):
     """``(step_graph, None)`` for the step's ops, or ``(step_graph or None, Unsupported)`` when the pass would
-    leave the step unmodified (see :func:`unsupported_construct`; ``observed_batch``: the batch size seen in the
-    first batches, not planned with)."""
+    leave the step unmodified for some requests (see :func:`unsupported_construct` and :meth:`Unsupported.blocks`;
+    ``observed_batch``: the batch size seen in the first batches, not planned with)."""
     try:
         step_graph = graph_capture.capture_step_graph(ops, batch_size=batch_size)
     except graph_capture.UnsupportedGraphError as err:
@@ -608,7 +630,9 @@ def unsupported_construct(sg, batch_size: int | None = None, observed_batch: int
     """The first construct in the step that the pass cannot plan, or None.
 
     * a forward tensor of the step's own loop frame that the backward pass reads whose static shape is unknown
-      beyond the batch dimension: its size, and so the step's peak, cannot be modelled;
+      beyond the batch dimension: its size, and so the step's peak, cannot be modelled. Only a plan under a budget
+      needs that peak; without one the step is planned around such tensors (:meth:`Unsupported.blocks`): they are
+      never swap candidates (the planner counts them as 0 bytes), stay on the device, and the plan notes them;
     * no gradient ops: nothing is kept for a backward pass, so there is nothing to swap.
 
     A loop is planned around: its ops stay in their frame, the lists it accumulates for its gradient leave it as
@@ -639,6 +663,9 @@ def unsupported_construct(sg, batch_size: int | None = None, observed_batch: int
                       if observed_batch is None else OBSERVED_UNDER_BUDGET.format(observed_batch))
         return Unsupported(SkipKind.UNKNOWN_SHAPE, first.name,
                 f"tensor {first.name!r}{more}, kept for the backward pass, has an unknown static shape ({shape}), "
-                f"so its size cannot be planned{batch_note}.")
+                f"so the step's peak cannot be bounded under a memory_budget{batch_note}. Give the inputs a static "
+                "shape (every dimension in keras.Input, images resized to one size), or train with "
+                "memory_budget=None, which swaps the tensors of known size and keeps these on the device.",
+                count=len(unknown), shape=shape)
     return None
 
