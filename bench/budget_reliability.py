@@ -188,6 +188,9 @@ def _budget_run(build, fit, Peaks, budget: int, memory_budget, args) -> dict:
         result["calibrated_swaps"] = len(plan.swaps)
         result["refined"] = len(calibrated) > 1
     result["fallback"] = any("goes on with the first step's" in str(w.message) for w in caught)
+    if records and peaks.peaks:  # the plan that trained: the probe's after a fall-back, else the last one made
+        trained = records[0].plan if result["fallback"] else records[-1].plan
+        result["swapped_bytes"] = int(trained.swapped_bytes)
     del model, cb
     return result
 
@@ -403,12 +406,64 @@ def report(results: list[dict], args, seconds: float) -> str:
                      f"{max(spread):.1%}: the same plan, the same shapes, a different peak from step to step (the CPU "
                      "executor dispatches kernels to its inter-op threads, so the order of allocation varies). "
                      f"In {sum(x > 0.06 for x in spread)} of {len(spread)} runs the spread alone exceeds 6%.")
+    lines += utilization_lines(results, getattr(args, "baseline_results", None))
     if use_err:
         lines.append(f"- The simulator's bytes in use of the budgeted plan (with the probe's measured temporaries, "
                      f"before the fragmentation term) vs measured in its first step: median "
                      f"{statistics.median(use_err):.1%}, max {max(use_err):.1%} over {len(use_err)} runs.")
     lines += [PEAK_END if of_peak else END, ""]
     return "\n".join(lines)
+
+
+def utilization(results: list[dict], least_budget: int = 64 * MiB) -> dict[str, list[float]]:
+    """Steady peak (the highest of steps 3 on) over the budget of every run that trained, by ``"all"`` runs,
+    ``"large"`` ones (budgets of ``least_budget`` and more) and ``"unbound"`` ones among those: the plan that trained
+    swapped nothing (``swapped_bytes`` 0; the step fitted as planned, chained and with its updates deferred, so the
+    budget did not bind it and it had nothing to use the rest for)."""
+    out = {"all": [], "large": [], "unbound": []}
+    for r in results:
+        for run in r.get("runs", []):
+            auto = run["auto"]
+            if auto["outcome"] != "trained" or len(auto["peaks"]) < 3:
+                continue
+            share = max(auto["peaks"][2:]) / run["budget"]
+            out["all"].append(share)
+            if run["budget"] >= least_budget:
+                out["unbound" if auto.get("swapped_bytes") == 0 else "large"].append(share)
+    return out
+
+
+def utilization_lines(results: list[dict], baseline: list[dict] | None = None) -> list[str]:
+    """The report's lines on how much of each budget the steady steps used (and, with a ``baseline`` run's results,
+    the same figures of that run beside them, and the bytes swapped per step of the runs both trained)."""
+    def figures(res):
+        u = utilization(res)
+        unbound = f" ({len(u['unbound'])} more swapped nothing: {_shares(u['unbound'])})" if u["unbound"] else ""
+        return (f"median {statistics.median(u['large']):.3f}, lowest {min(u['large']):.3f} over "
+                f"{len(u['large'])} runs{unbound}" if u["large"] else "no runs")
+
+    lines = [f"- Steady peak (steps 3 on) / B, budgets of 64 MiB and more, runs that swapped: {figures(results)}"
+             + (f"; the baseline run, every run counted as it recorded no bytes swapped: {figures(baseline)}."
+                if baseline else ".")]
+    if baseline:
+        base = {(r["model"], run["fraction"]): run["auto"] for r in baseline for run in r.get("runs", [])}
+        for r in results:
+            for run in r.get("runs", []):
+                auto, old = run["auto"], base.get((r["model"], run["fraction"]))
+                if old is None or auto["outcome"] != "trained" or old["outcome"] != "trained":
+                    continue
+                now_u, old_u = max(auto["peaks"][2:] or auto["peaks"]), max(old["peaks"][2:] or old["peaks"])
+                swapped = (f", swapped {_mib(old.get('swapped_bytes'))} -> {_mib(auto.get('swapped_bytes'))} MiB per "
+                           "step" if old.get("swapped_bytes") else
+                           f", swaps {old.get('calibrated_swaps', '–')} -> {auto.get('calibrated_swaps', '–')} "
+                           f"({_mib(auto.get('swapped_bytes'))} MiB swapped per step)")
+                lines.append(f"  - {r['model']} f={run['fraction']} (B {_mib(run['budget'])} MiB): steady peak / B "
+                             f"{old_u / run['budget']:.3f} -> {now_u / run['budget']:.3f}{swapped}")
+    return lines
+
+
+def _shares(values: list[float]) -> str:
+    return ", ".join(f"{v:.3f}" for v in sorted(values))
 
 
 def _steady_peaks(auto: dict) -> list[int]:
@@ -462,6 +517,8 @@ def main(argv=None) -> int:
                              "docs/identity.json")
     parser.add_argument("--json", help="save the run to this file instead of docs/ and leave docs/benchmarks.md as "
                                        "it is (a run of a few models beside the saved full one)")
+    parser.add_argument("--baseline", help="a saved JSON run whose steady peak / B and bytes swapped per step the "
+                        "report prints beside this run's (e.g. docs/budget_reliability.json)")
     parser.add_argument("--report-from", help="re-render docs/benchmarks.md's section from a saved JSON run")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--phase", choices=("identity", "digest", "p0", "p_dymem", "budget"), help=argparse.SUPPRESS)
@@ -470,6 +527,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])
     args.fractions = [float(f) for f in str(args.fractions).split(",")]
+    args.baseline_results = None
+    if args.baseline:
+        with open(args.baseline) as fh:
+            args.baseline_results = json.load(fh)["results"]
     if args.quick:
         args.steps, args.samples = min(args.steps, 4), min(args.samples, 256)
         if args.models == ",".join(BATCH):

@@ -453,3 +453,82 @@ def test_a_calibration_says_which_plan_it_measured_and_the_stage_of_the_plan_it_
     assert again.headroom > probe.headroom
     with pytest.raises(ValueError, match="source must be one of"):
         first_step.Calibration.from_probe(279 * MiB, 127 * MiB, 150 * MiB, 90 * MiB, source="guess")
+
+
+def test_a_placed_plan_keeps_pageblocks_and_a_share_of_the_budget_free_not_the_step_slack():
+    """The allowance of a plan placed in GTBM's groups is 3 pageblocks and 0.5% of the budget; its margin adds
+    the probe's error on bytes in use beyond 2% only (the runs the allowance was measured on were within it)."""
+    assert first_step.placed_allowance(512 * MiB) == 6 * MiB + math.ceil(0.005 * 512 * MiB)
+    assert first_step.placed_allowance(512 * MiB, block_size=1 * MiB) == 3 * MiB + math.ceil(0.005 * 512 * MiB)
+    assert first_step.placed_allowance(10 * MiB) == 3 * MiB  # capped at MAX_HEADROOM / 2 of a tiny budget
+    for budget in (64 * MiB, 512 * MiB, 2048 * MiB):
+        within = first_step.placed_margin(budget, 100 * MiB, 101 * MiB)
+        assert within == pytest.approx(first_step.placed_allowance(budget) / budget)
+        assert within < first_step.calibration_margin(100 * MiB, 101 * MiB, budget)  # the slack rule keeps more
+        beyond = first_step.placed_margin(budget, 100 * MiB, 110 * MiB)  # the simulator missed 9.1%
+        assert beyond == pytest.approx(within + (10 / 110 - first_step.MIN_MODEL_ERROR))
+    assert first_step.placed_margin(512 * MiB, 100 * MiB, 300 * MiB) == pytest.approx(
+        first_step.placed_allowance(512 * MiB) / (512 * MiB) + first_step.MAX_MODEL_ERROR)
+
+
+def test_a_calibration_with_a_placement_takes_the_placed_margin_and_one_without_the_step_slack():
+    from dymem_tf.memory import placement
+    group = placement.PersistentGroup(reserved_bytes=40 * MiB, in_use_bytes=39 * MiB)
+    placed = placement.Placement(step_in_use_bytes=50 * MiB, step_reserved_bytes=52 * MiB, resident_bytes=0,
+                                 persistent_reserved_bytes=40 * MiB)
+    args = (512 * MiB, 100 * MiB, 104 * MiB, 40 * MiB, 101 * MiB)
+    with_placement = first_step.Calibration.from_probe(*args, placed=placed, group=group)
+    without = first_step.Calibration.from_probe(*args)
+    assert with_placement.persistent_group and without.persistent_group is None
+    assert with_placement.margin == pytest.approx(first_step.placed_allowance(512 * MiB) / (512 * MiB))
+    assert without.margin == pytest.approx(first_step.calibration_margin(100 * MiB, 101 * MiB, 512 * MiB))
+    assert with_placement.headroom < without.headroom
+
+
+@pytest.mark.parametrize("measured, predicted, holds", [
+    (480, 480, True),  # both within the allowance of 512 MiB (6 MiB + 2.6 MiB)
+    (470, 505, False),  # the prediction (the steady peak: later steps grow to it) leaves less than the allowance
+    (495, 480, False),  # the first step missed its prediction by 15 MiB: later steps may miss 30
+    (486, 480, True),  # ... by 6 MiB: 492 expected, within the allowance
+    (505, 470, False),  # over the allowance
+])
+def test_a_placed_plan_holds_when_its_prediction_and_its_first_step_leave_the_allowance(measured, predicted, holds):
+    assert first_step.placed_plan_holds(measured * MiB, predicted * MiB, 512 * MiB) is holds
+    fsc = first_step_control.FirstStepControl(512 * MiB)
+    fsc.stepped(100 * MiB, 90 * MiB)  # the probe
+    decision = fsc.stepped(measured * MiB, measured * MiB - MiB, placed=(predicted * MiB, 2 * MiB))
+    assert decision.state is (first_step_control.State.SETTLED if holds else first_step_control.State.REFINED)
+
+
+def test_a_placed_plan_uses_the_budget_the_step_slack_kept_free():
+    """480 MiB of 512 leaves less than the slack of an unplaced plan (6%: 30.7 MiB) but holds when placed."""
+    unplaced, placed = (first_step_control.FirstStepControl(512 * MiB) for _ in range(2))
+    for fsc in (unplaced, placed):
+        fsc.stepped(100 * MiB, 90 * MiB)
+    assert unplaced.stepped(490 * MiB, 480 * MiB).state is first_step_control.State.REFINED
+    assert placed.stepped(490 * MiB, 480 * MiB, placed=(490 * MiB, 2 * MiB)).state is first_step_control.State.SETTLED
+
+
+def test_the_calibrated_plan_kept_is_the_one_placed_highest_within_the_limit_or_lowest_over_it():
+    from dymem_tf.passes.step_pass import _better_placed
+    limit = 100.0
+    assert _better_placed(98, 90, limit) and not _better_placed(90, 98, limit)  # within: more kept on the device
+    assert _better_placed(90, 101, limit) and not _better_placed(101, 90, limit)  # within beats over
+    assert _better_placed(101, 110, limit) and not _better_placed(110, 101, limit)  # over: the lowest
+
+
+def test_the_headroom_search_brackets_the_limit_and_stops_within_a_pageblock_under_it():
+    budget, limit, close = 100 * MiB, 90.0 * MiB, 2 * MiB
+    step = first_step.next_headroom
+    assert step([(0.3, 60 * MiB)], limit, budget, close) == pytest.approx(0.0)  # 30 MiB under: 30% less headroom
+    assert step([(0.3, 89 * MiB)], limit, budget, close) is None  # within a pageblock under the limit
+    # the secant between a plan under (0.3: 60 MiB) and one over (0.1: 100 MiB): 90 MiB at 0.15
+    assert step([(0.3, 60 * MiB), (0.1, 100 * MiB)], limit, budget, close) == pytest.approx(0.15)
+    # ... kept a quarter of the bracket from its ends: 0.3 MiB over at 0.1, 30 MiB under at 0.3
+    assert step([(0.3, 60 * MiB), (0.1, 90.3 * MiB)], limit, budget, close) == pytest.approx(0.15)
+    assert step([(0.15, 89.9 * MiB - close), (0.1, 100 * MiB)], limit, budget, close) == pytest.approx(0.1375)
+    assert step([(0.0, 60 * MiB)], limit, budget, close) is None  # no headroom left to give
+    assert step([(0.1, 60 * MiB), (0.2, 100 * MiB)], limit, budget, close) is None  # the peak rose with the headroom
+    assert step([(0.52, 95 * MiB)], limit, budget, close) == pytest.approx(0.57)  # over by 5%: 5% more
+    assert step([(0.59, 95 * MiB)], limit, budget, close) == pytest.approx(first_step.MAX_HEADROOM)  # at most
+    assert step([(first_step.MAX_HEADROOM, 95 * MiB)], limit, budget, close) is None

@@ -333,12 +333,22 @@ class FitSession:
             return self._fall_back(fallback)(iterator)
         stats = self.own(devices.device_memory_stats())
         measured, in_use = (stats["peak_bytes_reserved"], stats["peak_bytes_in_use"]) if stats else (None, None)
-        decision = self.control.stepped(measured, in_use)
+        decision = self.control.stepped(measured, in_use, None if probe else self._placed_prediction())
         if decision.action is Action.REFUSE:
             snapshot.restore()
             raise errors.too_close(self, measured)
         self._carry_out(decision, measured, in_use, self.model.train_function if probe else fallback)
         return outputs
+
+    def _placed_prediction(self) -> tuple[int, int] | None:
+        """``(predicted steady peak, pageblock size)`` of the budgeted plan whose first step just ran, where it was
+        placed in GTBM's groups (one plan, made with a calibration that has a persistent group), else None."""
+        records = self.last_result.records
+        predicted = records[0].plan.predicted if len(records) == 1 else None
+        cal = predicted.calibration if predicted is not None else None
+        if cal is None or not cal.persistent_group or predicted.calibrated_peak_bytes is None:
+            return None
+        return int(predicted.calibrated_peak_bytes), int(cal.persistent_group["block_size"])
 
     def _fall_back(self, fallback):
         """Make the probe's train function the model's (it trains from now on) and return it."""
@@ -348,9 +358,13 @@ class FitSession:
     def _carry_out(self, decision, measured: int | None, in_use: int | None, fallback) -> None:
         """Act on the controller's ``decision`` after a first step that trained (it measured ``measured``
         reserved and ``in_use`` bytes at its peak); ``fallback`` is the probe's train function."""
-        said = "" if measured is None else (  # within the slack: what the next decisions say first
+        placed = self._placed_prediction()
+        room = (f"predicted at {_fmt(placed[0])}, within "
+                f"{_fmt(first_step.placed_allowance(self.budget_bytes, placed[1]))}"
+                if placed else f"within {first_step.step_slack(self.budget_bytes):.0%}")
+        said = "" if measured is None else (  # does not hold: what the next decisions say first
             f"dymem_tf: the plan made for memory_budget {_fmt(self.budget_bytes)} measured {_fmt(measured)} in its "
-            f"first step, within {first_step.step_slack(self.budget_bytes):.0%} of the budget; ")
+            f"first step, {room} of the budget; ")
         if decision.action is Action.CALIBRATE:
             if decision.source is not State.PROBE:
                 self.say(said + "planning again, calibrated on that step.")

@@ -385,18 +385,20 @@ class StepPass:
 
     def _placed_plan(self, prepared: pipeline.PreparedStep, settings: pipeline.PlanSettings, req: PlanRequest):
         """The calibrated plan, its device peak predicted by its placement
-        (:func:`~dymem_tf.planning.first_step.placed_prediction`, kept as ``predicted.calibrated_peak_bytes``):
-        planned with the calibration's headroom and, while that prediction is over the calibration's limit, again
-        with the headroom raised by what it missed the limit by (at most
-        :data:`~dymem_tf.planning.first_step.PLACEMENT_REPLANS` times; the plan predicted lowest stays when none
-        fits, and its first step is guarded). The headroom is never lowered: the simulator's bytes in use are
-        calibrated on the probe, which swaps everything, and a plan that swaps much less than it measured up to 12%
-        more than simulated (DenseNet-121 32px + SGD, no swaps: 136 MiB simulated, 152 measured)."""
+        (:func:`~dymem_tf.planning.first_step.placed_prediction`, kept as ``predicted.calibrated_peak_bytes``),
+        planned to the calibration's limit: first with the calibration's headroom, then (at most
+        :data:`~dymem_tf.planning.first_step.PLACEMENT_REPLANS` times) with the headroom
+        :func:`~dymem_tf.planning.first_step.next_headroom` finds, until a plan lands within a pageblock under the
+        limit. The plan kept is the one placed highest within the limit (it keeps the most tensors on the device), or
+        the one placed lowest when none fits (its first step is guarded). A plan that keeps more than the probe's
+        calibration transfers to is caught by its first step (:func:`~dymem_tf.planning.first_step.placed_plan_holds`)
+        and calibrated again on itself."""
         cal = req.calibration
         budget = int(cal.budget_bytes)
         limit = (1.0 - cal.margin) * budget
-        headroom, best, tries = cal.headroom, None, 0
-        for tries in range(1, first_step.PLACEMENT_REPLANS + 2):
+        close = int(cal.persistent_group.get("block_size", first_step.DEFAULT_BLOCK_SIZE))
+        headroom, best, tried = cal.headroom, None, []
+        for _ in range(first_step.PLACEMENT_REPLANS + 1):
             try:
                 planned = pipeline.finish_plan(prepared, dataclasses.replace(settings, headroom=headroom))
             except planner.BudgetTooSmallError:
@@ -404,17 +406,17 @@ class StepPass:
                     raise
                 break
             peak = self._placed_peak(planned, req)
-            if best is None or peak < best[0]:
+            tried.append((headroom, peak))
+            if best is None or _better_placed(peak, best[0], limit):
                 best = (peak, planned)
-            raised = min(headroom + (peak - limit) / budget, first_step.MAX_HEADROOM)
-            if peak <= limit or raised <= headroom + 1e-3:
+            headroom = first_step.next_headroom(tried, limit, budget, close)
+            if headroom is None:
                 break
-            headroom = raised
         peak, planned = best
         planned.plan.predicted.calibrated_peak_bytes = int(peak)
         planned.plan.notes.append(
             f"placed in GTBM's groups: {peak / 2**20:.1f} MiB reserved predicted at the peak, limit "
-            f"{limit / 2**20:.1f} MiB ({tries} plan{'s' if tries > 1 else ''} made)")
+            f"{limit / 2**20:.1f} MiB ({len(tried)} plan{'s' if len(tried) > 1 else ''} made)")
         return planned
 
     @stages.timed("placement")
@@ -624,6 +626,14 @@ def capture(ops: list, batch_size: int | None, observed_batch: int | None = None
     except graph_capture.UnsupportedGraphError as err:
         return None, Unsupported(SkipKind.UNSUPPORTED_GRAPH, "", f"{err}")
     return step_graph, unsupported_construct(step_graph, batch_size, observed_batch)
+
+
+def _better_placed(peak: int, best: int, limit: float) -> bool:
+    """Whether a plan placed at ``peak`` beats one placed at ``best`` for ``limit``: within it and higher (more kept
+    on the device), or lower while the best is over it."""
+    if peak <= limit:
+        return best > limit or peak > best
+    return best > limit and peak < best
 
 
 def unsupported_construct(sg, batch_size: int | None = None, observed_batch: int | None = None) -> Unsupported | None:

@@ -14,10 +14,14 @@ the second leaves too little room:
    (:func:`calibrated_headroom`), and the step is planned again for the fastest plan whose calibrated peak fits.
    With GTBM's groups that peak is the plan's own placement (:func:`placed_prediction`, from
    :mod:`dymem_tf.memory.placement`: the probe's fragmentation is mostly the persistent group's holes, which the
-   variables a calibrated plan keeps fill); the step pass plans again with more headroom while it is over the
-   limit. Its first step is guarded the same way; if it still runs out of memory, or no plan fits the calibrated
-   budget, training goes on with the probe's plan, which is known to fit.
-3. **Refined.** A calibrated plan whose first step leaves less than the step slack (:func:`step_slack`) free is
+   variables a calibrated plan keeps fill), and the plan is made to the budget less the placement's allowance
+   (:func:`placed_margin`): the step pass plans again with the headroom moved by what the placed peak missed that
+   limit by, either way, and keeps the plan placed highest within it. Without a placement the step slack
+   (:func:`step_slack`) and the simulator's error are kept free instead (:func:`calibration_margin`). Its first step
+   is guarded the same way; if it still runs out of memory, or no plan fits the calibrated budget, training goes on
+   with the probe's plan, which is known to fit.
+3. **Refined.** A calibrated plan whose first step does not show that it holds the budget (placed:
+   :func:`placed_plan_holds`; otherwise it leaves less than the step slack free) is
    calibrated again, once, from that step (``Calibration.source == "calibrated"``): the placement's
    fragmentation of a plan that holds most of the budget differs from the probe's, which held a fraction of it
    (ResNet-50 32px + SGD: 10 MiB at 38 MiB in use in the probe, 24 MiB at 190 MiB in the calibrated plan). The
@@ -58,9 +62,11 @@ MIN_MODEL_ERROR, MAX_MODEL_ERROR = 0.02, 0.10
 CALIBRATION_MARGIN = 0.10
 #: The most headroom a calibration may ask for; beyond it the probe's plan is used as it is.
 MAX_HEADROOM = 0.6
-#: How many times a calibrated plan is made again when its placed prediction is over the calibration's limit
-#: (:func:`placed_prediction`).
-PLACEMENT_REPLANS = 2
+#: How many times a calibrated plan is made again when its placed prediction (:func:`placed_prediction`) is over the
+#: calibration's limit, or under it by more than a pageblock (:func:`next_headroom`).
+PLACEMENT_REPLANS = 3
+#: The search for the headroom of a placed plan stops when the headrooms that fit and do not fit are this close.
+HEADROOM_RESOLUTION = 0.005
 #: Pageblocks by which the placer's replay of a step may miss its measured reserved peak either way: the live step
 #: allocates in the executor's order, not the simulated one, and each of its groups holds a partly used block.
 #: EfficientNet-B0 32px + Adam under 73 MiB: the probe's step measured 28 MiB of blocks, placed 26; the calibrated
@@ -69,6 +75,18 @@ PLACEMENT_REPLANS = 2
 PLACEMENT_JITTER_BLOCKS = 1
 #: The plans a calibration may be measured on (see :attr:`Calibration.source`).
 SOURCES = ("probe", "calibrated")
+#: What a calibrated plan placed in GTBM's groups (:func:`placed_prediction`) may measure above its prediction in
+#: any of its steps: :data:`PLACED_ALLOWANCE_BLOCKS` pageblocks and :data:`PLACED_ALLOWANCE_SHARE` of the budget
+#: (:func:`placed_allowance`). The most a placed prediction missed the steady peak (steps 3-20) by, over the 38
+#: calibrated runs of docs/budget_reliability.json (16 models, budgets 47 MiB to 2.1 GiB, every probe's bytes in
+#: use within :data:`MIN_MODEL_ERROR` of the simulator's): 13 MiB of 2124 (BERT-base, 0.6%), 7 of 842 (ResNet-152,
+#: 0.8%), 5.4 of 95 (DenseNet-121, 2.7 blocks), 4 of 62 (GPT decoder, 2 blocks). Later steps repeat the plan's
+#: chained order, and the placement replays the variables that move every step (SGD's momentum), so the step
+#: slack a plan without a placement keeps (:func:`step_slack`: 6% or 8 MiB) is not needed on top.
+PLACED_ALLOWANCE_BLOCKS = 3
+PLACED_ALLOWANCE_SHARE = 0.005
+#: GTBM's pageblock (the live allocator's default; a calibration reads its own from the persistent group)
+DEFAULT_BLOCK_SIZE = 2 << 20
 
 
 @dataclasses.dataclass
@@ -107,12 +125,14 @@ class Calibration:
         found (:class:`~dymem_tf.memory.placement.Placement`, ``PersistentGroup``), the placement's error too."""
         if source not in SOURCES:
             raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
-        margin = calibration_margin(predicted_peak, measured_in_use, budget_bytes)
+        placeable = placed is not None and group is not None and measured_in_use > 0
+        margin = (placed_margin(budget_bytes, predicted_peak, measured_in_use, int(group.block_size)) if placeable
+                  else calibration_margin(predicted_peak, measured_in_use, budget_bytes))
         headroom = calibrated_headroom(budget_bytes, predicted_peak, measured_peak, persistent_bytes, margin,
                                        measured_in_use)
         cal = cls(int(budget_bytes), int(predicted_peak), int(measured_peak), int(persistent_bytes), headroom,
                   int(measured_in_use), margin, source)
-        if placed is not None and group is not None and measured_in_use > 0:
+        if placeable:
             cal.persistent_group = dataclasses.asdict(group)
             jitter = PLACEMENT_JITTER_BLOCKS * int(group.block_size)
             cal.placement_residual_bytes = max(int(measured_peak) - _placed(cal, placed) - jitter, 0)
@@ -203,6 +223,63 @@ def calibration_margin(predicted_peak: int, measured_in_use: int = 0, budget_byt
         return max(CALIBRATION_MARGIN, slack + MIN_MODEL_ERROR)
     error = abs(_in_use_error(predicted_peak, measured_in_use))
     return slack + min(max(error, MIN_MODEL_ERROR), MAX_MODEL_ERROR)
+
+
+def placed_allowance(budget_bytes: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+    """Bytes of ``budget_bytes`` a placed calibrated plan keeps free for what its placement may miss
+    (:data:`PLACED_ALLOWANCE_BLOCKS` pageblocks of ``block_size`` and :data:`PLACED_ALLOWANCE_SHARE` of the
+    budget), at most :data:`MAX_HEADROOM` / 2 of it."""
+    allowance = PLACED_ALLOWANCE_BLOCKS * int(block_size) + math.ceil(PLACED_ALLOWANCE_SHARE * int(budget_bytes))
+    return min(allowance, int(MAX_HEADROOM / 2 * int(budget_bytes)))
+
+
+def placed_margin(budget_bytes: int, predicted_peak: int, measured_in_use: int,
+                  block_size: int = DEFAULT_BLOCK_SIZE) -> float:
+    """Share of the budget a calibration with a placement keeps free: :func:`placed_allowance`, plus the
+    simulator's error on the probe's bytes in use beyond :data:`MIN_MODEL_ERROR` (the allowance was measured on
+    probes within it; at most :data:`MAX_MODEL_ERROR` is added)."""
+    error = abs(_in_use_error(predicted_peak, measured_in_use))
+    extra = min(max(error - MIN_MODEL_ERROR, 0.0), MAX_MODEL_ERROR)
+    return min(placed_allowance(budget_bytes, block_size) / max(int(budget_bytes), 1) + extra, MAX_HEADROOM)
+
+
+def placed_plan_holds(measured: int, predicted: int, budget_bytes: int, block_size: int = DEFAULT_BLOCK_SIZE
+                      ) -> bool:
+    """Whether a placed calibrated plan whose first step reserved ``measured`` bytes, predicted at ``predicted``
+    (its steady peak, :func:`placed_prediction`), holds ``budget_bytes`` in later steps: its first step and its
+    expected steady peak leave the :func:`placed_allowance`. The steady peak is the prediction, plus twice what the
+    first step measured above it: a placement that missed the first step may miss the growth of later steps as well
+    (DenseNet-121 32px + SGD under 95 MiB: predicted 62.6 MiB, first step 66, steady 68)."""
+    allowance = placed_allowance(budget_bytes, block_size)
+    steady = int(predicted) + 2 * max(int(measured) - int(predicted), 0)
+    return max(steady, int(measured)) + allowance <= int(budget_bytes)
+
+
+def next_headroom(tried: list[tuple[float, int]], limit: float, budget_bytes: int, close: int) -> float | None:
+    """The headroom to plan a placed plan with next, from the ``(headroom, placed peak)`` pairs tried so far, or None
+    to stop: a plan came within ``close`` bytes under ``limit``, or the least headroom that fits and the most that
+    does not are within :data:`HEADROOM_RESOLUTION` (or out of order: the peak did not fall as the headroom grew).
+    The placed peak falls as the headroom grows, in steps (the plans are sets of tensors); the next headroom is the
+    secant between the nearest points either side of the limit, at least a quarter of their bracket from either end
+    (DenseNet-121 under 95 MiB: a plan 0.3 MiB over the limit at 10.7% headroom, and the secant crept towards it by
+    0.3% a plan), or, with points on one side only, the last one moved by what it missed the limit by."""
+    fits = [(h, p) for h, p in tried if p <= limit]
+    over = [(h, p) for h, p in tried if p > limit]
+    if any(p >= limit - close for _, p in fits):
+        return None
+    lo = max(over)[0] if over else 0.0
+    hi = min(fits)[0] if fits else MAX_HEADROOM
+    if hi - lo < HEADROOM_RESOLUTION:
+        return None
+    if fits and over:  # the secant, at least a quarter of the bracket from either end (the peak moves in steps)
+        (h1, p1), (h2, p2) = min(fits), max(over)
+        quarter = (hi - lo) / 4
+        return min(max(h1 + (limit - p1) * (h2 - h1) / (p2 - p1), lo + quarter), hi - quarter)
+    else:  # one side only: its end of the range may be tried (no headroom; the most there is)
+        h, p = tried[-1]
+        estimate = min(max(h + (p - limit) / max(int(budget_bytes), 1), 0.0), MAX_HEADROOM)
+        lo, hi = (lo - 1e-9, hi) if not over else (lo, hi + 1e-9)
+    return estimate if lo < estimate < hi else (lo + hi) / 2
 
 
 def _scale(predicted_peak: int, measured_peak: int, persistent_bytes: int, measured_in_use: int

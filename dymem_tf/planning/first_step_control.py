@@ -7,13 +7,16 @@ first step measured (the stages under a budget are described in :mod:`dymem_tf.p
       │
       └─out of memory / within slack─▶ plan for the device: PROBE if guarded, else UNGUARDED
 
-    PROBE ─────leaves slack────▶ CALIBRATED ──leaves slack──▶ SETTLED
+    PROBE ─────leaves slack────▶ CALIBRATED ──holds──▶ SETTLED
       │                            │  │
-      │ out of memory,             │  └─within slack (once)──▶ REFINED ──leaves slack──▶ SETTLED
+      │ out of memory,             │  └─does not hold (once)──▶ REFINED ──holds──▶ SETTLED
       │ within slack, refused      │                             │
-      ▼                            └─out of memory, refused ─┬───┘ out of memory, refused, within slack
+      ▼                            └─out of memory, refused ─┬───┘ out of memory, refused, does not hold
     REFUSED (an error)                                       ▼
                                                           FALLBACK (the probe's plan trains)
+
+A budgeted plan *holds* when its first step leaves the room its later steps need: the allowance of its placement
+where it was placed in GTBM's groups (:func:`first_step.placed_plan_holds`), the step slack otherwise.
 
 PLAIN, UNGUARDED, SETTLED, FALLBACK and REFUSED are terminal: nothing is guarded any more. The controller knows no
 Keras and no TensorFlow: the first-step session (:mod:`dymem_tf.keras.session`) reports what each first step
@@ -117,21 +120,32 @@ class FirstStepControl:
             raise RuntimeError(f"cannot resume {state} from {self.state}")
         return self._to(Action.KEEP, state)
 
-    def stepped(self, measured: int | None, in_use: int | None = None) -> Decision:
+    def holds(self, measured: int | None, placed: tuple[int, int] | None = None) -> bool:
+        """Whether a budgeted plan whose first step reserved ``measured`` bytes holds the budget in later steps:
+        with ``placed`` (``(predicted steady peak, pageblock size)`` of a plan placed in GTBM's groups), its
+        placement's allowance (:func:`first_step.placed_plan_holds`); otherwise the step slack
+        (:meth:`leaves_slack`)."""
+        if measured is None or placed is None:
+            return self.leaves_slack(measured)
+        predicted, block_size = placed
+        return first_step.placed_plan_holds(measured, predicted, self.budget_bytes, block_size)
+
+    def stepped(self, measured: int | None, in_use: int | None = None,
+                placed: tuple[int, int] | None = None) -> Decision:
         """A guarded planned first step ran and reserved ``measured`` bytes at its peak (``in_use`` of them in
-        use)."""
+        use); ``placed``: the plan's placed prediction and pageblock size (:meth:`holds`; a probe's is not used)."""
         if self.state is State.PROBE:
             if not self.leaves_slack(measured):
                 return self._to(Action.REFUSE, State.REFUSED)
             return self._to(Action.CALIBRATE, State.CALIBRATED, State.PROBE)
         if self.state is State.CALIBRATED:
-            if self.leaves_slack(measured):
+            if self.holds(measured, placed):
                 return self._to(Action.KEEP, State.SETTLED)
             if in_use:  # calibrated again once, from this step's own fragmentation
                 return self._to(Action.CALIBRATE, State.REFINED, State.CALIBRATED)
             return self._to(Action.FALL_BACK, State.FALLBACK)
         if self.state is State.REFINED:
-            if self.leaves_slack(measured):
+            if self.holds(measured, placed):
                 return self._to(Action.KEEP, State.SETTLED)
             return self._to(Action.FALL_BACK, State.FALLBACK)
         return self._to(Action.KEEP, self.state)
