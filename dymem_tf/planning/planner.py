@@ -27,6 +27,12 @@ first, while the plan still fits and gets no slower), then lets another candidat
 stalls most while that makes the plan faster (:meth:`_Planner.exchange`), and keeps the faster of the greedy and
 pruned plans: adding tensors at the peak only queues them when the D2H channel is the bottleneck at the end of the
 forward pass. :class:`BudgetTooSmallError` reports the peak of the last stage with every eligible tensor swapped.
+
+Budgets are monotone (issue 48): a smaller budget gets a plan with no higher predicted peak and no fewer bytes
+swapped. The greedy rounds do not read the budget (each adds a fixed share of the memory at the peak), so every
+budget walks one chain of growing swap sets and stops at the first state that fits (:meth:`_Planner.fit_budget`);
+the pruned plan keeps the chain's states that larger budgets get (:func:`_choose`). ``bench/budget_sweep.py``
+checks it on real models; the search stays a heuristic, so this is measured, not proven.
 Predictions come from :mod:`dymem_tf.planning.simulator`.
 
 The planner works on the stall-free modelled schedule (dependency layers in order, :mod:`dymem_tf.planning.cost_model`
@@ -70,6 +76,10 @@ DEFAULT_MIN_SWAP_BYTES = 64 * 1024
 #: under a budget: pruning and exchanging (each trial a simulation of the whole step) would chase stalls smaller
 #: than the cost model's own error.
 SEARCH_STALL_TOLERANCE = 0.005
+
+#: Share of the step's memory at the peak (above the persistent bytes) whose tensors one round of the greedy search
+#: adds (:meth:`_Planner.fit_budget`): a budget-independent step, so that every budget walks one chain of swap sets.
+GREEDY_STEP = 0.125
 
 
 #: Share of the budget the planner leaves free when nothing was measured: ``DymemCallback(calibrate=False)``, a
@@ -368,6 +378,19 @@ class _Planner:
                 gone.add(c.tensor)
         return [c for c in cands if c.kind != "recompute" or c.tensor in kept]
 
+    def _rivals(self, cand: _Candidate, picked: list[_Candidate]) -> list[_Candidate]:
+        """The recomputations of ``picked`` that a swap ``cand`` of one of their leaves cancels (none for a
+        recomputation ``cand``)."""
+        if cand.kind == "recompute":
+            return []
+        buf = self.sg.buffer_of(cand.tensor)
+        return [c for c in picked if c.kind == "recompute"
+                and any(self.sg.buffer_of(leaf) == buf for leaf in c.recompute.leaves)]
+
+    def moved_bytes(self, cands: list[_Candidate]) -> int:
+        """The bytes a plan of ``cands`` takes off the device (:attr:`Plan.swapped_bytes` of its decisions)."""
+        return sum(c.bytes for c in self._consistent(cands))
+
     def _weight_candidate(self, weight, relaxed: bool) -> _Candidate | None:
         """An offloadable weight as a candidate with two swap-in groups (its forward users; its backward users and
         update), or None when it is below the size threshold (unless ``relaxed``), has no forward users, or no
@@ -566,7 +589,8 @@ class _Planner:
         _, late = self._alap(cands, skip_unhideable=True)
         return [c for i, c in enumerate(cands) if i not in late]
 
-    def absent_windows(self, policy: str, mode: TriggerMode, cand: _Candidate, res: SimResult) -> list[tuple[float, float]]:
+    def absent_windows(self, policy: str, mode: TriggerMode, cand: _Candidate, res: SimResult
+                       ) -> list[tuple[float, float]]:
         """Times the tensor would be off the device if it alone were added to the plan simulated in ``res``.
 
         It leaves when its swap-out and its original consumers are done and returns when a swap-in starts, i.e.
@@ -615,44 +639,98 @@ class _Planner:
         return self.sim.run(swaps, persistent, timeline=timeline, validate=False)
 
     def fit_budget(self, policy: str, mode: TriggerMode, pool: list[_Candidate], chosen: list[_Candidate], budget: int,
-                   persistent: int, max_rounds: int = 200) -> tuple[list[_Candidate], SimResult]:
+                   persistent: int, max_rounds: int = 200, trail: list | None = None
+                   ) -> tuple[list[_Candidate], SimResult]:
         """Greedily add candidates of ``pool`` to ``chosen`` until the simulated peak fits ``budget``.
 
         Each round simulates the current set, finds the peak, and adds the largest candidates that would be off the
-        device at that instant until their bytes cover the excess (batched: a few simulations, not one per tensor).
+        device at that instant until their bytes cover :data:`GREEDY_STEP` of the step's memory at the peak (batched:
+        a few simulations, not one per tensor). The rounds do not read the budget: every budget walks the same chain
+        of growing swap sets and stops at the first round that fits, then keeps the shortest part of that round's
+        batch that fits (a bisection: its fit/no-fit answers only grow with the budget). A smaller budget so never
+        stops earlier on the chain, and swaps a superset of what a larger one does (issue 48: monotone budgets);
+        sizing the batch by the excess over the budget made each budget walk its own chain. A batch that raises the
+        peak (elsewhere: its swap-ins, or copies queued behind it) is halved until it does not; where even its largest
+        candidate alone does, the stage has done what it can. A swap of a recomputation's leaf cancels it
+        (:meth:`_consistent`): a batch takes no such swap smaller than the recomputation. ``trail``, if given,
+        gets ``(swap set before, batch, mode, simulation of both)`` for each round of the chain walked (the first
+        with an empty batch), in order: :meth:`fast_prefix` reads it.
         """
         chosen = list(chosen)
         taken = {c.tensor for c in chosen}
         remaining = sorted((c for c in pool if c.tensor not in taken), key=lambda c: (-c.bytes, c.cost_s, c.prod_pos))
         res = self.run(self.decisions(policy, chosen, mode), persistent)
+        if trail is not None:
+            trail.append((list(chosen), [], mode, res))
         for _ in range(max_rounds):
             if res.peak_bytes <= budget or not remaining:
                 break
-            excess = res.peak_bytes - budget
+            step = max(int((res.peak_bytes - persistent) * GREEDY_STEP), 1)
             t_peak = res.peak_time_s
             picked, acc = [], 0
             for cand in remaining:
-                if any(a <= t_peak < b for a, b in self.absent_windows(policy, mode, cand, res)):
-                    picked.append(cand)
-                    acc += cand.bytes
-                    if acc >= excess:
-                        break
+                if not any(a <= t_peak < b for a, b in self.absent_windows(policy, mode, cand, res)):
+                    continue
+                if any(r.bytes > cand.bytes for r in self._rivals(cand, picked)):
+                    continue  # it would cancel a larger recomputation of the batch (a swap of its leaf)
+                picked.append(cand)
+                acc += cand.bytes
+                if acc >= step:
+                    break
             if not picked:
                 break
+            r = self.run(self.decisions(policy, chosen + picked, mode), persistent)
+            while r.peak_bytes > res.peak_bytes and len(picked) > 1:  # raises the peak elsewhere: a smaller batch
+                picked = picked[:len(picked) // 2]
+                r = self.run(self.decisions(policy, chosen + picked, mode), persistent)
+            if r.peak_bytes > res.peak_bytes:  # even the largest alone raises it: the stage has done what it can
+                break
+            res = r
+            if trail is not None:
+                trail.append((list(chosen), list(picked), mode, res))
+            if res.peak_bytes <= budget:  # the shortest prefix of the batch that fits (the whole batch does)
+                lo, hi = 0, len(picked)  # chosen + picked[:lo] does not fit, chosen + picked[:hi] does
+                while hi - lo > 1:
+                    mid = (lo + hi) // 2
+                    r = self.run(self.decisions(policy, chosen + picked[:mid], mode), persistent)
+                    if r.peak_bytes <= budget:
+                        hi, res = mid, r
+                    else:
+                        lo = mid
+                picked = picked[:hi]
             chosen.extend(picked)
             ids = {c.tensor for c in picked}
             remaining = [c for c in remaining if c.tensor not in ids]
-            res = self.run(self.decisions(policy, chosen, mode), persistent)
         return chosen, res
 
+    def fast_prefix(self, policy: str, trail: list, limit: float, persistent: int) -> list[_Candidate]:
+        """The longest start of the greedy chain walked in ``trail`` (:meth:`fit_budget`) whose states all run a step
+        in at most ``limit`` seconds: the rounds up to the first slower one, then the longest part of that round's
+        batch found fast by a bisection (the whole chain if no round is slower)."""
+        last: list[_Candidate] = []
+        for before, picked, mode, res in trail:
+            if res.step_time_s <= limit:
+                last = before + picked
+                continue
+            lo, hi = 0, len(picked)  # before + picked[:lo] is fast (it is the last state), + picked[:hi] is not
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if self.run(self.decisions(policy, before + picked[:mid], mode), persistent).step_time_s <= limit:
+                    lo = mid
+                else:
+                    hi = mid
+            return before + picked[:lo] if picked else last
+        return last
+
     def prune(self, policy: str, mode: TriggerMode, pool: list[_Candidate], budget: int, persistent: int,
-              res: SimResult) -> tuple[list[_Candidate], SimResult]:
+              res: SimResult, protected: frozenset[str] = frozenset()) -> tuple[list[_Candidate], SimResult]:
         """Drop candidates from ``pool`` (whose plan ``res`` fits ``budget``) as long as the plan still fits and does
         not get slower: latest-produced first (they are the least likely to leave the device before the forward pass
         ends, and their swap-ins come first in the backward pass), in chunks that halve when a removal is rejected
-        and double again after one is accepted. A heuristic: the result need not be the smallest such set."""
+        and double again after one is accepted. A heuristic: the result need not be the smallest such set. The
+        ``protected`` tensors are never dropped."""
         kept = list(pool)
-        order = sorted(pool, key=lambda c: (-c.prod_pos, c.tensor))
+        order = sorted((c for c in pool if c.tensor not in protected), key=lambda c: (-c.prod_pos, c.tensor))
         i, chunk = 0, max(1, len(order) // 8)
         while i < len(order):
             if chunk == 1 and self._needed(order[i], res, budget):
@@ -695,16 +773,18 @@ class _Planner:
         return False
 
     def exchange(self, policy: str, mode: TriggerMode, kept: list[_Candidate], pool: list[_Candidate], budget: int,
-                 persistent: int, res: SimResult, rounds: int = 2, tries: int = 48
-                 ) -> tuple[list[_Candidate], SimResult]:
+                 persistent: int, res: SimResult, rounds: int = 2, tries: int = 48,
+                 protected: frozenset[str] = frozenset()) -> tuple[list[_Candidate], SimResult]:
         """Replace the swap whose swap-in stalls most by another candidate of ``pool`` while that makes the plan
         faster and it still fits. Pruning can keep a late tensor that had to leave while the D2H channel was full;
         once the channel has room another tensor may take its place at less cost. Tries the latest-produced
-        candidates first (a peak at the end of the forward pass is where they matter), at most ``tries`` per round."""
+        candidates first (a peak at the end of the forward pass is where they matter), at most ``tries`` per round.
+        The ``protected`` tensors are never replaced."""
         for _ in range(rounds):
-            if not res.swap_events or res.stall_s <= 0:
+            events = [e for e in res.swap_events if e.tensor not in protected]
+            if not events or res.stall_s <= 0:
                 break
-            worst = max(res.swap_events, key=lambda e: e.stall)
+            worst = max(events, key=lambda e: e.stall)
             base = [c for c in kept if c.tensor != worst.tensor]
             taken = {c.tensor for c in kept}
             others = sorted((c for c in pool if c.tensor not in taken), key=lambda c: (-c.prod_pos, c.tensor))
@@ -841,28 +921,47 @@ def _choose(pl: _Planner, policy: str, budget: int | None, persistent: int, base
         stages += [(relaxed, "isolated"), (relaxed, "jit"), (every, "jit")]
     chosen: list[_Candidate] = []
     best: _Choice | None = None
+    trail: list = []  # the greedy chain's rounds, budget-independent
     for pool, mode in stages:
-        chosen, res = pl.fit_budget(policy, mode, pool, chosen, budget, persistent)
+        chosen, res = pl.fit_budget(policy, mode, pool, chosen, budget, persistent, trail=trail)
         if res.peak_bytes <= budget:
             best = _Choice(res.step_time_s, chosen, mode, "greedy")
             break
     no_swap_time = base.step_time_s * (1 + 1e-9)  # a plan this fast stalls nowhere
-    if best is not None and best.step_time_s <= base.step_time_s * (1 + SEARCH_STALL_TOLERANCE):
+    fast = base.step_time_s * (1 + SEARCH_STALL_TOLERANCE)
+    if best is not None and best.step_time_s <= fast:
         if best.step_time_s > no_swap_time:
             notes.append(f"the greedy swap set stalls {best.step_time_s / base.step_time_s - 1:.2%} of the step "
                          "(modelled); not searched further")
         return best.swaps, best.mode  # nothing (worth searching) to gain
     # Adding tensors greedily can fall short or overshoot when the D2H channel is the bottleneck (a tensor added at
     # the peak only queues behind the others). Also start from the first whole pool that fits and drop what the
-    # budget does not need; keep whichever plan is faster.
+    # budget does not need; keep whichever plan is faster by more than the tolerance (the greedy one on a tie: a
+    # gain below it is the cost model's noise, not a reason to leave the chain).
+    # Monotone budgets (issue 48): a larger budget gets the first state of the greedy chain that fits it wherever
+    # no pruned plan beats that state, i.e. wherever the state is as fast as no swapping (first pass) or as fast as
+    # the pruned plans (second pass). So the pruned plan keeps every swap of the chain's start made of such states
+    # (:meth:`_Planner.fast_prefix`, budget-independent), pruning it afresh when it swaps fewer bytes than they do.
+    margin = SEARCH_STALL_TOLERANCE * base.step_time_s
     res = lowest = None
     for pool, mode in stages:
         res = pl.run(pl.decisions(policy, pool, mode), persistent)
         lowest = res if lowest is None or res.peak_bytes < lowest.peak_bytes else lowest
         if res.peak_bytes <= budget:
-            kept, pruned = pl.prune(policy, mode, pool, budget, persistent, res)
-            kept, pruned = pl.exchange(policy, mode, kept, pool, budget, persistent, pruned)
-            if best is None or pruned.step_time_s < best.step_time_s:
+            names, kept, pruned, protected = {c.tensor for c in pool}, None, None, frozenset()
+            for limit in (fast, None):
+                if limit is None:  # the chain's states as fast as the pruned plan
+                    limit = max(fast, pruned.step_time_s + margin)
+                state = pl.fast_prefix(policy, trail, limit, persistent)
+                keep = frozenset(names & {c.tensor for c in state})
+                if kept is not None and (keep <= protected or pl.moved_bytes(kept) >= pl.moved_bytes(state)):
+                    break  # nothing more to keep, or it swaps no less than they do: the first plan stands
+                protected = keep
+                kept, pruned = pl.prune(policy, mode, pool, budget, persistent, res, keep)
+                kept, pruned = pl.exchange(policy, mode, kept, pool, budget, persistent, pruned, protected=keep)
+                if best is not None and pruned.step_time_s >= best.step_time_s - margin:
+                    break  # the greedy plan is as fast
+            if best is None or pruned.step_time_s < best.step_time_s - margin:
                 best = _Choice(pruned.step_time_s, kept, mode, f"pruned from {len(pool)} candidates, then exchanged")
             break
     if best is None:  # the least peak any stage reached
@@ -968,7 +1067,8 @@ def validate_plan(step_graph: StepGraph, plan: Plan) -> list[str]:
             via = {c: a for c, a in s.alias_reads}
             wrong = set(t.consumers) - served
             wrong |= {c for c in served - set(t.consumers) if c not in readers}
-            wrong |= {c for si in s.swap_ins for c in si.consumers if c not in t.consumers and via.get(c) != readers.get(c)}
+            wrong |= {c for si in s.swap_ins for c in si.consumers
+                      if c not in t.consumers and via.get(c) != readers.get(c)}
             if wrong:
                 errs.append(f"{s.tensor}: consumers {sorted(wrong)} not served exactly once")
     return errs

@@ -1,0 +1,111 @@
+"""Monotone budgets (issue 48, item 3): a smaller budget never gets a plan with a higher predicted peak or fewer
+bytes swapped. Each plan is an independent ``make_plan`` call on one traced step (planning only: nothing trains),
+as ``bench/budget_sweep.py`` plans ResNet-50, BERT and DenseNet-121; here on a small CNN and a small transformer,
+mostly at profiles where the planner before the fix broke the rule (cnn on h200 and a100, the transformer on a100:
+the budget at the least-memory plan's peak swapped fewer bytes than the next larger one)."""
+import keras
+import numpy as np
+import pytest
+
+from dymem_tf.keras import dry_run
+from dymem_tf.planning import pipeline, planner
+from dymem_tf.planning.cost_model import as_cost_model
+
+
+def _small_cnn(batch: int):
+    """Three residual blocks of 3x3 convolutions with batch norm on 32x32 images (Adam)."""
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((32, 32, 3))
+    h = keras.layers.Conv2D(16, 3, padding="same", activation="relu")(inp)
+    for width in (16, 32, 32):
+        s = keras.layers.Conv2D(width, 3, padding="same")(h)
+        s = keras.layers.Activation("relu")(keras.layers.BatchNormalization()(s))
+        s = keras.layers.Conv2D(width, 3, padding="same")(s)
+        h = keras.layers.Conv2D(width, 1)(h) if h.shape[-1] != width else h
+        h = keras.layers.Activation("relu")(h + s)
+    model = keras.Model(inp, keras.layers.Dense(10)(keras.layers.GlobalAveragePooling2D()(h)))
+    model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(0)
+    return model, rng.uniform(size=(batch, 32, 32, 3)).astype("float32"), rng.integers(0, 10, (batch,))
+
+
+def _small_transformer(batch: int, seq: int = 32, dim: int = 64):
+    """Two encoder blocks (multi-head attention, layer norms, GELU MLP) over 32 tokens (AdamW)."""
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((seq,), dtype="int32")
+    h = keras.layers.Embedding(1000, dim)(inp)
+    for _ in range(2):
+        h = keras.layers.LayerNormalization()(h + keras.layers.MultiHeadAttention(4, dim // 4)(h, h))
+        f = keras.layers.Dense(dim)(keras.layers.Dense(4 * dim, activation="gelu")(h))
+        h = keras.layers.LayerNormalization()(h + f)
+    model = keras.Model(inp, keras.layers.Dense(10)(keras.layers.GlobalAveragePooling1D()(h)))
+    model.compile(optimizer=keras.optimizers.AdamW(1e-3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(0)
+    return model, rng.integers(0, 1000, (batch, seq)).astype("int32"), rng.integers(0, 10, (batch,))
+
+
+MODELS = {"cnn": (_small_cnn, 16), "transformer": (_small_transformer, 32)}
+_prepared: dict = {}
+
+
+def prepared(name: str):
+    """(prepared step, persistent bytes for the planner, batch) of a model, traced once per session and prepared
+    as the callback's pass prepares a step under a budget on the CPU device (offloading, recomputation)."""
+    if name not in _prepared:
+        build, batch = MODELS[name]
+        model, x, y = build(batch)
+        traced = dry_run.trace_train_step(model, batch, x, y)
+        assert traced.unsupported is None, traced.unsupported
+        settings = pipeline.PlanSettings(budget_bytes=1, offload_variables=True, offload_weights=True,
+                                         batch_size=batch, onednn_later=traced.onednn_later)
+        prep = pipeline.prepare_step(traced.step_graph, settings, copy=True)
+        _prepared[name] = (prep, max(traced.persistent_bytes - prep.modelled - prep.modelled_weights, 0), batch)
+    return _prepared[name]
+
+
+def plan(prep, persistent: int, batch: int, profile: str, budget=None, least_memory=False):
+    return planner.make_plan(prep.graph, "dymem", budget_bytes=budget, persistent_bytes=persistent, profile=profile,
+                             batch_size=batch, swapin_ahead=1, headroom=0.0, least_memory=least_memory,
+                             weights=prep.weights, recomputable=prep.recomputable)
+
+
+@pytest.mark.parametrize("name, profile", [("cnn", "h200"), ("cnn", "a100"), ("cnn", "cpu"),
+                                           ("transformer", "a100"), ("transformer", "h200")])
+def test_a_smaller_budget_never_raises_the_peak_nor_swaps_less(name, profile):
+    prep, persistent, batch = prepared(name)
+    least = plan(prep, persistent, batch, profile, least_memory=True)
+    low, high = least.predicted.peak_bytes, least.predicted.no_swap_peak_bytes
+    assert low < high
+    budgets = [high - round(k * (high - low) / 5) for k in range(6)]  # from the plain peak to the least memory
+    rows = []
+    for budget in budgets:
+        p = plan(prep, persistent, batch, profile, budget)
+        assert p.predicted.peak_bytes <= budget
+        assert planner.validate_plan(prep.graph, p) == []
+        rows.append((budget, p.predicted.peak_bytes, p.swapped_bytes, p.predicted.step_time_s))
+    assert rows[0][2] == 0  # the plain peak fits without swapping
+    for prev, cur in zip(rows, rows[1:]):
+        assert cur[1] <= prev[1], f"budget {cur[0]}: peak {cur[1]} above {prev[1]} at budget {prev[0]}\n{rows}"
+        assert cur[2] >= prev[2], f"budget {cur[0]}: {cur[2]} bytes swapped, {prev[2]} at budget {prev[0]}\n{rows}"
+
+
+def test_the_greedy_search_walks_one_chain_whatever_the_budget():
+    """The greedy rounds do not read the budget: a smaller budget's swap set contains a larger one's (sizing each
+    round's batch by the excess over the budget made each budget walk its own chain: 1 of these 11 pairs was not
+    nested on this transformer)."""
+    prep, persistent, _ = prepared("transformer")
+    pl = planner._Planner(prep.graph, as_cost_model("h200"), planner.DEFAULT_MIN_SWAP_BYTES, 1, 3, None,
+                          prep.weights, prep.recomputable)
+    pool = pl.candidates("dymem", relaxed=True)
+    plain = pl.run([], persistent).peak_bytes
+    full = pl.run(pl.decisions("dymem", pool, "queue"), persistent).peak_bytes
+    prev = None
+    for k in range(12):
+        budget = plain - round(k * (plain - full) / 11)
+        chosen, res = pl.fit_budget("dymem", "queue", pool, [], budget, persistent)
+        swapped = {c.tensor for c in chosen}
+        if prev is not None:
+            assert prev[1] <= swapped, f"budget {budget}: {sorted(prev[1] - swapped)} dropped (at {prev[0]})"
+        prev = (budget, swapped)
