@@ -532,3 +532,13 @@ def test_the_headroom_search_brackets_the_limit_and_stops_within_a_pageblock_und
     assert step([(0.52, 95 * MiB)], limit, budget, close) == pytest.approx(0.57)  # over by 5%: 5% more
     assert step([(0.59, 95 * MiB)], limit, budget, close) == pytest.approx(first_step.MAX_HEADROOM)  # at most
     assert step([(first_step.MAX_HEADROOM, 95 * MiB)], limit, budget, close) is None
+
+
+def test_a_placed_plan_is_close_enough_within_a_pageblock_or_one_percent_of_the_budget():
+    assert first_step.placed_close(100 * MiB) == 2 * MiB
+    assert first_step.placed_close(1024 * MiB) == int(0.01 * 1024 * MiB)
+    limit = 0.98 * 1024 * MiB
+    assert first_step.next_headroom([(0.1, int(limit - 9 * MiB))], limit, 1024 * MiB,
+                                    first_step.placed_close(1024 * MiB)) is None
+    assert first_step.next_headroom([(0.1, int(limit - 11 * MiB))], limit, 1024 * MiB,
+                                    first_step.placed_close(1024 * MiB)) is not None

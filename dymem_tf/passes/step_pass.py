@@ -388,15 +388,16 @@ class StepPass:
         (:func:`~dymem_tf.planning.first_step.placed_prediction`, kept as ``predicted.calibrated_peak_bytes``),
         planned to the calibration's limit: first with the calibration's headroom, then (at most
         :data:`~dymem_tf.planning.first_step.PLACEMENT_REPLANS` times) with the headroom
-        :func:`~dymem_tf.planning.first_step.next_headroom` finds, until a plan lands within a pageblock under the
-        limit. The plan kept is the one placed highest within the limit (it keeps the most tensors on the device), or
-        the one placed lowest when none fits (its first step is guarded). A plan that keeps more than the probe's
+        :func:`~dymem_tf.planning.first_step.next_headroom` finds, until a plan lands close under the limit
+        (:func:`~dymem_tf.planning.first_step.placed_close`). The plan kept is the one placed highest within the
+        limit (it keeps the most tensors on the device), or the one placed lowest when none fits (its first step is
+        guarded). A plan that keeps more than the probe's
         calibration transfers to is caught by its first step (:func:`~dymem_tf.planning.first_step.placed_plan_holds`)
         and calibrated again on itself."""
         cal = req.calibration
         budget = int(cal.budget_bytes)
         limit = (1.0 - cal.margin) * budget
-        close = int(cal.persistent_group.get("block_size", first_step.DEFAULT_BLOCK_SIZE))
+        close = first_step.placed_close(budget, cal.persistent_group.get("block_size", first_step.DEFAULT_BLOCK_SIZE))
         headroom, best, tried = cal.headroom, None, []
         for _ in range(first_step.PLACEMENT_REPLANS + 1):
             try:
