@@ -147,6 +147,7 @@ def _budget_run(build, fit, Peaks, budget: int, memory_budget, args) -> dict:
     import dymem_tf
     from dymem_tf.memory import allocator
     from dymem_tf.planning import first_step
+    from dymem_tf.planning.first_step_control import State
 
     model, x, y = build(args.samples)
     state = {v.path: v.numpy() for v in list(model.variables) + list(getattr(model.optimizer, "variables", []))}
@@ -187,7 +188,8 @@ def _budget_run(build, fit, Peaks, budget: int, memory_budget, args) -> dict:
         result["in_use_predicted"] = int(plan.predicted.peak_bytes)
         result["calibrated_swaps"] = len(plan.swaps)
         result["refined"] = len(calibrated) > 1
-    result["fallback"] = any("goes on with the first step's" in str(w.message) for w in caught)
+    result["fallback"] = any("goes on with the first step's" in str(w.message) for w in caught) or (
+        cb.session is not None and cb.session.control.state is State.FALLBACK)  # also the ones said, not warned
     if records and peaks.peaks:  # the plan that trained: the probe's after a fall-back, else the last one made
         trained = records[0].plan if result["fallback"] else records[-1].plan
         result["swapped_bytes"] = int(trained.swapped_bytes)

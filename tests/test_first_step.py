@@ -542,3 +542,9 @@ def test_a_placed_plan_is_close_enough_within_a_pageblock_or_one_percent_of_the_
                                     first_step.placed_close(1024 * MiB)) is None
     assert first_step.next_headroom([(0.1, int(limit - 11 * MiB))], limit, 1024 * MiB,
                                     first_step.placed_close(1024 * MiB)) is not None
+
+
+def test_a_plan_just_over_the_limit_moves_the_headroom_by_at_least_the_resolution():
+    limit, budget = 90.0 * MiB, 100 * MiB
+    nxt = first_step.next_headroom([(0.15, int(limit) + 1000)], limit, budget, 2 * MiB)
+    assert nxt == pytest.approx(0.15 + first_step.HEADROOM_RESOLUTION)

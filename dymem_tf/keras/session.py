@@ -359,12 +359,12 @@ class FitSession:
         """Act on the controller's ``decision`` after a first step that trained (it measured ``measured``
         reserved and ``in_use`` bytes at its peak); ``fallback`` is the probe's train function."""
         placed = self._placed_prediction()
-        room = (f"predicted at {_fmt(placed[0])}, within "
-                f"{_fmt(first_step.placed_allowance(self.budget_bytes, placed[1]))}"
-                if placed else f"within {first_step.step_slack(self.budget_bytes):.0%}")
+        room = (f"(predicted {_fmt(placed[0])}); with what later steps may add it does not leave "
+                f"{_fmt(first_step.placed_allowance(self.budget_bytes, placed[1]))} of the budget free"
+                if placed else f"within {first_step.step_slack(self.budget_bytes):.0%} of the budget")
         said = "" if measured is None else (  # does not hold: what the next decisions say first
             f"dymem_tf: the plan made for memory_budget {_fmt(self.budget_bytes)} measured {_fmt(measured)} in its "
-            f"first step, {room} of the budget; ")
+            f"first step {room}; ")
         if decision.action is Action.CALIBRATE:
             if decision.source is not State.PROBE:
                 self.say(said + "planning again, calibrated on that step.")

@@ -286,7 +286,8 @@ def next_headroom(tried: list[tuple[float, int]], limit: float, budget_bytes: in
         return min(max(h1 + (limit - p1) * (h2 - h1) / (p2 - p1), lo + quarter), hi - quarter)
     else:  # one side only: its end of the range may be tried (no headroom; the most there is)
         h, p = tried[-1]
-        estimate = min(max(h + (p - limit) / max(int(budget_bytes), 1), 0.0), MAX_HEADROOM)
+        moved = (p - limit) / max(int(budget_bytes), 1)  # over: at least the resolution more (not 1e-6 a plan)
+        estimate = min(max(h + (max(moved, HEADROOM_RESOLUTION) if over else moved), 0.0), MAX_HEADROOM)
         lo, hi = (lo - 1e-9, hi) if not over else (lo, hi + 1e-9)
     return estimate if lo < estimate < hi else (lo + hi) / 2
 

@@ -671,8 +671,8 @@ class _Planner:
             for cand in remaining:
                 if not any(a <= t_peak < b for a, b in self.absent_windows(policy, mode, cand, res)):
                     continue
-                if any(r.bytes > cand.bytes for r in self._rivals(cand, picked)):
-                    continue  # it would cancel a larger recomputation of the batch (a swap of its leaf)
+                if any(r.bytes > cand.bytes for r in self._rivals(cand, chosen + picked)):
+                    continue  # it would cancel a larger recomputation chosen (a swap of its leaf)
                 picked.append(cand)
                 acc += cand.bytes
                 if acc >= step:
