@@ -418,7 +418,8 @@ def report(results: list[dict], args, seconds: float) -> str:
 
 
 def utilization(results: list[dict], least_budget: int = 64 * MiB) -> dict[str, list[float]]:
-    """Steady peak (the highest of steps 3 on) over the budget of every run that trained, by ``"all"`` runs,
+    """Steady peak (the highest of steps 3 on, of the plan that trained: :func:`_trained_peaks`) over the budget of
+    every run that trained, by ``"all"`` runs,
     ``"large"`` ones (budgets of ``least_budget`` and more) and ``"unbound"`` ones among those: the plan that trained
     swapped nothing (``swapped_bytes`` 0; the step fitted as planned, chained and with its updates deferred, so the
     budget did not bind it and it had nothing to use the rest for)."""
@@ -428,7 +429,7 @@ def utilization(results: list[dict], least_budget: int = 64 * MiB) -> dict[str, 
             auto = run["auto"]
             if auto["outcome"] != "trained" or len(auto["peaks"]) < 3:
                 continue
-            share = max(auto["peaks"][2:]) / run["budget"]
+            share = max(_trained_peaks(auto)) / run["budget"]
             out["all"].append(share)
             if run["budget"] >= least_budget:
                 out["unbound" if auto.get("swapped_bytes") == 0 else "large"].append(share)
@@ -454,7 +455,7 @@ def utilization_lines(results: list[dict], baseline: list[dict] | None = None) -
                 auto, old = run["auto"], base.get((r["model"], run["fraction"]))
                 if old is None or auto["outcome"] != "trained" or old["outcome"] != "trained":
                     continue
-                now_u, old_u = max(auto["peaks"][2:] or auto["peaks"]), max(old["peaks"][2:] or old["peaks"])
+                now_u, old_u = max(_trained_peaks(auto)), max(_trained_peaks(old))
                 swapped = (f", swapped {_mib(old.get('swapped_bytes'))} -> {_mib(auto.get('swapped_bytes'))} MiB per "
                            "step" if old.get("swapped_bytes") else
                            f", swaps {old.get('calibrated_swaps', '–')} -> {auto.get('calibrated_swaps', '–')} "
@@ -462,6 +463,13 @@ def utilization_lines(results: list[dict], baseline: list[dict] | None = None) -
                 lines.append(f"  - {r['model']} f={run['fraction']} (B {_mib(run['budget'])} MiB): steady peak / B "
                              f"{old_u / run['budget']:.3f} -> {now_u / run['budget']:.3f}{swapped}")
     return lines
+
+
+def _trained_peaks(auto: dict) -> list[int]:
+    """The peaks of the steps of the plan that trained, from step 3 on: after the probe, the calibrated plan, a
+    refined one and a fall-back to the probe's plan, each of which ran one first step."""
+    first = max(2, 1 + ("calibrated_first" in auto) + bool(auto.get("refined")) + bool(auto.get("fallback")))
+    return auto["peaks"][first:] or auto["peaks"][-1:]
 
 
 def _shares(values: list[float]) -> str:

@@ -59,6 +59,31 @@ def proc_result(proc: subprocess.CompletedProcess, name: str = "the script") -> 
     return script_result(proc.returncode, proc.stdout, proc.stderr, name)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _release_device_memory_after_module(request):
+    """After each test module: Keras's global state cleared and garbage collected, so the models and tensors the
+    module built stop holding the in-process device. Tests that cap that device at a small budget (64 MiB) count
+    every byte on it: the full suite's earlier modules left ~64 MiB there, and tiny models ran out of memory. With
+    ``DYMEM_TEST_MEMLOG=path`` each module's device bytes in use after the release are appended to that file."""
+    yield
+    import gc
+
+    import keras
+
+    from dymem_tf.memory import allocator
+
+    def in_use():
+        return allocator.memory_stats().get("bytes_in_use", -1) if allocator.is_active() else -1
+
+    before = in_use()
+    keras.backend.clear_session()
+    gc.collect()
+    log = os.environ.get("DYMEM_TEST_MEMLOG")
+    if log:
+        with open(log, "a") as fh:
+            fh.write(f"{request.module.__name__} {before} {in_use()}\n")
+
+
 @pytest.fixture
 def python_subprocess():
     return run_python

@@ -250,13 +250,12 @@ def placed_margin(budget_bytes: int, predicted_peak: int, measured_in_use: int,
 def placed_plan_holds(measured: int, predicted: int, budget_bytes: int, block_size: int = DEFAULT_BLOCK_SIZE
                       ) -> bool:
     """Whether a placed calibrated plan whose first step reserved ``measured`` bytes, predicted at ``predicted``
-    (its steady peak, :func:`placed_prediction`), holds ``budget_bytes`` in later steps: its first step and its
-    expected steady peak leave the :func:`placed_allowance`. The steady peak is the prediction, plus twice what the
-    first step measured above it: a placement that missed the first step may miss the growth of later steps as well
-    (DenseNet-121 32px + SGD under 95 MiB: predicted 62.6 MiB, first step 66, steady 68)."""
-    allowance = placed_allowance(budget_bytes, block_size)
-    steady = int(predicted) + 2 * max(int(measured) - int(predicted), 0)
-    return max(steady, int(measured)) + allowance <= int(budget_bytes)
+    (its steady peak, :func:`placed_prediction`), holds ``budget_bytes`` in later steps: the higher of the two
+    leaves the :func:`placed_allowance`. Over the runs the allowance was measured on, the steady peak exceeded the
+    higher of a plan's prediction and its first step by at most 7 MiB of 842 (ResNet-152 + SGD, its momentum moving),
+    2 MiB under 95 MiB (DenseNet-121: predicted 62.6, first step 66, steady 68)."""
+    steady = max(int(measured), int(predicted))
+    return steady + placed_allowance(budget_bytes, block_size) <= int(budget_bytes)
 
 
 def placed_close(budget_bytes: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
