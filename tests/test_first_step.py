@@ -456,10 +456,10 @@ def test_a_calibration_says_which_plan_it_measured_and_the_stage_of_the_plan_it_
 
 
 def test_a_placed_plan_keeps_pageblocks_and_a_share_of_the_budget_free_not_the_step_slack():
-    """The allowance of a plan placed in GTBM's groups is 3 pageblocks and 0.5% of the budget; its margin adds
+    """The allowance of a plan placed in GTBM's groups is 3 pageblocks and 1.5% of the budget; its margin adds
     the probe's error on bytes in use beyond 2% only (the runs the allowance was measured on were within it)."""
-    assert first_step.placed_allowance(512 * MiB) == 6 * MiB + math.ceil(0.005 * 512 * MiB)
-    assert first_step.placed_allowance(512 * MiB, block_size=1 * MiB) == 3 * MiB + math.ceil(0.005 * 512 * MiB)
+    assert first_step.placed_allowance(512 * MiB) == 6 * MiB + math.ceil(0.015 * 512 * MiB)
+    assert first_step.placed_allowance(512 * MiB, block_size=1 * MiB) == 3 * MiB + math.ceil(0.015 * 512 * MiB)
     assert first_step.placed_allowance(10 * MiB) == 3 * MiB  # capped at MAX_HEADROOM / 2 of a tiny budget
     for budget in (64 * MiB, 512 * MiB, 2048 * MiB):
         within = first_step.placed_margin(budget, 100 * MiB, 101 * MiB)
@@ -486,10 +486,10 @@ def test_a_calibration_with_a_placement_takes_the_placed_margin_and_one_without_
 
 
 @pytest.mark.parametrize("measured, predicted, holds", [
-    (480, 480, True),  # both within the allowance of 512 MiB (6 MiB + 2.6 MiB)
-    (470, 505, False),  # the prediction (the steady peak: later steps grow to it) leaves less than the allowance
+    (480, 480, True),  # both within the allowance of 512 MiB (6 MiB + 7.7 MiB)
+    (470, 500, False),  # the prediction (the steady peak: later steps grow to it) leaves less than the allowance
     (495, 480, True),  # the first step came 15 MiB over its prediction: later steps repeat it, within the allowance
-    (504, 480, False),  # ... 24 MiB over: the first step itself leaves less than the allowance
+    (500, 480, False),  # ... 20 MiB over: the first step itself leaves less than the allowance
     (505, 470, False),  # over the allowance
 ])
 def test_a_placed_plan_holds_when_its_prediction_and_its_first_step_leave_the_allowance(measured, predicted, holds):
@@ -501,7 +501,7 @@ def test_a_placed_plan_holds_when_its_prediction_and_its_first_step_leave_the_al
 
 
 def test_a_placed_plan_uses_the_budget_the_step_slack_kept_free():
-    """480 MiB of 512 leaves less than the slack of an unplaced plan (6%: 30.7 MiB) but holds when placed."""
+    """490 MiB of 512 leaves less than the slack of an unplaced plan (6%: 30.7 MiB) but holds when placed."""
     unplaced, placed = (first_step_control.FirstStepControl(512 * MiB) for _ in range(2))
     for fsc in (unplaced, placed):
         fsc.stepped(100 * MiB, 90 * MiB)
