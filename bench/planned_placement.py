@@ -215,12 +215,9 @@ def match_summary(trace: list[dict], planned: dict, m: dict) -> dict:
 def peak_live(intervals) -> int:
     """The most bytes of ``(lower, upper, size)`` half-open intervals live at once (frees before allocations at
     one event)."""
-    events = sorted([(lo, s) for lo, _, s in intervals] + [(up, -s) for _, up, s in intervals])
-    live = peak = 0
-    for _, d in events:
-        live += d
-        peak = max(peak, live)
-    return peak
+    from dymem_tf.planning import memory_model
+
+    return memory_model.peak_live([(s, lo, up) for lo, up, s in intervals])
 
 
 def overlaps(lower: np.ndarray, upper: np.ndarray) -> np.ndarray:

@@ -87,7 +87,7 @@ def _unmatched(allocs: list[tuple[int, int, int]], output_sizes: list[int]) -> l
     return left
 
 
-def _peak_live(allocs: list[tuple[int, int, int]]) -> int:
+def peak_live(allocs: list[tuple[int, int, int]]) -> int:
     """The most bytes of ``allocs`` live at once (half-open ``[lower, upper)`` event intervals)."""
     events = sorted([(lo, s) for s, lo, _ in allocs] + [(up, -s) for s, _, up in allocs])
     live = peak = 0
@@ -131,8 +131,8 @@ def from_trace(rows: Iterable[Mapping[str, str]], sg: StepGraph, min_bytes: int 
     for name, allocs in _own_allocations(rows, sg.ops, first_event).items():
         sizes = [sg.tensors[t].bytes for t in sg.ops[name].outputs if sg.tensors[t].alias_of is None]
         extra = _unmatched(allocs, sizes)
-        if extra and _peak_live(extra) >= min_bytes:
+        if extra and peak_live(extra) >= min_bytes:
             temps[name] = extra
     concurrency, overlap = _coexistence(temps)
-    return MeasuredMemory({name: _peak_live(allocs) for name, allocs in temps.items()},
+    return MeasuredMemory({name: peak_live(allocs) for name, allocs in temps.items()},
                           max(1, min(concurrency, MAX_CONCURRENCY)), overlap)
