@@ -213,13 +213,19 @@ def _run_child(name: str, args, *extra, onednn: str = "0") -> dict:
                PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--steps", str(args.steps),
            "--samples", str(args.samples), "--identity-steps", str(args.identity_steps), *extra]
+    return child_result(cmd, env, args.timeout)
+
+
+def child_result(cmd: list[str], env: dict, timeout: float, tail: int = 600) -> dict:
+    """The JSON a child process ``cmd`` printed on its last ``RESULT`` line, or ``{"error": ...}`` (a time-out, a
+    failed exit, no result: the last ``tail`` characters of its stderr)."""
     try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {args.timeout} s"}
+        return {"error": f"timed out after {timeout} s"}
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
     if proc.returncode != 0 or not lines:
-        return {"error": f"rc={proc.returncode}: {proc.stderr[-600:]}"}
+        return {"error": f"rc={proc.returncode}: {proc.stderr[-tail:]}"}
     return json.loads(lines[-1][len("RESULT"):])
 
 

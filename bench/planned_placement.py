@@ -44,7 +44,6 @@ import argparse
 import csv
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -635,14 +634,10 @@ def _run_child(name: str, args, *extra) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--steps", str(args.steps), *extra]
     cmd += ["--keep", os.path.abspath(args.keep)] if args.keep else []
     cmd += ["--execution-order", args.execution_order]
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {args.timeout} s"}
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
-    if proc.returncode != 0 or not lines:
-        return {"error": f"rc={proc.returncode}: {proc.stderr[-1500:]}"}
-    return json.loads(lines[-1][len("RESULT"):])
+    sys.path.insert(0, HERE)
+    from budget_reliability import child_result
+
+    return child_result(cmd, env, args.timeout, tail=1500)
 
 
 def run_model(name: str, args) -> list[dict]:
