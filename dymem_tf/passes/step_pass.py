@@ -73,11 +73,13 @@ class PlanRequest:
         return self.calibration.stage if self.calibration is not None else "plan"
 
     def cache_key(self) -> tuple:
-        """What a plan made for this request depends on besides the graph and the settings: its budget, stage and
-        batch sizes. A calibration's measured figures are left out: a calibrated plan of the same graph, budget
-        and stage is made once per process (another ``fit``'s probe measures the same step again)."""
+        """What a plan made for this request depends on besides the graph and the settings: its budget, stage (and
+        the plan its calibration measured: a placed plan may be refined twice) and batch sizes. A calibration's
+        measured figures are left out: a calibrated plan of the same graph, budget and stage is made once per
+        process (another ``fit``'s probe measures the same step again)."""
         headroom = None if self.calibration is not None else self.headroom
-        return (self.budget_bytes, self.stage, headroom, self.persistent_bytes, self.default_batch_size,
+        source = self.calibration.source if self.calibration is not None else None
+        return (self.budget_bytes, self.stage, source, headroom, self.persistent_bytes, self.default_batch_size,
                 self.observed_batch_size)
 
 

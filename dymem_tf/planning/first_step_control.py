@@ -10,13 +10,15 @@ first step measured (the stages under a budget are described in :mod:`dymem_tf.p
     PROBE ─────leaves slack────▶ CALIBRATED ──holds──▶ SETTLED
       │                            │  │
       │ out of memory,             │  └─does not hold (once)──▶ REFINED ──holds──▶ SETTLED
-      │ within slack, refused      │                             │
-      ▼                            └─out of memory, refused ─┬───┘ out of memory, refused, does not hold
-    REFUSED (an error)                                       ▼
+      │ within slack, refused      │                             │  ▲ placed, does not hold (once more)
+      ▼                            └─out of memory, refused ─┬───┘ └┘
+    REFUSED (an error)                                       ▼ out of memory, refused, does not hold
                                                           FALLBACK (the probe's plan trains)
 
 A budgeted plan *holds* when its first step leaves the room its later steps need: the allowance of its placement
-where it was placed in GTBM's groups (:func:`first_step.placed_plan_holds`), the step slack otherwise.
+where it was placed in GTBM's groups (:func:`first_step.placed_plan_holds`), the step slack otherwise. A placed
+plan is refined up to :data:`first_step.PLACED_REFINEMENTS` times (the refined plan's own miss calibrates the
+next), an unplaced one once (a second calibration on the same fragmentation would make the same plan).
 
 PLAIN, UNGUARDED, SETTLED, FALLBACK and REFUSED are terminal: nothing is guarded any more. The controller knows no
 Keras and no TensorFlow: the first-step session (:mod:`dymem_tf.keras.session`) reports what each first step
@@ -78,6 +80,7 @@ class FirstStepControl:
     def __init__(self, budget_bytes: int | None = None, state: State = State.PROBE):
         self.state = State(state)
         self.budget_bytes = None
+        self.refinements = 0  # refined plans made so far
         if self.state is State.PROBE:
             self._set_budget(budget_bytes)
 
@@ -138,17 +141,20 @@ class FirstStepControl:
             if not self.leaves_slack(measured):
                 return self._to(Action.REFUSE, State.REFUSED)
             return self._to(Action.CALIBRATE, State.CALIBRATED, State.PROBE)
-        if self.state is State.CALIBRATED:
+        if self.state in (State.CALIBRATED, State.REFINED):
             if self.holds(measured, placed):
                 return self._to(Action.KEEP, State.SETTLED)
-            if in_use:  # calibrated again once, from this step's own fragmentation
-                return self._to(Action.CALIBRATE, State.REFINED, State.CALIBRATED)
-            return self._to(Action.FALL_BACK, State.FALLBACK)
-        if self.state is State.REFINED:
-            if self.holds(measured, placed):
-                return self._to(Action.KEEP, State.SETTLED)
+            if in_use and self.refinements < self._refinements_allowed(measured, placed):
+                self.refinements += 1  # calibrated again from this step's own fragmentation (and miss)
+                return self._to(Action.CALIBRATE, State.REFINED, self.state)
             return self._to(Action.FALL_BACK, State.FALLBACK)
         return self._to(Action.KEEP, self.state)
+
+    @staticmethod
+    def _refinements_allowed(measured: int | None, placed: tuple[int, int] | None) -> int:
+        """Refined plans a plan may be followed by: :data:`first_step.PLACED_REFINEMENTS` where it was placed and
+        measured, else one."""
+        return first_step.PLACED_REFINEMENTS if placed is not None and measured is not None else 1
 
     def ran_out_of_memory(self) -> Decision:
         """A guarded first step ran out of memory (its variables are restored): the probe's refuses the budget, a
