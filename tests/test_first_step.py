@@ -289,7 +289,9 @@ def test_a_budget_the_least_memory_plan_cannot_meet_is_refused_after_measuring_a
 def test_the_first_step_calibrates_and_every_step_stays_under_the_budget(budget_run):
     out = budget_run
     assert out["stages"][0] == "probe" and out["calibration"] is not None
-    assert out["stages"][-1] == "calibrated"
+    # the calibrated plan, or a refinement of it where its first step left less than the allowance (the probe's
+    # bytes in use vary from run to run here: 15.2 or 18.6 MiB)
+    assert out["stages"][1] == "calibrated" and set(out["stages"][2:]) <= {"refined"}, out["stages"]
     assert out["plain_peak"] > out["limit"]  # without Dymem this batch does not fit
     assert all(peak <= out["limit"] for peak in out["peaks"]), (out["peaks"], out["limit"])
     assert len(out["peaks"]) == 4 and out["warnings"] == []
