@@ -109,3 +109,26 @@ def test_the_greedy_search_walks_one_chain_whatever_the_budget():
         if prev is not None:
             assert prev[1] <= swapped, f"budget {budget}: {sorted(prev[1] - swapped)} dropped (at {prev[0]})"
         prev = (budget, swapped)
+
+
+def test_a_memo_reuses_the_planner_across_headrooms_and_changes_no_plan():
+    """A placed plan's headroom search plans one step at several headrooms with one :class:`planner.PlannerMemo`:
+    the planner (its candidates and hideable sets) is made once, and every plan equals the one made without it."""
+    prep, persistent, batch = prepared("cnn")
+    least = plan(prep, persistent, batch, "h200", least_memory=True)
+    budget = (least.predicted.peak_bytes + least.predicted.no_swap_peak_bytes) // 2
+    memo, made = planner.PlannerMemo(), []
+    for headroom in (0.0, 0.05, 0.1, 0.02):
+        kwargs = dict(budget_bytes=budget, persistent_bytes=persistent, profile="h200", batch_size=batch,
+                      swapin_ahead=1, headroom=headroom, weights=prep.weights, recomputable=prep.recomputable)
+        alone = planner.make_plan(prep.graph, "dymem", **kwargs)
+        reused = planner.make_plan(prep.graph, "dymem", memo=memo, **kwargs)
+        made.append(memo._planner)  # noqa: SLF001
+        assert [(s.tensor, s.kind, [si.trigger_op for si in s.swap_ins]) for s in reused.swaps] == \
+            [(s.tensor, s.kind, [si.trigger_op for si in s.swap_ins]) for s in alone.swaps]
+        assert reused.predicted.peak_bytes == alone.predicted.peak_bytes
+    assert all(p is made[0] for p in made)
+    other = planner.make_plan(prep.graph, "dymem", budget_bytes=budget, persistent_bytes=persistent, profile="a100",
+                              batch_size=batch, swapin_ahead=1, weights=prep.weights,
+                              recomputable=prep.recomputable, memo=memo)
+    assert memo._planner is not made[0] and other.predicted.peak_bytes <= budget  # noqa: SLF001

@@ -147,6 +147,34 @@ class _Choice:
     how: str
 
 
+class PlannerMemo:
+    """What :func:`make_plan` keeps between plans of one step graph that differ only in their budget and headroom
+    (a placed plan's headroom search, :meth:`dymem_tf.passes.step_pass.StepPass._placed_plan`): the planner with its
+    triggers, candidates and hideable sets, which do not read the budget. Owned by one search and dropped with it;
+    a plan asked for with other inputs gets a planner of its own."""
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._planner: "_Planner | None" = None
+
+    def planner(self, key: tuple, build) -> "_Planner":
+        """The planner made for ``key`` (the inputs it was made of, compared by identity where they are objects),
+        made by ``build()`` the first time or when the key changed."""
+        if self._planner is None or self._key != key:
+            self._key, self._planner = key, build()
+        return self._planner
+
+
+def _planner_key(step_graph: StepGraph, profile, min_swap_bytes: int, swapin_ahead: int | None,
+                 group_gap_layers: int, temporaries: Mapping[str, int] | None, weights: Sequence,
+                 recomputable: Sequence) -> tuple:
+    """What a :class:`_Planner` is made of, for :class:`PlannerMemo`: objects by identity, the temporaries (a new
+    mapping for each plan) by value."""
+    return (id(step_graph), profile if isinstance(profile, str) else id(profile), int(min_swap_bytes),
+            swapin_ahead, group_gap_layers, dict(temporaries) if temporaries else None,
+            tuple(map(id, weights)), tuple(map(id, recomputable)))
+
+
 class _Planner:
     """State shared by the policies for one step graph and cost model."""
 
@@ -180,6 +208,10 @@ class _Planner:
         self._alone_key: tuple[str, str] | None = None
         #: tensor -> (the optional that holds it, its readers) or None: looked up once, read in every trial's decisions
         self._optionals: dict[str, tuple[str, dict[str, str]] | None] = {}
+        #: (policy, relaxed) -> candidates and tuple of tensor names -> hideable ones: budget-independent, asked for by
+        #: every plan a :class:`PlannerMemo` reuses this planner for
+        self._candidates: dict[tuple[str, bool], list[_Candidate]] = {}
+        self._hideable: dict[tuple[str, ...], list[_Candidate]] = {}
 
     # ------------------------------------------------------------------------------------------------ helpers
     def _pick_trigger(self, ops: list[str]) -> str:
@@ -316,7 +348,15 @@ class _Planner:
     # ----------------------------------------------------------------------------------------------- candidates
     @timed("candidates")
     def candidates(self, policy: str, relaxed: bool = False) -> list[_Candidate]:
-        """Swap candidates of ``policy``; ``relaxed`` drops the size threshold and the round-trip test."""
+        """Swap candidates of ``policy``; ``relaxed`` drops the size threshold and the round-trip test (found once
+        per planner)."""
+        key = (policy, bool(relaxed))
+        if key not in self._candidates:
+            self._candidates[key] = self._find_candidates(policy, relaxed)
+        return list(self._candidates[key])
+
+    def _find_candidates(self, policy: str, relaxed: bool) -> list[_Candidate]:
+        """:meth:`candidates`, found."""
         out = []
         for t, orig, bwd, keepers in self._eligible(relaxed):
             prod = self.sg.ops[t.producer]
@@ -585,9 +625,12 @@ class _Planner:
         return out
 
     def hideable(self, cands: list[_Candidate]) -> list[_Candidate]:
-        """The candidates whose swap-ins can all be hidden together on the H2D channel (dymem)."""
-        _, late = self._alap(cands, skip_unhideable=True)
-        return [c for i, c in enumerate(cands) if i not in late]
+        """The candidates whose swap-ins can all be hidden together on the H2D channel (dymem; found once per set)."""
+        key = tuple(c.tensor for c in cands)
+        if key not in self._hideable:
+            _, late = self._alap(cands, skip_unhideable=True)
+            self._hideable[key] = [c for i, c in enumerate(cands) if i not in late]
+        return list(self._hideable[key])
 
     def absent_windows(self, policy: str, mode: TriggerMode, cand: _Candidate, res: SimResult
                        ) -> list[tuple[float, float]]:
@@ -808,7 +851,7 @@ def make_plan(step_graph: StepGraph, policy: str = "dymem", budget_bytes: int | 
               swapin_ahead: int | None = None, group_gap_layers: int = 3,
               headroom: float = 0.0, least_memory: bool = False,
               temporaries: Mapping[str, int] | None = None, weights: Sequence = (),
-              recomputable: Sequence = ()) -> Plan:
+              recomputable: Sequence = (), memo: PlannerMemo | None = None) -> Plan:
     """Plan swaps for one training step.
 
     ``budget_bytes`` caps the predicted device peak (persistent bytes included); None swaps every candidate.
@@ -826,7 +869,8 @@ def make_plan(step_graph: StepGraph, policy: str = "dymem", budget_bytes: int | 
     (:func:`dymem_tf.planning.offload.find_offloadable_weights`, marked as variables in ``step_graph``), which the
     dymem policy may keep in host memory between their uses like any other candidate. ``recomputable``: the
     tensors the backward pass can compute again (:func:`dymem_tf.planning.recompute.find_recomputable`), which the
-    dymem policy may recompute instead of keeping or swapping them once hidden round trips fall short.
+    dymem policy may recompute instead of keeping or swapping them once hidden round trips fall short. ``memo``:
+    reuse the planner of an earlier plan of the same inputs but budget and headroom (:class:`PlannerMemo`).
 
     Raises ValueError for an unknown policy or a budget below the persistent bytes, and
     :class:`BudgetTooSmallError` when no swap set of the policy fits the budget.
@@ -846,9 +890,14 @@ def make_plan(step_graph: StepGraph, policy: str = "dymem", budget_bytes: int | 
     if not 0.0 <= headroom < 1.0:
         raise ValueError(f"headroom must be in [0, 1), got {headroom!r}")
     cost = as_cost_model(profile)
+    def build() -> _Planner:
+        return _Planner(step_graph, cost, min_swap_bytes, swapin_ahead, group_gap_layers, temporaries, weights,
+                        recomputable)
+
     with stage("simulate"):
-        pl = _Planner(step_graph, cost, min_swap_bytes, swapin_ahead, group_gap_layers, temporaries, weights,
-                      recomputable)
+        pl = build() if memo is None else memo.planner(_planner_key(
+            step_graph, profile, min_swap_bytes, swapin_ahead, group_gap_layers, temporaries, weights,
+            recomputable), build)
     notes: list[str] = []
     target = None
     if budget_bytes is not None:
