@@ -531,6 +531,8 @@ def test_pass_time_cli_checks_its_arguments_and_reports_each_stage():
     assert "| budget | probe | 9000 | 106 | 2.00, 1.25 | 1.62 |" in text
     assert "| budget | calibrated | 9000 | 106 | 3.00 | 3.00 |" in text
     assert "1 fit(s) refused: refused: too small" in text and "at commit abc1234" in text
+    # the budget fit's passes together over the no-budget pass, per repeat where both trained: (2 + 3) / 1.25
+    assert "same repeat: 4.00x (median **4.00x**)" in text
 
 
 def test_section_3_reads_the_searches_that_last(tmp_path):
