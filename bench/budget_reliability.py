@@ -188,6 +188,7 @@ def _budget_run(build, fit, Peaks, budget: int, memory_budget, args) -> dict:
         result["in_use_predicted"] = int(plan.predicted.peak_bytes)
         result["calibrated_swaps"] = len(plan.swaps)
         result["refined"] = len(calibrated) > 1
+        result["refinements"] = len(calibrated) - 1  # a placed plan may be refined twice
     result["fallback"] = any("goes on with the first step's" in str(w.message) for w in caught) or (
         cb.session is not None and cb.session.control.state is State.FALLBACK)  # also the ones said, not warned
     if records and peaks.peaks:  # the plan that trained: the probe's after a fall-back, else the last one made
@@ -474,7 +475,8 @@ def utilization_lines(results: list[dict], baseline: list[dict] | None = None) -
 def _trained_peaks(auto: dict) -> list[int]:
     """The peaks of the steps of the plan that trained, from step 3 on: after the probe, the calibrated plan, a
     refined one and a fall-back to the probe's plan, each of which ran one first step."""
-    first = max(2, 1 + ("calibrated_first" in auto) + bool(auto.get("refined")) + bool(auto.get("fallback")))
+    refinements = auto.get("refinements", int(bool(auto.get("refined"))))  # runs saved before: one at most
+    first = max(2, 1 + ("calibrated_first" in auto) + refinements + bool(auto.get("fallback")))
     return auto["peaks"][first:] or auto["peaks"][-1:]
 
 
@@ -485,14 +487,15 @@ def _shares(values: list[float]) -> str:
 def _steady_peaks(auto: dict) -> list[int]:
     """The measured peaks of the steps the last calibrated plan ran (the probe ran the first step, a refined plan
     the second)."""
-    return auto["peaks"][2 if auto.get("refined") else 1:] or auto["peaks"]
+    return auto["peaks"][1 + auto.get("refinements", int(bool(auto.get("refined")))):] or auto["peaks"]
 
 
 def _outcome(run: dict) -> str:
     if run["outcome"] == "trained":
         over = f", **{run['over_budget_steps']} steps over B**" if run["over_budget_steps"] else ""
         fallback = ", fell back to the probe's plan" if run.get("fallback") else ""
-        refined = ", calibrated twice" if run.get("refined") else ""
+        times = {2: "twice", 3: "three times"}.get(1 + run.get("refinements", int(bool(run.get("refined")))))
+        refined = f", calibrated {times}" if times else ""
         return f"trained {run['steps_run']} steps{over}{fallback}{refined}"
     if run["outcome"] == "refused":
         return f"refused (variables changed: {run.get('changed_variables', '?')})"

@@ -646,3 +646,25 @@ def test_pass_scaling_checks_its_arguments_and_reports_stages_ratios_and_before(
     assert "Failed: resnet152: ['MemoryError']" in text
     assert "| nasnetlarge | 40,000 | 20.00 | 2.00 | 10.0x | 50.00 | 4.00 | 2.50x | 2.00x |" in text
     assert "at commit abc1234" in text
+
+
+def test_measured_sweep_spaces_its_budgets_and_flags_a_rise_or_fewer_bytes_swapped():
+    import measured_sweep as ms
+
+    assert ms.budgets(100 * MiB, 46 * MiB, 10) == [100 * MiB - k * 6 * MiB for k in range(10)]
+    assert ms.budgets(40 * MiB, 50 * MiB, 10) == [40 * MiB]  # the least budget above the plain peak: one budget
+    row = {"outcome": "trained", "steady": 80 * MiB, "swapped_bytes": 10 * MiB}
+    assert ms.broken(row, dict(row, steady=82 * MiB, swapped_bytes=12 * MiB), 1) == []  # a block of jitter
+    assert ms.broken(row, dict(row, steady=84 * MiB, swapped_bytes=12 * MiB), 1) == ["steady peak 84 > 80 MiB"]
+    assert ms.broken(row, dict(row, steady=70 * MiB, swapped_bytes=8 * MiB), 1) == ["swapped 8.0 < 10.0 MiB"]
+    args = types.SimpleNamespace(argv=["--models", "m"], steps=6, samples=192, tolerance=1)
+    rows = [dict(row, budget=100 * MiB, over_budget_steps=0, broken=[]),
+            dict(row, budget=90 * MiB, steady=84 * MiB, over_budget_steps=0, broken=["steady peak 84 > 80 MiB"])]
+    text = ms.report([{"model": "m", "p0": 100 * MiB, "probe_measured": 40 * MiB, "least_budget": 48 * MiB,
+                       "rows": rows}, {"model": "x", "error": "p0: boom"}], args, 60.0, "abc1234")
+    assert text.startswith(ms.BEGIN) and text.endswith(ms.END) and "**x**: p0: boom" in text
+    assert "| 90 | trained | 84 | 0.933 | 10.0 | 0 | steady peak 84 > 80 MiB |" in text
+    assert "0 of 1 budget steps keep the rule" in text
+    bad = subprocess.run([sys.executable, os.path.join(REPO, "bench", "measured_sweep.py"), "--budgets", "1"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "--budgets at least 2" in bad.stderr
