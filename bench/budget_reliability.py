@@ -473,8 +473,8 @@ def utilization_lines(results: list[dict], baseline: list[dict] | None = None) -
 
 
 def _trained_peaks(auto: dict) -> list[int]:
-    """The peaks of the steps of the plan that trained, from step 3 on: after the probe, the calibrated plan, a
-    refined one and a fall-back to the probe's plan, each of which ran one first step."""
+    """The peaks of the steps of the plan that trained, from step 3 on: after the probe, the calibrated plan, the
+    refined ones (up to two) and a fall-back to the probe's plan, each of which ran one first step."""
     refinements = auto.get("refinements", int(bool(auto.get("refined"))))  # runs saved before: one at most
     first = max(2, 1 + ("calibrated_first" in auto) + refinements + bool(auto.get("fallback")))
     return auto["peaks"][first:] or auto["peaks"][-1:]
@@ -485,8 +485,8 @@ def _shares(values: list[float]) -> str:
 
 
 def _steady_peaks(auto: dict) -> list[int]:
-    """The measured peaks of the steps the last calibrated plan ran (the probe ran the first step, a refined plan
-    the second)."""
+    """The measured peaks of the steps the last calibrated plan ran (the probe ran the first step, the calibrated
+    plan the second where it was refined, a first refinement the third where it was refined again)."""
     return auto["peaks"][1 + auto.get("refinements", int(bool(auto.get("refined")))):] or auto["peaks"]
 
 

@@ -14,8 +14,10 @@ budget_reliability runs them (oneDNN off, op determinism, the GTBM device capped
 
 Per budget the table gives the outcome, the steady peak (the highest of the steps the trained plan ran after its
 own first step, as budget_reliability counts it) over the budget, the bytes the trained plan swaps per step, and
-whether the row keeps the rule against the budget above it: the steady peak not higher (beyond ``--tolerance``
-pageblocks, the step-to-step jitter of one plan) and the bytes swapped not fewer.
+whether the row keeps the rule against the nearest larger budget that trained: the steady peak not higher (beyond
+``--tolerance`` pageblocks, the step-to-step jitter of one plan) and the bytes swapped not fewer. A row that fell
+back to the probe's plan is a reference like any other (a smaller budget that then settles on a plan of its own
+peaks higher: that breaks the rule).
 
     python bench/measured_sweep.py --models resnet50_adam,bert,densenet121 --write
     python bench/measured_sweep.py --models densenet121 --budgets 4 --steps 6 --json /tmp/s.json
@@ -71,7 +73,7 @@ def broken(prev: dict, cur: dict, tolerance: int) -> list[str]:
 
 def sweep_model(name: str, args) -> dict:
     """The plain peak, the least budget and every budget's run of one model."""
-    from budget_reliability import _run_child
+    from budget_reliability import BATCH, _run_child
     from dymem_tf.planning import first_step
 
     child_args = types.SimpleNamespace(steps=args.steps, samples=args.samples, identity_steps=3, timeout=args.timeout)
@@ -92,12 +94,13 @@ def sweep_model(name: str, args) -> dict:
         row = {"budget": budget, "outcome": auto["outcome"], "steady": steady(auto),
                "swapped_bytes": auto.get("swapped_bytes"), "fallback": auto.get("fallback"),
                "over_budget_steps": auto.get("over_budget_steps", 0), "auto": auto}
-        row["broken"] = broken(rows[-1], row, args.tolerance) if rows else []
+        trained = [r for r in rows if r["steady"] is not None]  # an errored row is no reference
+        row["broken"] = broken(trained[-1], row, args.tolerance) if trained else []
         rows.append(row)
         print(f"  {name} B={budget / MiB:.0f} MiB: {row['outcome']}, steady "
               f"{(row['steady'] or 0) / MiB:.0f} MiB, swapped {(row['swapped_bytes'] or 0) / MiB:.1f} MiB"
               f"{'; ' + '; '.join(row['broken']) if row['broken'] else ''}", flush=True)
-    return {"model": name, "batch": None, "p0": p0, "persistent": persistent,
+    return {"model": name, "batch": BATCH[name], "p0": p0, "persistent": persistent,
             "probe_measured": probe_run["probe_measured"], "least_budget": least, "rows": rows}
 
 

@@ -132,3 +132,19 @@ def test_a_memo_reuses_the_planner_across_headrooms_and_changes_no_plan():
                               batch_size=batch, swapin_ahead=1, weights=prep.weights,
                               recomputable=prep.recomputable, memo=memo)
     assert memo._planner is not made[0] and other.predicted.peak_bytes <= budget  # noqa: SLF001
+
+
+def test_a_plan_ordered_after_the_search_is_the_plan_ordered_at_once():
+    """The headroom search orders only the plan it keeps: ``with_sequence`` of an unordered plan gives the same
+    chain, bands and notes as ``finish_plan`` ordering it at once."""
+    prep, persistent, batch = prepared("cnn")
+    least = plan(prep, persistent, batch, "cpu", least_memory=True)
+    budget = (least.predicted.peak_bytes + least.predicted.no_swap_peak_bytes) // 2
+    settings = pipeline.PlanSettings(budget_bytes=budget, persistent_bytes=persistent, offload_variables=True,
+                                     offload_weights=True, batch_size=batch)
+    at_once = pipeline.finish_plan(prep, settings)
+    unordered = pipeline.finish_plan(prep, settings, planner.PlannerMemo(), sequenced=False)
+    assert not unordered.sequence.ops
+    later = pipeline.with_sequence(unordered, settings)
+    assert at_once.sequence.ops and later.sequence == at_once.sequence
+    assert later.plan.notes == at_once.plan.notes

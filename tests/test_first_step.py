@@ -430,6 +430,17 @@ def test_a_placed_plan_that_does_not_hold_is_refined_twice_before_the_probes_pla
     assert unplaced.stepped(88 * MiB, 82 * MiB).state is control.State.FALLBACK
 
 
+def test_each_refinement_is_planned_not_served_from_the_plan_cache():
+    """Plans are cached per graph and request; two refinements of one plan differ in their calibration's source
+    only, so the source is part of the key (else the second refinement got the first one's plan back)."""
+    from dymem_tf.passes.step_pass import PlanRequest
+    args = (95 * MiB, 82 * MiB, 88 * MiB, 40 * MiB, 82 * MiB)
+    first, second = (PlanRequest(budget_bytes=95 * MiB, calibration=first_step.Calibration.from_probe(
+        *args, source=source)) for source in ("calibrated", "refined"))
+    assert first.stage == second.stage == "refined"
+    assert first.cache_key() != second.cache_key()
+
+
 def test_a_calibration_on_a_refined_plan_carries_its_whole_miss():
     """The placement residual of a calibration discounts one pageblock of jitter, except on a refined plan's step:
     that miss repeated after a calibration that discounted it."""

@@ -399,7 +399,7 @@ class FitSession:
 
     def _install_calibrated(self, measured: int | None, fallback, in_use: int | None, source: State) -> None:
         """Calibrate the planner from the first step just run (its ``measured`` reserved and ``in_use`` peaks; None
-        without GTBM) of the ``source`` plan (the probe, or a calibrated plan that left too little slack) and make
+        without GTBM) of the ``source`` plan (the probe, or a calibrated or refined plan that did not hold) and make
         the train function planned for the budget; the calibration comes from that step's own call only."""
         records = self.last_result.records
         record = records[-1] if len(records) == 1 else None

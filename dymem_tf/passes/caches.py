@@ -11,9 +11,9 @@ import threading
 
 from dymem_tf.passes import graph_def_view
 
-#: Plans kept process-wide: one model under a budget makes up to three (probe, calibrated, refined) per graph, and a
-#: step retraced on a partial last batch has a second graph.
-PLAN_CACHE_ENTRIES = 6
+#: Plans kept process-wide: one model under a budget makes up to four (probe, calibrated, a placed plan's two
+#: refinements) per graph, and a step retraced on a partial last batch has a second graph.
+PLAN_CACHE_ENTRIES = 8
 
 
 class CaptureCache:

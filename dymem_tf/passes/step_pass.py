@@ -401,7 +401,7 @@ class StepPass:
         limit = (1.0 - cal.margin) * budget
         close = first_step.placed_close(budget, cal.persistent_group.get("block_size", first_step.DEFAULT_BLOCK_SIZE))
         headroom, best, tried = cal.headroom, None, []
-        memo = pipeline.PlanMemo()  # the plans differ in their headroom only
+        memo = planner.PlannerMemo()  # the plans differ in their headroom only
         for _ in range(first_step.PLACEMENT_REPLANS + 1):
             try:
                 planned = pipeline.finish_plan(prepared, dataclasses.replace(settings, headroom=headroom), memo,
@@ -418,7 +418,7 @@ class StepPass:
             if headroom is None:
                 break
         peak, planned = best
-        planned = pipeline.with_sequence(planned, settings, memo)  # the kept plan alone: its placement reads no order
+        planned = pipeline.with_sequence(planned, settings)  # the kept plan alone: its placement reads no order
         planned.plan.predicted.calibrated_peak_bytes = int(peak)
         planned.plan.notes.append(
             f"placed in GTBM's groups: {peak / 2**20:.1f} MiB reserved predicted at the peak, limit "

@@ -18,7 +18,8 @@ first step measured (the stages under a budget are described in :mod:`dymem_tf.p
 A budgeted plan *holds* when its first step leaves the room its later steps need: the allowance of its placement
 where it was placed in GTBM's groups (:func:`first_step.placed_plan_holds`), the step slack otherwise. A placed
 plan is refined up to :data:`first_step.PLACED_REFINEMENTS` times (the refined plan's own miss calibrates the
-next), an unplaced one once (a second calibration on the same fragmentation would make the same plan).
+next), an unplaced one once (without a placement to predict the next plan from, a second refinement was not shown
+to help).
 
 PLAIN, UNGUARDED, SETTLED, FALLBACK and REFUSED are terminal: nothing is guarded any more. The controller knows no
 Keras and no TensorFlow: the first-step session (:mod:`dymem_tf.keras.session`) reports what each first step
@@ -39,7 +40,7 @@ class State(str, enum.Enum):
     PLAIN = "plain"  # the step as compiled trains: it fits the device
     PROBE = "probe"  # the least-memory plan, measured to calibrate the next
     CALIBRATED = "calibrated"  # the plan made with the probe's calibration
-    REFINED = "refined"  # the plan made with a calibration from the calibrated plan's own first step
+    REFINED = "refined"  # a plan calibrated on the first step of the calibrated (or a refined) plan
     SETTLED = "settled"  # a budgeted plan left its slack: it trains
     FALLBACK = "fallback"  # the probe's plan trains (a budgeted plan ran out, was refused or left no slack)
     UNGUARDED = "unguarded"  # a plan trains without a guarded first step (no budget, or nothing to calibrate)
@@ -66,7 +67,7 @@ class Action(str, enum.Enum):
 @dataclasses.dataclass(frozen=True)
 class Decision:
     """The controller's answer to one first step: ``action``, the state it leads to, and for a calibration the
-    state whose first step it is calibrated on (``State.PROBE`` or ``State.CALIBRATED``)."""
+    state whose first step it is calibrated on (``State.PROBE``, ``State.CALIBRATED`` or ``State.REFINED``)."""
 
     action: Action
     state: State

@@ -96,16 +96,13 @@ def holds_for(step_graph: StepGraph, settings: PlanSettings) -> list[tuple[str, 
     return _outside_conditionals(step_graph, backward_ordering.find_holds(step_graph))
 
 
-def sequence_for(step_graph: StepGraph, settings: PlanSettings, plan: Plan | None = None,
-                 memo: PlanMemo | None = None) -> sequencing.Sequence:
+def sequence_for(step_graph: StepGraph, settings: PlanSettings, plan: Plan | None = None) -> sequencing.Sequence:
     """The order the rewrite makes the executor follow: with ``execution_order`` "planned" or "strict", for the dymem
     policy (the baselines keep TF's order, as the systems they stand for do); "planned" in bands where ``plan`` is
-    given (its simulation bounds them), each contraction alone where the plan keeps a budget. ``memo``: the chain
-    found for an earlier plan of the graph (:class:`PlanMemo`)."""
+    given (its simulation bounds them), each contraction alone where the plan keeps a budget."""
     if settings.execution_order == "free" or settings.policy != "dymem":
         return sequencing.Sequence()
-    sequence = (memo.chain(step_graph, settings.onednn_later) if memo is not None
-                else sequencing.find_sequence(step_graph, onednn_later=settings.onednn_later))
+    sequence = sequencing.find_sequence(step_graph, onednn_later=settings.onednn_later)
     if not (sequence.ops and settings.execution_order == "planned" and plan is not None):
         return sequence
     temporaries = settings.memory.held_during(step_graph) if settings.memory is not None else None
@@ -239,28 +236,11 @@ def prepare_step(step_graph: StepGraph, settings: PlanSettings, copy: bool = Fal
                         recomputable, streamed)
 
 
-class PlanMemo:
-    """What :func:`finish_plan` keeps between plans of one prepared step under settings that differ only in the
-    budget and headroom (a placed plan's headroom search): the planner (:class:`planner.PlannerMemo`) and the
-    planned order's chain, which reads the graph alone. Owned by one search and dropped with it."""
-
-    def __init__(self) -> None:
-        self.planner = planner.PlannerMemo()
-        self._chains: dict[tuple, sequencing.Sequence] = {}
-
-    def chain(self, step_graph: StepGraph, onednn_later: bool) -> sequencing.Sequence:
-        """:func:`sequencing.find_sequence` of ``step_graph``, found once per graph and oneDNN setting."""
-        key = (id(step_graph), bool(onednn_later))
-        if key not in self._chains:
-            self._chains[key] = sequencing.find_sequence(step_graph, onednn_later=onednn_later)
-        return self._chains[key]
-
-
-def finish_plan(prepared: PreparedStep, settings: PlanSettings, memo: PlanMemo | None = None,
+def finish_plan(prepared: PreparedStep, settings: PlanSettings, memo: planner.PlannerMemo | None = None,
                 sequenced: bool = True) -> PlannedStep:
     """The plan of a :func:`prepare_step`'d graph under ``settings`` (which must match the preparation's but for
     the budget, headroom, profile and measured memory); ``prepared`` is not changed. ``memo``: reuse what an
-    earlier plan of the same ``prepared`` step found that does not depend on the budget (:class:`PlanMemo`).
+    earlier plan of the same ``prepared`` step under other budgets or headrooms (:class:`planner.PlannerMemo`).
     ``sequenced=False`` leaves the planned order out (a search that keeps one of several plans orders that one
     with :func:`with_sequence`)."""
     graph, variables, weights = prepared.graph, prepared.variables, prepared.weights
@@ -273,7 +253,7 @@ def finish_plan(prepared: PreparedStep, settings: PlanSettings, memo: PlanMemo |
         min_swap_bytes=settings.min_swap_bytes, swapin_ahead=settings.swapin_ahead, headroom=settings.headroom,
         least_memory=settings.least_memory,
         temporaries=settings.memory.held_during(graph) if settings.memory is not None else None, weights=weights,
-        recomputable=recomputable, memo=memo.planner if memo is not None else None)
+        recomputable=recomputable, memo=memo)
     if deferrals:
         plan.notes.append(f"{len(deferrals)} gradient-independent optimizer ops deferred to their gradients")
     if orderings:
@@ -309,14 +289,14 @@ def finish_plan(prepared: PreparedStep, settings: PlanSettings, memo: PlanMemo |
         offloaded = {s.tensor for s in plan.swaps if s.kind in ("variable", "weight")}
         resident = [(t, users) for t, users in offload.variable_resources(graph) if t not in offloaded]
     planned = PlannedStep(graph, plan, deferrals + orderings + holds, resident)
-    return with_sequence(planned, settings, memo) if sequenced else planned
+    return with_sequence(planned, settings) if sequenced else planned
 
 
-def with_sequence(planned: PlannedStep, settings: PlanSettings, memo: PlanMemo | None = None) -> PlannedStep:
+def with_sequence(planned: PlannedStep, settings: PlanSettings) -> PlannedStep:
     """``planned`` with the order the rewrite chains its ops in (:func:`sequence_for`), said in its plan's notes."""
     graph, plan = planned.step_graph, planned.plan
     with stage("sequence"):
-        sequence = sequence_for(graph, settings, plan, memo)
+        sequence = sequence_for(graph, settings, plan)
     if sequence.ops:
         bands = sequence.band_count()
         plan.notes.append(f"{len(sequence.ops)} ops chained in the planned order" +

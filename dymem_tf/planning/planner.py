@@ -151,7 +151,8 @@ class PlannerMemo:
     """What :func:`make_plan` keeps between plans of one step graph that differ only in their budget and headroom
     (a placed plan's headroom search, :meth:`dymem_tf.passes.step_pass.StepPass._placed_plan`): the planner with its
     triggers, candidates and hideable sets, which do not read the budget. Owned by one search and dropped with it;
-    a plan asked for with other inputs gets a planner of its own."""
+    a plan asked for with other inputs gets a planner of its own (the planner kept holds the objects its key names
+    by identity, so no key can be recycled while it is kept)."""
 
     def __init__(self) -> None:
         self._key: tuple | None = None
