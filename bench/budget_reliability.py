@@ -151,9 +151,13 @@ def _budget_run(build, fit, Peaks, budget: int, memory_budget, args) -> dict:
 
     model, x, y = build(args.samples)
     state = {v.path: v.numpy() for v in list(model.variables) + list(getattr(model.optimizer, "variables", []))}
+    start_in_use = int(allocator.memory_stats()["bytes_in_use"])  # the built model's variables
+    if start_in_use >= budget:  # no device of this size could have held the model Keras built
+        return {"outcome": "below the model", "start_in_use": start_in_use, "peaks": [], "steps_run": 0,
+                "over_budget_steps": 0}
     allocator.set_memory_limit(budget)
     cb, peaks = dymem_tf.DymemCallback(memory_budget=memory_budget, verbose=0), Peaks()
-    result = {"outcome": "trained"}
+    result = {"outcome": "trained", "start_in_use": start_in_use}
     t0 = time.perf_counter()
     try:
         with warnings.catch_warnings(record=True) as caught:
