@@ -122,6 +122,27 @@ def test_the_fall_back_runs_after_the_failed_step_is_handled_not_inside_its_exce
     assert seen == {"handling": None} and session.state is State.FALLBACK and model.train_function is fallback
 
 
+def test_a_guarded_step_that_fails_otherwise_than_out_of_memory_restores_the_variables_and_raises():
+    """An unexpected error of a guarded first step (the LSTM's least-memory plan under 7 MiB failed with an
+    InvalidArgumentError after its updates could have run) leaves the variables as they were before it."""
+    model = cnn()
+    config = DymemConfig.from_arguments("64MiB", verbose=0)
+    session = session_module.FitSession(model, config, step_pass.StepPass(config.plan_settings(), verbose=0))
+    session.request = step_pass.PlanRequest(budget_bytes=64 << 20)
+    session.control.plan_for(64 << 20, guarded=True)
+    session.control.stepped(1 << 20, 1 << 20)  # the calibrated plan's first step comes next
+    before = [v.numpy() for v in model.trainable_variables]
+
+    def fails(iterator):
+        for v in model.trainable_variables:
+            v.assign(v + 1.0)
+        raise tf.errors.InvalidArgumentError(None, None, "cannot compute OptionalHasValue")
+
+    with pytest.raises(tf.errors.InvalidArgumentError, match="OptionalHasValue"):
+        session._guarded_first_call(fails, None, lambda it: "fallback")  # pylint: disable=protected-access
+    assert all(np.array_equal(a, v.numpy()) for a, v in zip(before, model.trainable_variables))
+
+
 @pytest.mark.skipif(not allocator.is_active(), reason="GTBM's mobility map needs the GTBM allocator")
 def test_the_mobility_map_belongs_to_the_function_that_runs_and_is_cleared_when_the_fit_ends():
     """Suspected bug 3: the pass merged every plan's map into one, never cleared, installed whole on every apply: a

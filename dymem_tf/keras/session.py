@@ -327,6 +327,11 @@ class FitSession:
                 raise
             # no plan fits the calibrated budget: the probe's plan is measured to fit, keep it (the step never ran)
             failed = (f"dymem_tf: {refusal}; keeping the first step's least-memory plan, which fits.", self.say)
+        except tf.errors.OpError:
+            # any other failure of the step (a bug; LSTM under 7 MiB: Keras's loop output came back a float tensor):
+            # the variables as they were before it, then its error
+            snapshot.restore()
+            raise
         if failed is not None:  # outside the except block: the failed step's traceback is gone
             text, tell = failed
             tell(text)
