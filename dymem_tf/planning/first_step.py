@@ -90,7 +90,7 @@ PLACED_REFINEMENTS = 2
 #: What a calibrated plan placed in GTBM's groups (:func:`placed_prediction`) may measure above the higher of its
 #: prediction and its first step in any later step: :data:`PLACED_ALLOWANCE_BLOCKS` pageblocks and
 #: :data:`PLACED_ALLOWANCE_SHARE` of the budget (:func:`placed_allowance`). The most seen: over the 38 calibrated runs
-#: of docs/budget_reliability.json (16 models, budgets 47 MiB to 2.1 GiB), 7 MiB of 842 (ResNet-152 + SGD, its
+#: of docs/budget_reliability_5fe8752.json (16 models, budgets 47 MiB to 2.1 GiB), 7 MiB of 842 (ResNet-152 + SGD, its
 #: momentum moving) and 2 MiB under 95; in the runs of docs/budget_utilization.json, planned this close to the budget,
 #: 8.0 MiB under 298 (ResNet-50 + Adam: its steps vary by 4 pageblocks as the swap-ins arrive) and 1.5 MiB under 73.
 #: Later steps repeat the plan's chained order, and the placement replays the variables that move every step (SGD's
