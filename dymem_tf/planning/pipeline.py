@@ -239,8 +239,9 @@ def prepare_step(step_graph: StepGraph, settings: PlanSettings, copy: bool = Fal
 def finish_plan(prepared: PreparedStep, settings: PlanSettings, memo: planner.PlannerMemo | None = None,
                 sequenced: bool = True) -> PlannedStep:
     """The plan of a :func:`prepare_step`'d graph under ``settings`` (which must match the preparation's but for
-    the budget, headroom, profile and measured memory); ``prepared`` is not changed. ``memo``: reuse what an
-    earlier plan of the same ``prepared`` step under other budgets or headrooms (:class:`planner.PlannerMemo`).
+    the budget, headroom, profile and measured memory); ``prepared`` is not changed. ``memo``: the planner an
+    earlier plan of the same ``prepared`` step made under another budget or headroom, reused
+    (:class:`planner.PlannerMemo`).
     ``sequenced=False`` leaves the planned order out (a search that keeps one of several plans orders that one
     with :func:`with_sequence`)."""
     graph, variables, weights = prepared.graph, prepared.variables, prepared.weights
