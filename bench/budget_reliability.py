@@ -479,9 +479,13 @@ def utilization_lines(results: list[dict], baseline: list[dict] | None = None) -
 def _trained_peaks(auto: dict) -> list[int]:
     """The peaks of the steps of the plan that trained, from step 3 on: after the probe, the calibrated plan, the
     refined ones (up to two) and a fall-back to the probe's plan, each of which ran one first step."""
-    refinements = auto.get("refinements", int(bool(auto.get("refined"))))  # runs saved before: one at most
-    first = max(2, 1 + ("calibrated_first" in auto) + refinements + bool(auto.get("fallback")))
+    first = max(2, 1 + ("calibrated_first" in auto) + _refinements(auto) + bool(auto.get("fallback")))
     return auto["peaks"][first:] or auto["peaks"][-1:]
+
+
+def _refinements(auto: dict) -> int:
+    """How many refined plans a budgeted run made (runs saved before the count was recorded: one at most)."""
+    return auto.get("refinements", int(bool(auto.get("refined"))))
 
 
 def _shares(values: list[float]) -> str:
@@ -491,14 +495,14 @@ def _shares(values: list[float]) -> str:
 def _steady_peaks(auto: dict) -> list[int]:
     """The measured peaks of the steps the last calibrated plan ran (the probe ran the first step, the calibrated
     plan the second where it was refined, a first refinement the third where it was refined again)."""
-    return auto["peaks"][1 + auto.get("refinements", int(bool(auto.get("refined")))):] or auto["peaks"]
+    return auto["peaks"][1 + _refinements(auto):] or auto["peaks"]
 
 
 def _outcome(run: dict) -> str:
     if run["outcome"] == "trained":
         over = f", **{run['over_budget_steps']} steps over B**" if run["over_budget_steps"] else ""
         fallback = ", fell back to the probe's plan" if run.get("fallback") else ""
-        times = {2: "twice", 3: "three times"}.get(1 + run.get("refinements", int(bool(run.get("refined")))))
+        times = {2: "twice", 3: "three times"}.get(1 + _refinements(run))
         refined = f", calibrated {times}" if times else ""
         return f"trained {run['steps_run']} steps{over}{fallback}{refined}"
     if run["outcome"] == "refused":
