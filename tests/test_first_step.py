@@ -430,6 +430,130 @@ def test_a_placed_plan_that_does_not_hold_is_refined_twice_before_the_probes_pla
     assert unplaced.stepped(88 * MiB, 82 * MiB).state is control.State.FALLBACK
 
 
+def test_a_placed_plan_that_runs_out_of_memory_is_refined_while_refinements_are_left():
+    """An out-of-memory first step of a placed budgeted plan is refined like one that does not hold (it shares
+    their count); without a placement or the step's bytes in use, or after the refinements, the probe's plan
+    trains; the probe's own refuses the budget."""
+    control = first_step_control
+    placed = (170 * MiB, 2 * MiB)
+    fsc = control.FirstStepControl(179 * MiB)
+    fsc.stepped(80 * MiB, 60 * MiB)
+    assert fsc.ran_out_of_memory(150 * MiB, placed) == control.Decision(
+        control.Action.CALIBRATE, control.State.REFINED, control.State.CALIBRATED)
+    assert fsc.stepped(190 * MiB, 170 * MiB, placed=placed).source is control.State.REFINED
+    assert fsc.ran_out_of_memory(150 * MiB, placed) == control.Decision(control.Action.FALL_BACK,
+                                                                        control.State.FALLBACK)
+    for in_use, where in ((None, placed), (150 * MiB, None)):
+        unplaced = control.FirstStepControl(179 * MiB)
+        unplaced.stepped(80 * MiB, 60 * MiB)
+        assert unplaced.ran_out_of_memory(in_use, where).state is control.State.FALLBACK
+    probe = control.FirstStepControl(179 * MiB)
+    assert probe.ran_out_of_memory(150 * MiB, placed).state is control.State.REFUSED
+
+
+def test_a_calibration_on_a_step_that_ran_out_of_memory_measures_the_budget_and_carries_the_whole_miss():
+    """The failed step reserved at most the budget before it ran out: the calibration takes it to have measured the
+    budget, discounts no jitter, and says so; a probe that ran out has nothing to calibrate."""
+    from dymem_tf.memory import placement
+    group = placement.PersistentGroup(reserved_bytes=40 * MiB, in_use_bytes=39 * MiB)
+    placed = placement.Placement(step_in_use_bytes=40 * MiB, step_reserved_bytes=44 * MiB, resident_bytes=0,
+                                 persistent_reserved_bytes=40 * MiB)
+    args = (95 * MiB, 82 * MiB, 93 * MiB, 40 * MiB, 82 * MiB)
+    ran_out = first_step.Calibration.from_probe(*args, source="calibrated", placed=placed, group=group,
+                                                outcome="out_of_memory")
+    held = first_step.Calibration.from_probe(*args, source="calibrated", placed=placed, group=group)
+    assert ran_out.measured_peak_bytes == 95 * MiB and ran_out.outcome == "out_of_memory"
+    assert ran_out.placement_residual_bytes == 95 * MiB - 84 * MiB  # the whole miss, against 93 - 84 - 2 held
+    assert held.placement_residual_bytes == 7 * MiB
+    assert ran_out.headroom >= held.headroom and "ran out of memory at 95.0 MiB" in ran_out.summary()
+    with pytest.raises(ValueError, match="refuses the budget"):
+        first_step.Calibration.from_probe(*args, outcome="out_of_memory")
+    with pytest.raises(ValueError, match="outcome must be one of"):
+        first_step.Calibration.from_probe(*args, source="calibrated", outcome="crashed")
+    from dymem_tf.passes.step_pass import PlanRequest
+    keys = {PlanRequest(budget_bytes=95 * MiB, calibration=cal).cache_key() for cal in (ran_out, held)}
+    assert len(keys) == 2  # planned, not served the plan of the step that held from the cache
+
+
+def test_a_placed_plan_that_holds_with_room_to_spare_is_made_once_more_to_keep_more():
+    """GatedCNN under 147 MiB: placed at 132 MiB, its first step measured 98 (0.67 of the budget used). A plan that
+    holds and measured under its placement by more than the allowance is made again once to keep more (USE_MORE);
+    that plan settles when it holds, and when it does not hold or runs out of memory the plan that held trains."""
+    control = first_step_control
+    budget = 147 * MiB
+    allowance = first_step.placed_allowance(budget)
+    fsc = control.FirstStepControl(budget)
+    fsc.stepped(82 * MiB, 76 * MiB)
+    assert fsc.stepped(98 * MiB, 92 * MiB, placed=(132 * MiB, 2 * MiB), swaps=True) == control.Decision(
+        control.Action.USE_MORE, control.State.REFINED, control.State.CALIBRATED)
+    assert fsc.used_more and fsc.refinements == 1
+    # once: the plan keeping more settles even with room to spare
+    assert fsc.stepped(110 * MiB, 104 * MiB, placed=(136 * MiB, 2 * MiB), swaps=True).state is control.State.SETTLED
+    for report in (lambda c: c.stepped(146 * MiB, 140 * MiB, placed=(136 * MiB, 2 * MiB), swaps=True),
+                   lambda c: c.ran_out_of_memory(140 * MiB, (136 * MiB, 2 * MiB)), lambda c: c.refused()):
+        over = control.FirstStepControl(budget)
+        over.stepped(82 * MiB, 76 * MiB)
+        over.stepped(98 * MiB, 92 * MiB, placed=(132 * MiB, 2 * MiB), swaps=True)
+        assert report(over) == control.Decision(control.Action.FALL_BACK, control.State.FALLBACK)
+    # within the allowance, swapping nothing, or unplaced: it settles as before
+    near = 132 * MiB - allowance
+    for args in ((near, 90 * MiB, (132 * MiB, 2 * MiB), True), (98 * MiB, 92 * MiB, (132 * MiB, 2 * MiB), False),
+                 (98 * MiB, 92 * MiB, None, True)):
+        fsc = control.FirstStepControl(budget)
+        fsc.stepped(82 * MiB, 76 * MiB)
+        assert fsc.stepped(*args).state is control.State.SETTLED
+    assert first_step.placed_plan_under_uses(near - 1, 132 * MiB, budget)
+    assert not first_step.placed_plan_under_uses(near, 132 * MiB, budget)
+
+
+def test_a_calibration_on_an_under_used_step_scales_the_next_plan_by_its_measured_ratio():
+    """An under-used plan's calibration scales the next plan's step bytes by measured over predicted bytes in use
+    below 1 (down to MIN_UNDER_USED_RATIO; other calibrations never go below 1), keeps only the allowance as its
+    margin, and carries what its scaled placement still left beyond the allowance as a residual below 0."""
+    from dymem_tf.memory import placement
+    budget, allowance = 147 * MiB, first_step.placed_allowance(147 * MiB)
+    group = placement.PersistentGroup(reserved_bytes=2 * MiB, in_use_bytes=1 * MiB)
+
+    def placed(step_reserved):
+        return placement.Placement(step_in_use_bytes=step_reserved, step_reserved_bytes=step_reserved,
+                                   resident_bytes=0, persistent_reserved_bytes=2 * MiB)
+
+    def calibration(in_use, measured, step_reserved, outcome="under_used"):
+        return first_step.Calibration.from_probe(budget, 130 * MiB, measured, 1 * MiB, in_use, source="calibrated",
+                                                 placed=placed(step_reserved), group=group, outcome=outcome)
+
+    gated = calibration(92 * MiB, 96 * MiB, 130 * MiB)  # GatedCNN: 91.7 MiB in use of 130 predicted
+    ratio = (91 / 129)
+    assert gated.margin == pytest.approx(allowance / budget) and "keeping more" in gated.summary()
+    scaled = 2 * MiB + ratio * 130 * MiB
+    assert first_step.placed_prediction(gated, placed(130 * MiB)) == pytest.approx(
+        scaled + max(96 * MiB - scaled - 2 * MiB, 0), abs=2)
+    assert first_step.placed_prediction(gated, placed(200 * MiB)) == pytest.approx(
+        2 * MiB + ratio * 200 * MiB + gated.placement_residual_bytes, abs=2)  # a plan keeping more, scaled
+    held = calibration(92 * MiB, 96 * MiB, 130 * MiB, outcome="ran")
+    assert first_step.placed_prediction(held, placed(200 * MiB)) >= 202 * MiB  # never scaled below 1
+    floor = calibration(30 * MiB, 96 * MiB, 130 * MiB)
+    assert first_step.calibrated_prediction(floor, 101 * MiB) == 1 * MiB + 50 * MiB + (96 - 30) * MiB
+    below = calibration(120 * MiB, 125 * MiB, 150 * MiB)  # its scaled placement is still over what it measured
+    assert below.placement_residual_bytes == pytest.approx(
+        125 * MiB - (2 * MiB + 119 / 129 * 150 * MiB) + allowance, abs=2) and below.placement_residual_bytes < 0
+    with pytest.raises(ValueError, match="calibrates nothing"):
+        first_step.Calibration.from_probe(budget, 130 * MiB, 98 * MiB, 1 * MiB, outcome="under_used")
+
+
+def test_an_under_used_calibration_may_search_headrooms_below_0():
+    """After an under-used plan the calibrated headroom and the placed plan's search go below 0, down to
+    least_headroom (the simulator's peaks scaled by a ratio below 1); other calibrations stay at 0 and above."""
+    budget, limit = 147 * MiB, 138 * MiB
+    floor = first_step.least_headroom("under_used")
+    assert floor == 1.0 - 1.0 / first_step.MIN_UNDER_USED_RATIO < 0 and first_step.least_headroom("ran") == 0.0
+    nxt = first_step.next_headroom([(0.0, 100 * MiB)], limit, budget, 2 * MiB, floor)
+    assert floor <= nxt < 0.0
+    assert first_step.next_headroom([(0.0, 100 * MiB)], limit, budget, 2 * MiB) is None  # at 0 already
+    assert first_step.calibrated_headroom(budget, 130 * MiB, 96 * MiB, 1 * MiB, 0.056, 92 * MiB, "under_used") < 0
+    assert first_step.calibrated_headroom(budget, 130 * MiB, 96 * MiB, 1 * MiB, 0.056, 92 * MiB) >= 0.056
+
+
 def test_each_refinement_is_planned_not_served_from_the_plan_cache():
     """Plans are cached per graph and request; two refinements of one plan differ in their calibration's source
     only, so the source is part of the key (else the second refinement got the first one's plan back)."""

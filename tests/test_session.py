@@ -32,6 +32,17 @@ def cnn(size=16):
     return model
 
 
+def after_the_probe(model, measured, in_use):
+    """A session of ``model`` under 64 MiB whose probe fitted, measuring ``measured`` reserved and ``in_use`` bytes:
+    the calibrated plan's guarded first step comes next."""
+    config = DymemConfig.from_arguments("64MiB", verbose=0)
+    session = session_module.FitSession(model, config, step_pass.StepPass(config.plan_settings(), verbose=0))
+    session.request = step_pass.PlanRequest(budget_bytes=64 << 20)
+    session.control.plan_for(64 << 20, guarded=True)
+    session.control.stepped(measured, in_use)
+    return session
+
+
 def unknown_width():
     """A step the pass leaves unmodified under a budget (conftest's :func:`unknown_width_model`)."""
     return unknown_width_model()
@@ -102,11 +113,7 @@ def test_the_fall_back_runs_after_the_failed_step_is_handled_not_inside_its_exce
     """Suspected bug 7: the fall-back ran inside the ``except`` block, whose traceback keeps the failed step's
     tensors alive while the fall-back's step runs."""
     model = cnn()
-    config = DymemConfig.from_arguments("64MiB", verbose=0)
-    session = session_module.FitSession(model, config, step_pass.StepPass(config.plan_settings(), verbose=0))
-    session.request = step_pass.PlanRequest(budget_bytes=64 << 20)
-    session.control.plan_for(64 << 20, guarded=True)
-    session.control.stepped(1 << 20, 1 << 20)  # the probe fitted: the calibrated plan's first step comes next
+    session = after_the_probe(model, 1 << 20, 1 << 20)
     seen = {}
 
     def fallback(iterator):
@@ -122,15 +129,48 @@ def test_the_fall_back_runs_after_the_failed_step_is_handled_not_inside_its_exce
     assert seen == {"handling": None} and session.state is State.FALLBACK and model.train_function is fallback
 
 
+def test_a_placed_plan_that_runs_out_of_memory_is_refined_on_its_step_not_dropped_for_the_probes(monkeypatch):
+    """ResNet-50 + Adam under 179 MiB: a calibrated plan placed 0.1 MiB under its limit ran out of memory in its
+    first step and training fell back to the probe's plan (0.44 of the budget used). With a placement and the step's
+    peaks it is now planned again, calibrated on that step at the budget, and the refined plan's first step runs
+    guarded on the next batch; the variables are as they were before the failed step."""
+    model = cnn()
+    session = after_the_probe(model, 20 << 20, 18 << 20)
+    peaks = {"peak_bytes_reserved": 63 << 20, "peak_bytes_in_use": 58 << 20}
+    monkeypatch.setattr(session_module.devices, "device_memory_stats", lambda: dict(peaks))
+    monkeypatch.setattr(session, "_placed_prediction", lambda: (56 << 20, 2 << 20))
+    installed = []
+
+    def install(measured, fallback, in_use, source, outcome="ran"):
+        installed.append((measured, in_use, source, outcome))
+        model.train_function = lambda iterator: "refined"
+
+    monkeypatch.setattr(session, "_install_calibrated", install)
+    before = [v.numpy() for v in model.trainable_variables]
+
+    def out_of_memory(iterator):
+        for v in model.trainable_variables:
+            v.assign(v + 1.0)
+        raise tf.errors.ResourceExhaustedError(None, None, "OOM when allocating tensor")
+
+    assert session._guarded_first_call(out_of_memory, None, lambda it: "fallback") == "refined"  # pylint: disable=protected-access
+    assert installed == [(63 << 20, 58 << 20, State.CALIBRATED, "out_of_memory")]
+    assert session.state is State.REFINED and session.control.refinements == 1
+    assert all(np.array_equal(a, v.numpy()) for a, v in zip(before, model.trainable_variables))
+    # without a placement to refine from, the probe's plan trains as before
+    session.control.state = State.CALIBRATED
+    monkeypatch.setattr(session, "_placed_prediction", lambda: None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert session._guarded_first_call(out_of_memory, None, lambda it: "fallback") == "fallback"  # pylint: disable=protected-access
+    assert session.state is State.FALLBACK and len(installed) == 1
+
+
 def test_a_guarded_step_that_fails_otherwise_than_out_of_memory_restores_the_variables_and_raises():
     """An unexpected error of a guarded first step (the LSTM's least-memory plan under 7 MiB failed with an
     InvalidArgumentError after its updates could have run) leaves the variables as they were before it."""
     model = cnn()
-    config = DymemConfig.from_arguments("64MiB", verbose=0)
-    session = session_module.FitSession(model, config, step_pass.StepPass(config.plan_settings(), verbose=0))
-    session.request = step_pass.PlanRequest(budget_bytes=64 << 20)
-    session.control.plan_for(64 << 20, guarded=True)
-    session.control.stepped(1 << 20, 1 << 20)  # the calibrated plan's first step comes next
+    session = after_the_probe(model, 1 << 20, 1 << 20)
     before = [v.numpy() for v in model.trainable_variables]
 
     def fails(iterator):

@@ -312,21 +312,18 @@ class FitSession:
         probe = self.control.state is State.PROBE
         if probe:  # the persistent group the probe finds: the calibration predicts each plan's placement from it
             self._probe_group = self.persistent_group()
-        failed = None
+        failed = refined = None
         try:
             outputs = self._traced_probe(run, iterator) if probe else run(iterator)
         except tf.errors.ResourceExhaustedError as err:
+            stats = None if probe else self.own(devices.device_memory_stats())  # the failed step's peaks
             snapshot.restore()
-            if self.control.ran_out_of_memory().action is Action.REFUSE:
-                raise errors.measured_too_small(self, err) from err  # fit's exit restores the device limit
-            failed = (f"dymem_tf: the plan made for memory_budget {_fmt(self.budget_bytes)} ran out of memory in "
-                      "its first step; the variables were restored and training goes on with the first step's "
-                      "least-memory plan (one batch was skipped).", self.warn)
+            failed, refined = self._ran_out(err, stats)
         except planner.BudgetTooSmallError as refusal:
             if self.control.refused().action is Action.REFUSE:
                 raise
             # no plan fits the calibrated budget: the probe's plan is measured to fit, keep it (the step never ran)
-            failed = (f"dymem_tf: {refusal}; keeping the first step's least-memory plan, which fits.", self.say)
+            failed = (f"dymem_tf: {refusal}; keeping {self._fallback_plan()}, which fits.", self.say)
         except tf.errors.OpError:
             # any other failure of the step (a bug; LSTM under 7 MiB: Keras's loop output came back a float tensor):
             # the variables as they were before it, then its error
@@ -335,15 +332,41 @@ class FitSession:
         if failed is not None:  # outside the except block: the failed step's traceback is gone
             text, tell = failed
             tell(text)
-            return self._fall_back(fallback)(iterator)
+            if refined is None:
+                return self._fall_back(fallback)(iterator)
+            measured, in_use, source = refined
+            self._install_calibrated(measured, fallback, in_use, source, outcome="out_of_memory")
+            self._compact_kept_weights()
+            return self.model.train_function(iterator)  # the refined plan's first step, guarded
         stats = self.own(devices.device_memory_stats())
         measured, in_use = (stats["peak_bytes_reserved"], stats["peak_bytes_in_use"]) if stats else (None, None)
-        decision = self.control.stepped(measured, in_use, None if probe else self._placed_prediction())
+        swaps = any(r.plan.swaps for r in self.last_result.records)
+        decision = self.control.stepped(measured, in_use, None if probe else self._placed_prediction(), swaps)
         if decision.action is Action.REFUSE:
             snapshot.restore()
             raise errors.too_close(self, measured)
         self._carry_out(decision, measured, in_use, self.model.train_function if probe else fallback)
         return outputs
+
+    def _ran_out(self, err: tf.errors.ResourceExhaustedError, stats: dict | None) -> tuple[tuple, tuple | None]:
+        """Report a guarded first step that ran out of memory (``stats``: the device's peaks in it; None for the
+        probe's) and return ``(message and how to tell it, (measured, in use, source) to refine on or None to fall
+        back)``; a probe's refuses the budget with an error."""
+        in_use = stats["peak_bytes_in_use"] if stats else None
+        decision = self.control.ran_out_of_memory(in_use, self._placed_prediction() if stats else None)
+        if decision.action is Action.REFUSE:
+            raise errors.measured_too_small(self, err) from err  # fit's exit restores the device limit
+        ran_out = (f"dymem_tf: the plan made for memory_budget {_fmt(self.budget_bytes)} ran out of memory in its "
+                   "first step; the variables were restored")
+        if decision.action is Action.CALIBRATE:
+            return ((f"{ran_out}; planning again, calibrated on that step (one batch was skipped).", self.say),
+                    (stats["peak_bytes_reserved"], in_use, decision.source))
+        return ((f"{ran_out} and training goes on with {self._fallback_plan()} (one batch was skipped).",
+                 self.warn), None)
+
+    def _fallback_plan(self) -> str:
+        """The plan a fall-back trains with, in words."""
+        return "the plan that held before it" if self.control.used_more else "the first step's least-memory plan"
 
     def _placed_prediction(self) -> tuple[int, int] | None:
         """``(predicted steady peak, pageblock size)`` of the budgeted plan whose first step just ran, where it was
@@ -374,13 +397,25 @@ class FitSession:
             if decision.source is not State.PROBE:
                 self.say(said + "planning again, calibrated on that step.")
             self._install_calibrated(measured, fallback=fallback, in_use=in_use, source=decision.source)
+        elif decision.action is Action.USE_MORE:  # the plan that just held is the one to fall back to
+            self.say(f"dymem_tf: the plan made for memory_budget {_fmt(self.budget_bytes)} measured {_fmt(measured)} "
+                     f"in its first step (predicted {_fmt(placed[0])}), leaving more than "
+                     f"{_fmt(first_step.placed_allowance(self.budget_bytes, placed[1]))} it was not predicted to "
+                     "leave; planning again to keep more, calibrated on that step (this plan trains if that one "
+                     "does not hold).")
+            self._install_calibrated(measured, fallback=self.model.train_function, in_use=in_use,
+                                     source=decision.source, outcome="under_used")
         elif decision.action is Action.FALL_BACK:
-            self.say(said + "training goes on with the first step's least-memory plan, which leaves that room.")
+            self.say(said + f"training goes on with {self._fallback_plan()}, which leaves that room.")
             self._fall_back(fallback)
-        if decision.source is not State.PROBE and decision.action is not Action.FALL_BACK and self._offloaded[0]:
-            # the variables this budgeted plan keeps came back one by one during its first step (into the
-            # persistent group, between the holes of those that went to host memory); packed, later steps reserve
-            # less (the probe's plan keeps nothing there to pack)
+        if decision.source is not State.PROBE and decision.action is not Action.FALL_BACK:
+            self._compact_kept_weights()
+
+    def _compact_kept_weights(self) -> None:
+        """After a budgeted plan's first step, where weights were offloaded: the variables that plan keeps came back
+        one by one during the step (into the persistent group, between the holes of those that went to host
+        memory); packed, later steps reserve less (the probe's plan keeps nothing there to pack)."""
+        if self._offloaded[0]:
             variables.compact_weights(self.model)
 
     def _traced_probe(self, run, iterator):
@@ -402,10 +437,13 @@ class FitSession:
                 self.request = dataclasses.replace(self.request, memory=memory)
         return outputs
 
-    def _install_calibrated(self, measured: int | None, fallback, in_use: int | None, source: State) -> None:
+    def _install_calibrated(self, measured: int | None, fallback, in_use: int | None, source: State,
+                            outcome: str = "ran") -> None:
         """Calibrate the planner from the first step just run (its ``measured`` reserved and ``in_use`` peaks; None
-        without GTBM) of the ``source`` plan (the probe, or a calibrated or refined plan that did not hold) and make
-        the train function planned for the budget; the calibration comes from that step's own call only."""
+        without GTBM) of the ``source`` plan (the probe, or a calibrated or refined plan that did not hold, or with
+        ``outcome`` "out_of_memory" ran out, or with "under_used" held with room to spare) and make the train
+        function planned for the budget, falling back to ``fallback``; the calibration comes from that step's own
+        call only."""
         records = self.last_result.records
         record = records[-1] if len(records) == 1 else None
         predicted = record.plan.predicted.peak_bytes if record is not None else None
@@ -425,7 +463,7 @@ class FitSession:
             # (its prediction counts that state only while it is back on the device)
             calibration = first_step.Calibration.from_probe(
                 self.budget_bytes, int(predicted), int(measured), record.plan.persistent_bytes, int(in_use or 0),
-                source=source.value, placed=placed, group=group)
+                source=source.value, placed=placed, group=group, outcome=outcome)
             request = dataclasses.replace(request, calibration=calibration, headroom=calibration.headroom)
         self.request = request
         xla.make_train_function_without_xla(self.model)

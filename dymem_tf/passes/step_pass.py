@@ -74,11 +74,13 @@ class PlanRequest:
 
     def cache_key(self) -> tuple:
         """What a plan made for this request depends on besides the graph and the settings: its budget, stage (and
-        the plan its calibration measured: a placed plan may be refined twice) and batch sizes. A calibration's
+        the plan its calibration measured and how its step ended: a placed plan may be refined twice) and
+        batch sizes. A calibration's
         measured figures are left out: a calibrated plan of the same graph, budget and stage is made once per
         process (another ``fit``'s probe measures the same step again)."""
         headroom = None if self.calibration is not None else self.headroom
-        source = self.calibration.source if self.calibration is not None else None
+        cal = self.calibration
+        source = (cal.source, cal.outcome) if cal is not None else None
         return (self.budget_bytes, self.stage, source, headroom, self.persistent_bytes, self.default_batch_size,
                 self.observed_batch_size)
 
@@ -414,7 +416,7 @@ class StepPass:
             tried.append((headroom, peak))
             if best is None or _better_placed(peak, best[0], limit):
                 best = (peak, planned)
-            headroom = first_step.next_headroom(tried, limit, budget, close)
+            headroom = first_step.next_headroom(tried, limit, budget, close, first_step.least_headroom(cal.outcome))
             if headroom is None:
                 break
         peak, planned = best

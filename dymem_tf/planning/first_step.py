@@ -81,6 +81,13 @@ PLACED_CLOSE_SHARE = 0.01
 PLACEMENT_JITTER_BLOCKS = 1
 #: The plans a calibration may be measured on (see :attr:`Calibration.source`).
 SOURCES = ("probe", "calibrated", "refined")
+#: How the step a calibration measured ended (see :attr:`Calibration.outcome`).
+OUTCOMES = ("ran", "out_of_memory", "under_used")
+#: The least ratio of measured to predicted bytes in use an under-used plan's calibration scales the next plan by
+#: (:func:`_scale`; others never scale below 1). GatedCNN 32px under 147 MiB: 0.70 (91.7 MiB in use, 130 predicted:
+#: the simulator holds each conditional's output beside the branch tensor it forwards). A plan made with a ratio
+#: that does not repeat is caught by its own guarded first step, and the plan that held trains instead.
+MIN_UNDER_USED_RATIO = 0.5
 #: How many times a placed plan whose first step does not hold (:func:`placed_plan_holds`) is calibrated again on
 #: its own step before the probe's plan takes over. The second time the refined plan's miss is carried whole
 #: (no :data:`PLACEMENT_JITTER_BLOCKS` discounted): DenseNet-121 32px under 95 MiB placed its refined plan at 86.0
@@ -128,28 +135,44 @@ class Calibration:
     #: reserved bytes of the measured step that its placement did not explain beyond the placer's jitter
     #: (:data:`PLACEMENT_JITTER_BLOCKS`; never below 0)
     placement_residual_bytes: int = 0
+    #: how the measured step ended (:data:`OUTCOMES`): ``"ran"``; ``"out_of_memory"``: it needed more than the
+    #: budget, so it is taken to have measured the budget (a bound from below) and its whole miss is carried, as on
+    #: a refined plan's step; ``"under_used"``: a placed plan that held measured under its prediction by more than
+    #: the allowance (:func:`placed_plan_under_uses`), and what it left beyond the allowance is carried (a
+    #: placement residual below 0), so that the next plan keeps more
+    outcome: str = "ran"
 
     @classmethod
     def from_probe(cls, budget_bytes: int, predicted_peak: int, measured_peak: int, persistent_bytes: int,
                    measured_in_use: int = 0, source: str = "probe", placed: Any = None,
-                   group: Any = None) -> "Calibration":
+                   group: Any = None, outcome: str = "ran") -> "Calibration":
         """The calibration of a measured first step (of the ``source`` plan), its margin derived from the
         simulator's error on that step; with that step's ``placed`` placement and the persistent ``group`` it
-        found (:class:`~dymem_tf.memory.placement.Placement`, ``PersistentGroup``), the placement's error too."""
+        found (:class:`~dymem_tf.memory.placement.Placement`, ``PersistentGroup``), the placement's error too.
+        ``outcome``: how that step ended (:attr:`outcome`; a probe's step ran, or the budget was refused)."""
         if source not in SOURCES:
             raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
+        if outcome not in OUTCOMES:
+            raise ValueError(f"outcome must be one of {OUTCOMES}, got {outcome!r}")
+        if outcome != "ran" and source == "probe":
+            raise ValueError(f"a probe's step that {outcome.replace('_', ' ')} calibrates nothing: a probe that ran "
+                             "out of memory refuses the budget, and one is never placed")
+        if outcome == "out_of_memory":
+            measured_peak = max(int(measured_peak), int(budget_bytes))
         placeable = placed is not None and group is not None and measured_in_use > 0
-        margin = (placed_margin(budget_bytes, predicted_peak, measured_in_use, int(group.block_size)) if placeable
-                  else calibration_margin(predicted_peak, measured_in_use, budget_bytes))
+        if placeable and outcome == "under_used":  # the measured ratio takes the simulator's error in (_scale)
+            margin = placed_allowance(budget_bytes, int(group.block_size)) / max(int(budget_bytes), 1)
+        elif placeable:
+            margin = placed_margin(budget_bytes, predicted_peak, measured_in_use, int(group.block_size))
+        else:
+            margin = calibration_margin(predicted_peak, measured_in_use, budget_bytes)
         headroom = calibrated_headroom(budget_bytes, predicted_peak, measured_peak, persistent_bytes, margin,
-                                       measured_in_use)
+                                       measured_in_use, outcome)
         cal = cls(int(budget_bytes), int(predicted_peak), int(measured_peak), int(persistent_bytes), headroom,
-                  int(measured_in_use), margin, source)
+                  int(measured_in_use), margin, source, outcome=outcome)
         if placeable:
             cal.persistent_group = dataclasses.asdict(group)
-            # a refined plan's miss repeated a calibration that discounted the jitter: carry all of it now
-            jitter = 0 if source == "refined" else PLACEMENT_JITTER_BLOCKS * int(group.block_size)
-            cal.placement_residual_bytes = max(int(measured_peak) - _placed(cal, placed) - jitter, 0)
+            cal.placement_residual_bytes = _residual(cal, placed, int(group.block_size))
         return cal
 
     @property
@@ -167,11 +190,26 @@ class Calibration:
         in_use = (f", {self.measured_in_use_bytes / mib:.1f} MiB in use"
                   f" ({_in_use_error(self.predicted_peak_bytes, self.measured_in_use_bytes):+.1%})"
                   if self.measured_in_use_bytes else "")
-        return (f"calibrated on the first step of the {self.source} plan: measured peak "
+        peak = "ran out of memory at" if self.outcome == "out_of_memory" else "measured peak"
+        room = (", under its placement by more than the allowance: keeping more"
+                if self.outcome == "under_used" else "")
+        return (f"calibrated on the first step of the {self.source} plan: {peak} "
                 f"{self.measured_peak_bytes / mib:.1f} MiB{in_use}, predicted "
-                f"{self.predicted_peak_bytes / mib:.1f} MiB ({self.error:+.1%}); planning with "
+                f"{self.predicted_peak_bytes / mib:.1f} MiB ({self.error:+.1%}){room}; planning with "
                 f"{self.headroom:.1%} of the {self.budget_bytes / mib:.1f} MiB budget kept free "
                 f"({self.margin:.1%} of it for later steps and the simulator's error)")
+
+
+def _residual(cal: Calibration, placed: Any, block_size: int) -> int:
+    """The measured step's reserved bytes its placement did not explain: beyond the placer's jitter and never below
+    0, except that a refined plan's miss (it repeated a calibration that discounted the jitter) and an
+    out-of-memory step's (it missed by more than it measured) are carried whole, and an under-used plan's, where
+    its scaled placement (:func:`_scale`) is still above it, is what it left beyond the allowance (below 0)."""
+    miss = cal.measured_peak_bytes - _placed(cal, placed)
+    if cal.outcome == "under_used" and miss < 0:
+        return min(miss + placed_allowance(cal.budget_bytes, block_size), 0)
+    whole = cal.source == "refined" or cal.outcome == "out_of_memory"
+    return max(miss - (0 if whole else PLACEMENT_JITTER_BLOCKS * block_size), 0)
 
 
 def _in_use_error(predicted_peak: int, measured_in_use: int) -> float:
@@ -266,12 +304,23 @@ def placed_plan_holds(measured: int, predicted: int, budget_bytes: int, block_si
     return steady + placed_allowance(budget_bytes, block_size) <= int(budget_bytes)
 
 
+def placed_plan_under_uses(measured: int, predicted: int, budget_bytes: int,
+                           block_size: int = DEFAULT_BLOCK_SIZE) -> bool:
+    """Whether a placed plan whose first step reserved ``measured`` bytes left more of ``budget_bytes`` unused than
+    its placement foresaw: it measured under its prediction ``predicted`` by more than the
+    :func:`placed_allowance` (later steps measured up to that above the first: only the miss beyond it is carried).
+    GatedCNN 32px under 147 MiB: placed at 132 MiB, measured 98 in its first step and 100 in later ones (the
+    simulator holds a conditional's output beside the branch tensor it forwards)."""
+    return int(predicted) - int(measured) > placed_allowance(budget_bytes, block_size)
+
+
 def placed_close(budget_bytes: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
     """Bytes under the limit within which a placed plan is close enough (:data:`PLACED_CLOSE_SHARE`)."""
     return max(int(block_size), int(PLACED_CLOSE_SHARE * int(budget_bytes)))
 
 
-def next_headroom(tried: list[tuple[float, int]], limit: float, budget_bytes: int, close: int) -> float | None:
+def next_headroom(tried: list[tuple[float, int]], limit: float, budget_bytes: int, close: int,
+                  floor: float = 0.0) -> float | None:
     """The headroom to plan a placed plan with next, from the ``(headroom, placed peak)`` pairs tried so far, or None
     to stop: a plan came within ``close`` bytes under ``limit``, or the least headroom that fits and the most that
     does not are within :data:`HEADROOM_RESOLUTION` (or out of order: the peak did not fall as the headroom grew).
@@ -279,12 +328,12 @@ def next_headroom(tried: list[tuple[float, int]], limit: float, budget_bytes: in
     secant between the nearest points either side of the limit, at least a quarter of their bracket from either end
     (DenseNet-121 under 95 MiB: a plan 0.3 MiB over the limit at 10.7% headroom, and the secant crept towards it by
     0.3% a plan), or, with points on one side only, the last one moved by what it missed the limit by (over it, by
-    at least ``close``)."""
+    at least ``close``). Headrooms stay within ``floor`` (:func:`least_headroom`) and :data:`MAX_HEADROOM`."""
     fits = [(h, p) for h, p in tried if p <= limit]
     over = [(h, p) for h, p in tried if p > limit]
     if any(p >= limit - close for _, p in fits):
         return None
-    lo = max(over)[0] if over else 0.0
+    lo = max(over)[0] if over else float(floor)
     hi = min(fits)[0] if fits else MAX_HEADROOM
     if hi - lo < HEADROOM_RESOLUTION:
         return None
@@ -298,21 +347,23 @@ def next_headroom(tried: list[tuple[float, int]], limit: float, budget_bytes: in
         # over: at least ``close`` more (placed peaks move in pageblocks: DenseNet-121 under 95 MiB stayed 0.4 MiB
         # over its limit for 4 plans, each 0.5% more headroom, and a plan a block lower was there to be had)
         least = max(HEADROOM_RESOLUTION, int(close) / max(int(budget_bytes), 1))
-        estimate = min(max(h + (max(moved, least) if over else moved), 0.0), MAX_HEADROOM)
+        estimate = min(max(h + (max(moved, least) if over else moved), floor), MAX_HEADROOM)
         lo, hi = (lo - 1e-9, hi) if not over else (lo, hi + 1e-9)
     return estimate if lo < estimate < hi else (lo + hi) / 2
 
 
-def _scale(predicted_peak: int, measured_peak: int, persistent_bytes: int, measured_in_use: int
-           ) -> tuple[int, float, int]:
+def _scale(predicted_peak: int, measured_peak: int, persistent_bytes: int, measured_in_use: int,
+           outcome: str = "ran") -> tuple[int, float, int]:
     """``(persistent, ratio, fragmentation)``: the calibrated peak of a plan predicted at P is
     ``persistent + ratio * (P - persistent) + fragmentation``. ``ratio`` is measured over predicted bytes in use of
-    the step's own memory (above the persistent bytes; never below 1: an overestimate is not relied on);
+    the step's own memory (above the persistent bytes; never below 1, an overestimate not relied on, except on an
+    under-used plan's step, down to :data:`MIN_UNDER_USED_RATIO`: a plan that held overestimated by that much);
     ``fragmentation`` is reserved less in-use bytes at the probe's peaks. Without the in-use measurement the reserved
     peak stands for it (no fragmentation term)."""
     persistent = max(int(persistent_bytes), 0)
     in_use = int(measured_in_use) if measured_in_use > 0 else int(measured_peak)
-    ratio = max((in_use - persistent) / max(int(predicted_peak) - persistent, 1), 1.0)
+    least = MIN_UNDER_USED_RATIO if outcome == "under_used" else 1.0
+    ratio = max((in_use - persistent) / max(int(predicted_peak) - persistent, 1), least)
     return persistent, ratio, max(int(measured_peak) - in_use, 0)
 
 
@@ -327,7 +378,8 @@ def calibrated_prediction(calibration: "Calibration | Mapping[str, Any]", predic
     calibration = _fields(calibration)
     persistent, ratio, fragmentation = _scale(
         calibration["predicted_peak_bytes"], calibration["measured_peak_bytes"],
-        calibration.get("persistent_bytes", 0), calibration.get("measured_in_use_bytes", 0))
+        calibration.get("persistent_bytes", 0), calibration.get("measured_in_use_bytes", 0),
+        calibration.get("outcome", "ran"))
     return int(round(persistent + ratio * max(int(predicted_peak) - persistent, 0) + fragmentation))
 
 
@@ -335,7 +387,7 @@ def _placed(calibration: "Calibration | Mapping[str, Any]", placed: Any) -> int:
     """The reserved bytes of ``placed`` with its step's own bytes scaled as the calibration measured them."""
     cal = _fields(calibration)
     _, ratio, _ = _scale(cal["predicted_peak_bytes"], cal["measured_peak_bytes"], cal.get("persistent_bytes", 0),
-                         cal.get("measured_in_use_bytes", 0))
+                         cal.get("measured_in_use_bytes", 0), cal.get("outcome", "ran"))
     return int(round(placed.persistent_reserved_bytes + ratio * placed.step_reserved_bytes))
 
 
@@ -392,9 +444,19 @@ def measurement(before: Mapping[str, Any], after: Mapping[str, Any], predicted_p
 
 
 def calibrated_headroom(budget_bytes: int, predicted_peak: int, measured_peak: int, persistent_bytes: int = 0,
-                        margin: float = CALIBRATION_MARGIN, measured_in_use: int = 0) -> float:
+                        margin: float = CALIBRATION_MARGIN, measured_in_use: int = 0, outcome: str = "ran") -> float:
     """Share of ``budget_bytes`` to keep free so that a plan predicted at ``(1 - h) * budget`` measures at most
-    ``(1 - margin) * budget`` once calibrated (:func:`calibrated_prediction`)."""
-    persistent, ratio, fragmentation = _scale(predicted_peak, measured_peak, persistent_bytes, measured_in_use)
+    ``(1 - margin) * budget`` once calibrated (:func:`calibrated_prediction`; ``outcome``: see :func:`_scale`)."""
+    persistent, ratio, fragmentation = _scale(predicted_peak, measured_peak, persistent_bytes, measured_in_use,
+                                              outcome)
     allowed = persistent + ((1.0 - margin) * budget_bytes - fragmentation - persistent) / ratio
-    return min(MAX_HEADROOM, max(margin, 1.0 - allowed / max(int(budget_bytes), 1)))
+    least = least_headroom(outcome) if ratio < 1.0 else margin
+    return min(MAX_HEADROOM, max(least, 1.0 - allowed / max(int(budget_bytes), 1)))
+
+
+def least_headroom(outcome: str = "ran") -> float:
+    """The least headroom a calibration of a step that ended with ``outcome`` plans with: 0, except after an
+    under-used plan, whose ratio below 1 (:func:`_scale`) maps the budget to simulated peaks above it: down to
+    ``1 - 1 / MIN_UNDER_USED_RATIO`` (planned for up to twice the budget as the simulator counts; the placed
+    prediction, scaled, is what must fit)."""
+    return 1.0 - 1.0 / MIN_UNDER_USED_RATIO if outcome == "under_used" else 0.0

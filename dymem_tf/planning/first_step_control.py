@@ -7,11 +7,11 @@ first step measured (the stages under a budget are described in :mod:`dymem_tf.p
       │
       └─out of memory / within slack─▶ plan for the device: PROBE if guarded, else UNGUARDED
 
-    PROBE ─────leaves slack────▶ CALIBRATED ──holds──▶ SETTLED
+    PROBE ─────leaves slack────▶ CALIBRATED ──holds──▶ SETTLED    (holds with room to spare, once: USE_MORE)
       │                            │  │
       │ out of memory,             │  └─does not hold (once)──▶ REFINED ──holds──▶ SETTLED
-      │ within slack, refused      │                             │  ▲ placed, does not hold (once more)
-      ▼                            └─out of memory, refused ─┬───┘ └┘
+      │ within slack, refused      │   or out of memory, placed  │  ▲ placed, does not hold or
+      ▼                            └─refused ────────────────┬───┘ └┘ out of memory (once more)
     REFUSED (an error)                                       ▼ out of memory, refused, does not hold
                                                           FALLBACK (the probe's plan trains)
 
@@ -19,7 +19,14 @@ A budgeted plan *holds* when its first step leaves the room its later steps need
 where it was placed in GTBM's groups (:func:`first_step.placed_plan_holds`), the step slack otherwise. A placed
 plan is refined up to :data:`first_step.PLACED_REFINEMENTS` times (the refined plan's own miss calibrates the
 next), an unplaced one once (without a placement to predict the next plan from, a second refinement was not shown
-to help).
+to help). A placed plan whose first step ran out of memory is refined the same way, its
+step measured at the budget (ResNet-50 + Adam under 179 MiB: a calibrated plan placed 0.1 MiB under its limit ran
+out in one run and measured 175.9 MiB in another; falling back left 0.44 of the budget used).
+
+A placed plan that holds but measured under its prediction by more than the allowance
+(:func:`first_step.placed_plan_under_uses`) is made again once, calibrated on its step to keep more
+(``Action.USE_MORE``, a refinement); if that plan does not hold or runs out of memory, the plan that held trains
+(FALLBACK), not the probe's.
 
 PLAIN, UNGUARDED, SETTLED, FALLBACK and REFUSED are terminal: nothing is guarded any more. The controller knows no
 Keras and no TensorFlow: the first-step session (:mod:`dymem_tf.keras.session`) reports what each first step
@@ -42,7 +49,7 @@ class State(str, enum.Enum):
     CALIBRATED = "calibrated"  # the plan made with the probe's calibration
     REFINED = "refined"  # a plan calibrated on the first step of the calibrated (or a refined) plan
     SETTLED = "settled"  # a budgeted plan left its slack: it trains
-    FALLBACK = "fallback"  # the probe's plan trains (a budgeted plan ran out, was refused or left no slack)
+    FALLBACK = "fallback"  # a plan known to fit trains: the probe's, or one that held before a plan keeping more
     UNGUARDED = "unguarded"  # a plan trains without a guarded first step (no budget, or nothing to calibrate)
     REFUSED = "refused"  # the budget cannot be met: fit stops with an error, the variables as they were
 
@@ -60,7 +67,10 @@ class Action(str, enum.Enum):
     KEEP = "keep"  # the train function that ran trains on
     PLAN = "plan"  # the step as compiled does not fit: plan it for the device
     CALIBRATE = "calibrate"  # plan again, calibrated on the step that ran (``Decision.source``), guarded
-    FALL_BACK = "fall_back"  # train with the probe's plan, known to fit
+    #: the plan held and left room it was not predicted to leave: plan again to keep more, calibrated on its step,
+    #: guarded, with this plan (known to fit) as the one to fall back to
+    USE_MORE = "use_more"
+    FALL_BACK = "fall_back"  # train with the plan known to fit: the probe's, or the plan that held before USE_MORE
     REFUSE = "refuse"  # the least-memory plan did not fit the budget: the variables are restored, fit stops
 
 
@@ -82,6 +92,7 @@ class FirstStepControl:
         self.state = State(state)
         self.budget_bytes = None
         self.refinements = 0  # refined plans made so far
+        self.used_more = False  # a refinement keeps more than a plan that held (USE_MORE): it falls back to that plan
         if self.state is State.PROBE:
             self._set_budget(budget_bytes)
 
@@ -135,21 +146,34 @@ class FirstStepControl:
         return first_step.placed_plan_holds(measured, predicted, self.budget_bytes, block_size)
 
     def stepped(self, measured: int | None, in_use: int | None = None,
-                placed: tuple[int, int] | None = None) -> Decision:
+                placed: tuple[int, int] | None = None, swaps: bool = False) -> Decision:
         """A guarded planned first step ran and reserved ``measured`` bytes at its peak (``in_use`` of them in
-        use); ``placed``: the plan's placed prediction and pageblock size (:meth:`holds`; a probe's is not used)."""
+        use); ``placed``: the plan's placed prediction and pageblock size (:meth:`holds`; a probe's is not used);
+        ``swaps``: the plan moves tensors it could keep (a plan that held may then be made again to keep more)."""
         if self.state is State.PROBE:
             if not self.leaves_slack(measured):
                 return self._to(Action.REFUSE, State.REFUSED)
             return self._to(Action.CALIBRATE, State.CALIBRATED, State.PROBE)
         if self.state in (State.CALIBRATED, State.REFINED):
             if self.holds(measured, placed):
+                if swaps and in_use and self._under_uses(measured, placed):
+                    self.refinements, self.used_more = self.refinements + 1, True
+                    return self._to(Action.USE_MORE, State.REFINED, self.state)
                 return self._to(Action.KEEP, State.SETTLED)
+            if self.used_more:  # the plan that held before it trains
+                return self._to(Action.FALL_BACK, State.FALLBACK)
             if in_use and self.refinements < self._refinements_allowed(measured, placed):
                 self.refinements += 1  # calibrated again from this step's own fragmentation (and miss)
                 return self._to(Action.CALIBRATE, State.REFINED, self.state)
             return self._to(Action.FALL_BACK, State.FALLBACK)
         return self._to(Action.KEEP, self.state)
+
+    def _under_uses(self, measured: int | None, placed: tuple[int, int] | None) -> bool:
+        """Whether a placed plan that held left room beyond its allowance (:func:`first_step.placed_plan_under_uses`)
+        with a refinement left and none used for that yet."""
+        if measured is None or placed is None or self.used_more or self.refinements >= first_step.PLACED_REFINEMENTS:
+            return False
+        return first_step.placed_plan_under_uses(measured, placed[0], self.budget_bytes, placed[1])
 
     @staticmethod
     def _refinements_allowed(measured: int | None, placed: tuple[int, int] | None) -> int:
@@ -157,11 +181,18 @@ class FirstStepControl:
         measured, else one."""
         return first_step.PLACED_REFINEMENTS if placed is not None and measured is not None else 1
 
-    def ran_out_of_memory(self) -> Decision:
-        """A guarded first step ran out of memory (its variables are restored): the probe's refuses the budget, a
-        budgeted plan's falls back to the probe's plan."""
+    def ran_out_of_memory(self, in_use: int | None = None, placed: tuple[int, int] | None = None) -> Decision:
+        """A guarded first step ran out of memory (its variables are restored): the probe's refuses the budget; a
+        budgeted plan placed in GTBM's groups (``placed``, see :meth:`holds`) with ``in_use`` bytes measured at its
+        peak is refined like one that does not hold, while refinements are left (it ran out at the budget: the
+        step measured the whole budget and more); else the plan known to fit trains (the probe's, or the plan that
+        held before a plan made to keep more)."""
         if self.state is State.PROBE:
             return self._to(Action.REFUSE, State.REFUSED)
+        if self.state in (State.CALIBRATED, State.REFINED) and in_use and placed is not None \
+                and self.refinements < first_step.PLACED_REFINEMENTS and not self.used_more:
+            self.refinements += 1
+            return self._to(Action.CALIBRATE, State.REFINED, self.state)
         return self._to(Action.FALL_BACK, State.FALLBACK)
 
     def refused(self) -> Decision:

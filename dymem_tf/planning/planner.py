@@ -862,7 +862,8 @@ def make_plan(step_graph: StepGraph, policy: str = "dymem", budget_bytes: int | 
     ``group_gap_layers``: consumers further apart than this (and far enough in time) get separate swap-ins.
     ``headroom``: the swap set is chosen so the predicted peak stays under ``(1 - headroom) * budget_bytes``,
     leaving room for the allocator's fragmentation and the simulator's error (the callback uses the headroom it
-    calibrates on the first step under a budget, else :data:`DEFAULT_HEADROOM`; 0 plans to the byte).
+    calibrates on the first step under a budget, else :data:`DEFAULT_HEADROOM`; 0 plans to the byte; below 0,
+    down to -1, plans beyond the budget where a calibration measured the simulator over-predicting).
     ``least_memory`` (without a budget): every candidate, hideable or not, with dymem's latest triggers ("jit"):
     the plan the callback's first step under a budget measures (:mod:`dymem_tf.planning.first_step`).
     ``temporaries``: bytes each op holds while it runs besides its outputs, as measured
@@ -888,8 +889,8 @@ def make_plan(step_graph: StepGraph, policy: str = "dymem", budget_bytes: int | 
             raise ValueError(f"budget {mib(budget_bytes)} ({budget_bytes} bytes) is smaller than the model's "
                              f"persistent tensors {mib(persistent_bytes)} ({persistent_bytes} bytes: weights and "
                              "optimizer slots); no swapping of feature maps can help")
-    if not 0.0 <= headroom < 1.0:
-        raise ValueError(f"headroom must be in [0, 1), got {headroom!r}")
+    if not -1.0 <= headroom < 1.0:  # below 0: a calibration measured the simulator over-predicting
+        raise ValueError(f"headroom must be in [-1, 1), got {headroom!r}")
     cost = as_cost_model(profile)
     def build() -> _Planner:
         return _Planner(step_graph, cost, min_swap_bytes, swapin_ahead, group_gap_layers, temporaries, weights,
@@ -903,9 +904,12 @@ def make_plan(step_graph: StepGraph, policy: str = "dymem", budget_bytes: int | 
     target = None
     if budget_bytes is not None:
         target = max(int(budget_bytes * (1.0 - headroom)), persistent_bytes)
-        if headroom:
+        if headroom > 0:
             notes.append(f"planned for {mib(target)}: {headroom:.0%} of the budget kept for allocator "
                          "fragmentation and model error")
+        elif headroom < 0:
+            notes.append(f"planned for {mib(target)} as the simulator counts: {-headroom:.0%} over the budget, "
+                         "which the simulator was measured to over-predict")
     unknown = step_graph.meta.get("unknown_shape_tensors", 0)
     if unknown:
         notes.append(f"{unknown} tensors have unknown static shapes and count as 0 bytes")
