@@ -110,6 +110,36 @@ def test_a_step_with_loops_is_planned_around_them_and_trains_identically():
     assert_identical(plain, dymem)
 
 
+def one_lstm() -> keras.Model:
+    """bench/model_zoo.py's LSTM: one LSTM returning its last state, then Dense (its loop's only way to the loss
+    is the state carried through the loop's back edge)."""
+    model = keras.Sequential([keras.Input((SEQ, FEATURES)), keras.layers.LSTM(UNITS), keras.layers.Dense(10)])
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=LOSS)
+    return model
+
+
+def test_a_forward_loops_inputs_are_forward_ops_and_no_deferral_closes_a_cycle_through_a_loop():
+    """The step graph leaves a loop's back edge out; without it the LSTM's input transpose fed nothing on the way
+    to the gradients, counted as update arithmetic, and was deferred after Adam's update: a cycle in the graph TF
+    ran, whose function then returned a float where Keras's Optional was (an InvalidArgumentError in
+    OptionalHasValue, budget_reliability's LSTM under 7 MiB)."""
+    from dymem_tf.keras import dry_run
+    from dymem_tf.planning import analysis, pipeline
+
+    sg = dry_run.trace_train_step(one_lstm(), 8).step_graph
+    back = analysis.loop_back_edges(sg)
+    assert back and all(sg.ops[a].type == "NextIteration" and sg.ops[b].type == "Merge" for a, b in back)
+    feeding = [n for n, op in sg.ops.items() if op.type in ("Transpose", "TensorListFromTensor")
+               and "gradient_tape" not in n and "lstm" in n]
+    assert feeding and all(sg.ops[n].phase == "forward" for n in feeding)
+    for anchor, op in pipeline.deferrals_for(sg, pipeline.PlanSettings(), always={n for n in sg.ops}):
+        assert anchor not in analysis.descendants(sg.graph, [op], extra=back), (anchor, op)
+    x, y = sequences(32)
+    plain = fit(one_lstm, x, y)
+    cb = dymem_tf.DymemCallback(memory_budget="1GiB", min_swap_bytes=0, verbose=0)
+    assert_identical(plain, fit(one_lstm, x, y, [cb]))
+
+
 def test_the_lists_a_gradient_loop_pops_are_streamed_through_host_memory_under_a_budget():
     """Under a budget the loops' accumulators live in host memory: each element is swapped out as it is pushed and
     swapped in as it is popped, inside the loops. The probe and the calibrated plan both stream them."""

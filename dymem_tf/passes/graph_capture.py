@@ -27,7 +27,7 @@ from dymem_tf.passes import host_memory
 from dymem_tf.planning import branches, loop_lists
 from dymem_tf.planning.analysis import (ALIAS_OP_TYPES, FORWARDING_OP_TYPES, FRAME_SEPARATOR, METADATA_OP_TYPES,
                                        CycleError, OpInfo, StepGraph, TensorInfo, aliased_input, analyse, descendants,
-                                       outer_frame)
+                                       loop_back_edges, outer_frame)
 
 (_GRAD_PREFIX,) = op_sets.GRADIENT_SCOPES
 #: Ops whose outputs alias variable storage (persistent memory): never swapped, counted in persistent bytes.
@@ -297,7 +297,9 @@ def capture_step_graph(ops: Sequence[tf.Operation], batch_size: int | None = Non
     sg = StepGraph(infos, tensors.values(), meta={
         "batch_size": batch_size, "model_scope": model_scope, "unknown_shape_tensors": unknown,
         "sizes_inferred_from_reshape": inferred,
-        "variable_read_bytes": variable_bytes})
+        "variable_read_bytes": variable_bytes,
+        "loop_back_edges": [(t.op.name, op.name) for op in ops if op.type == "Merge" for t in op.inputs
+                            if t.op.type == "NextIteration" and t.op.name in names]})
     enter_frames = {op.name: _frame_name(op) for op in ops if op.type == "Enter"}
     _mark_backward(sg)
     _analyse(sg)
@@ -458,16 +460,18 @@ def _mark_backward(sg: StepGraph) -> None:
     them: ancestors of update ops that feed no gradient op (the optimizer's learning-rate and slot arithmetic,
     which runs early but belongs to the update and is not a feature map).
     """
-    g = sg.graph
+    g, back = sg.graph, loop_back_edges(sg)
     # After Grappler a gradient-named constant (or shape op) may be shared with the forward pass (constant folding
     # and CSE keep one of the merged nodes' names): only ops that compute on data seed the backward pass.
     grads = [n for n, op in sg.ops.items() if is_gradient_name(n) and op.inputs
              and op.type not in _SOURCE_OP_TYPES and op.type not in METADATA_OP_TYPES]
     shared = _shared_with_forward(sg, grads)
     grads = [n for n in grads if n not in shared]
-    below = reach(g, grads, "down") - set(grads)
-    feeds_grads = reach(g, grads, "up")
-    update = below | (reach(g, list(below), "up") - feeds_grads - set(grads))
+    # with the loops' back edges: a forward loop's inputs feed the gradients through its body (without them the
+    # LSTM's input transpose counted as update arithmetic, and its deferral after the update made a cycle)
+    below = reach(g, grads, "down", back) - set(grads)
+    feeds_grads = reach(g, grads, "up", back)
+    update = below | (reach(g, list(below), "up", back) - feeds_grads - set(grads))
     grad_set = set(grads)
     for name, op in sg.ops.items():
         if name in grad_set:
@@ -505,6 +509,7 @@ def _shared_with_forward(sg: StepGraph, grads: list[str]) -> set[str]:
     return shared
 
 
-def reach(g, seeds: list[str], direction: str) -> set[str]:
-    """The seeds and every node reachable from them: ``"down"`` along edges, ``"up"`` against them."""
-    return descendants(g, seeds, reverse=direction != "down")
+def reach(g, seeds: list[str], direction: str, extra: Sequence[tuple[str, str]] = ()) -> set[str]:
+    """The seeds and every node reachable from them: ``"down"`` along edges (and the ``extra`` ones), ``"up"``
+    against them."""
+    return descendants(g, seeds, reverse=direction != "down", extra=extra)

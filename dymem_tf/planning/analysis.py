@@ -493,10 +493,19 @@ def _copied(graph: nx.DiGraph) -> nx.DiGraph:
     return new
 
 
-def descendants(graph: nx.DiGraph, seeds: Iterable[str], reverse: bool = False) -> set[str]:
-    """The seeds and every node reachable from them along the edges (``reverse``: against them); one linear walk
-    over the adjacency (networkx's ``edge_dfs`` yields every edge as a tuple, 50x slower on a 30k-op step)."""
+def descendants(graph: nx.DiGraph, seeds: Iterable[str], reverse: bool = False,
+                extra: Iterable[tuple[str, str]] = ()) -> set[str]:
+    """The seeds and every node reachable from them along the edges (``reverse``: against them) and the ``extra``
+    edges (a lowered loop's back edges: :func:`loop_back_edges`); one linear walk over the adjacency (networkx's
+    ``edge_dfs`` yields every edge as a tuple, 50x slower on a 30k-op step)."""
     adjacency = predecessors_of(graph) if reverse else successors_of(graph)
+    extra = list(extra)
+    if extra:
+        adjacency = {n: list(nbrs) for n, nbrs in adjacency.items()}
+        for src, dst in extra:
+            a, b = (dst, src) if reverse else (src, dst)
+            if a in adjacency and b in adjacency:
+                adjacency[a].append(b)
     seen = set(seeds)
     stack = list(seen)
     while stack:
@@ -505,6 +514,13 @@ def descendants(graph: nx.DiGraph, seeds: Iterable[str], reverse: bool = False) 
                 seen.add(nxt)
                 stack.append(nxt)
     return seen
+
+
+def loop_back_edges(sg: "StepGraph") -> list[tuple[str, str]]:
+    """The back edges (``NextIteration`` -> ``Merge``) of the step's lowered loops, which ``sg.graph`` leaves out to
+    stay a DAG (meta ``"loop_back_edges"``, recorded at capture): with them, a loop's body reaches what the loop
+    leads to, as in the graph TF runs."""
+    return [(src, dst) for src, dst in sg.meta.get("loop_back_edges", ()) if src in sg.ops and dst in sg.ops]
 
 
 class Reachability:

@@ -9,7 +9,8 @@ arithmetic is unchanged, so results stay bit-identical; only the temporaries' li
 """
 from __future__ import annotations
 
-from dymem_tf.planning.analysis import StepGraph, analyse, no_autograph, predecessors_of, successors_of
+from dymem_tf.planning.analysis import (StepGraph, analyse, descendants, loop_back_edges, no_autograph,
+                                       predecessors_of, successors_of)
 
 #: Ops producing fewer bytes than this are not worth an edge.
 MIN_DEFER_BYTES = 4096
@@ -41,14 +42,32 @@ def find_deferrals(sg: StepGraph, min_bytes: int = MIN_DEFER_BYTES, always: froz
         if candidates:
             anchor[name] = min(candidates, key=program.__getitem__)
     pairs = []
-    paths = sg.reachability()
+    leads_to = _path_check(sg)
     for name, anc in anchor.items():
         owned = sum(sg.tensors[t].bytes for t in sg.ops[name].outputs
                     if not sg.tensors[t].persistent and sg.tensors[t].alias_of is None)
-        if (owned >= min_bytes or name in always) and not paths.has_path(name, anc):
+        if (owned >= min_bytes or name in always) and not leads_to(name, anc):
             pairs.append((anc, name))
     pairs.sort(key=lambda p: program[p[1]])
     return pairs
+
+
+def _path_check(sg: StepGraph):
+    """``leads_to(src, dst)``: whether ``src`` reaches ``dst`` in the graph TF runs, the loops' back edges included
+    (an edge from ``dst`` back to ``src`` would close a cycle there: the executor then returned garbage, the LSTM's
+    Optional arriving as a float). The DAG's reachability answers, except from an op that reaches a loop's back
+    edge: one walk with the back edges."""
+    paths, back = sg.reachability(), loop_back_edges(sg)
+    if not back:
+        return paths.has_path
+    looping = descendants(sg.graph, [src for src, _ in back], reverse=True)  # ops that reach a back edge
+
+    def leads_to(src: str, dst: str) -> bool:
+        if paths.has_path(src, dst):
+            return True
+        return src in looping and dst in descendants(sg.graph, [src], extra=back)
+
+    return leads_to
 
 
 @no_autograph
