@@ -3,6 +3,8 @@ bytes swapped. Each plan is an independent ``make_plan`` call on one traced step
 as ``bench/budget_sweep.py`` plans ResNet-50, BERT and DenseNet-121; here on a small CNN and a small transformer,
 mostly at profiles where the planner before the fix broke the rule (cnn on h200 and a100, the transformer on a100:
 the budget at the least-memory plan's peak swapped fewer bytes than the next larger one)."""
+import dataclasses
+
 import keras
 import numpy as np
 import pytest
@@ -148,3 +150,34 @@ def test_a_plan_ordered_after_the_search_is_the_plan_ordered_at_once():
     later = pipeline.with_sequence(unordered, settings)
     assert at_once.sequence.ops and later.sequence == at_once.sequence
     assert later.plan.notes == at_once.plan.notes
+
+
+def test_after_a_step_that_ran_out_of_memory_only_a_plan_placed_within_the_limit_is_tried():
+    """Each guarded try of a budgeted plan that runs out of memory skips a batch (ResNet-50 + Adam, batch 258 under
+    512 MiB: a refinement placed 0.3 MiB over its limit ran out too, and the probe's plan trained after two skipped
+    batches). After such a step the headroom search keeps no plan placed over the limit: no plan fits, and the
+    session keeps the plan known to fit; after a step that ran, the lowest is kept and guarded as before."""
+    from dymem_tf.memory import placement
+    from dymem_tf.passes import step_pass
+    from dymem_tf.planning import first_step
+
+    prep, persistent, batch = prepared("cnn")
+    least = plan(prep, persistent, batch, "cpu", least_memory=True)
+    budget = int(least.predicted.no_swap_peak_bytes)
+    group = placement.PersistentGroup(reserved_bytes=2 << 20, in_use_bytes=1 << 20)
+    settings = pipeline.PlanSettings(budget_bytes=budget, persistent_bytes=persistent, offload_variables=True,
+                                     offload_weights=True, batch_size=batch, profile="cpu")
+    pass_ = step_pass.StepPass(settings, verbose=0)
+    for outcome in ("ran", "out_of_memory"):
+        # a residual of the whole budget: every plan is placed over the limit
+        cal = first_step.Calibration(budget, least.predicted.peak_bytes, budget, persistent, headroom=0.05,
+                                     measured_in_use_bytes=least.predicted.peak_bytes, margin=0.05,
+                                     source="calibrated", persistent_group=dataclasses.asdict(group),
+                                     placement_residual_bytes=budget, outcome=outcome)
+        req = step_pass.PlanRequest(budget_bytes=budget, calibration=cal, headroom=cal.headroom)
+        if outcome == "ran":
+            kept = pass_._placed_plan(prep, settings, req)  # noqa: SLF001
+            assert kept.plan.predicted.calibrated_peak_bytes > (1 - cal.margin) * budget  # over, guarded
+        else:
+            with pytest.raises(planner.BudgetTooSmallError, match="ran out of memory"):
+                pass_._placed_plan(prep, settings, req)  # noqa: SLF001

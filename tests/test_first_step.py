@@ -432,7 +432,7 @@ def test_a_placed_plan_that_does_not_hold_is_refined_twice_before_the_probes_pla
 
 def test_a_placed_plan_that_runs_out_of_memory_is_refined_while_refinements_are_left():
     """An out-of-memory first step of a placed budgeted plan is refined like one that does not hold (it shares
-    their count); without a placement or the step's bytes in use, or after the refinements, the probe's plan
+    their count), once (each try skips a batch); without a placement or the step's bytes in use, or after the refinements, the probe's plan
     trains; the probe's own refuses the budget."""
     control = first_step_control
     placed = (170 * MiB, 2 * MiB)
@@ -440,9 +440,13 @@ def test_a_placed_plan_that_runs_out_of_memory_is_refined_while_refinements_are_
     fsc.stepped(80 * MiB, 60 * MiB)
     assert fsc.ran_out_of_memory(150 * MiB, placed) == control.Decision(
         control.Action.CALIBRATE, control.State.REFINED, control.State.CALIBRATED)
-    assert fsc.stepped(190 * MiB, 170 * MiB, placed=placed).source is control.State.REFINED
     assert fsc.ran_out_of_memory(150 * MiB, placed) == control.Decision(control.Action.FALL_BACK,
-                                                                        control.State.FALLBACK)
+                                                                        control.State.FALLBACK)  # once: a batch each
+    once = control.FirstStepControl(179 * MiB)
+    once.stepped(80 * MiB, 60 * MiB)
+    assert once.stepped(190 * MiB, 170 * MiB, placed=placed).source is control.State.CALIBRATED
+    assert once.ran_out_of_memory(150 * MiB, placed).state is control.State.REFINED  # the second refinement
+    assert once.ran_out_of_memory(150 * MiB, placed).state is control.State.FALLBACK
     for in_use, where in ((None, placed), (150 * MiB, None)):
         unplaced = control.FirstStepControl(179 * MiB)
         unplaced.stepped(80 * MiB, 60 * MiB)

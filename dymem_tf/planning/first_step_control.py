@@ -19,9 +19,11 @@ A budgeted plan *holds* when its first step leaves the room its later steps need
 where it was placed in GTBM's groups (:func:`first_step.placed_plan_holds`), the step slack otherwise. A placed
 plan is refined up to :data:`first_step.PLACED_REFINEMENTS` times (the refined plan's own miss calibrates the
 next), an unplaced one once (without a placement to predict the next plan from, a second refinement was not shown
-to help). A placed plan whose first step ran out of memory is refined the same way, its
+to help). A placed plan whose first step ran out of memory is refined the same way, once, its
 step measured at the budget (ResNet-50 + Adam under 179 MiB: a calibrated plan placed 0.1 MiB under its limit ran
-out in one run and measured 175.9 MiB in another; falling back left 0.44 of the budget used).
+out in one run and measured 175.9 MiB in another; falling back left 0.44 of the budget used); the pass plans that
+refinement only where a plan is placed within its limit (else no plan fits: the fall-back), since each try skips a
+batch.
 
 A placed plan that holds but measured under its prediction by more than the allowance
 (:func:`first_step.placed_plan_under_uses`) is made again once, calibrated on its step to keep more
@@ -93,6 +95,7 @@ class FirstStepControl:
         self.budget_bytes = None
         self.refinements = 0  # refined plans made so far
         self.used_more = False  # a refinement keeps more than a plan that held (USE_MORE): it falls back to that plan
+        self.ran_out = False  # a budgeted plan ran out of memory and was refined (once only: each try skips a batch)
         if self.state is State.PROBE:
             self._set_budget(budget_bytes)
 
@@ -184,14 +187,14 @@ class FirstStepControl:
     def ran_out_of_memory(self, in_use: int | None = None, placed: tuple[int, int] | None = None) -> Decision:
         """A guarded first step ran out of memory (its variables are restored): the probe's refuses the budget; a
         budgeted plan placed in GTBM's groups (``placed``, see :meth:`holds`) with ``in_use`` bytes measured at its
-        peak is refined like one that does not hold, while refinements are left (it ran out at the budget: the
-        step measured the whole budget and more); else the plan known to fit trains (the probe's, or the plan that
-        held before a plan made to keep more)."""
+        peak is refined like one that does not hold, once and while refinements are left (it ran out at the
+        budget: the step measured the whole budget and more; each try skips a batch); else the plan known to fit
+        trains (the probe's, or the plan that held before a plan made to keep more)."""
         if self.state is State.PROBE:
             return self._to(Action.REFUSE, State.REFUSED)
         if self.state in (State.CALIBRATED, State.REFINED) and in_use and placed is not None \
-                and self.refinements < first_step.PLACED_REFINEMENTS and not self.used_more:
-            self.refinements += 1
+                and self.refinements < first_step.PLACED_REFINEMENTS and not (self.used_more or self.ran_out):
+            self.refinements, self.ran_out = self.refinements + 1, True
             return self._to(Action.CALIBRATE, State.REFINED, self.state)
         return self._to(Action.FALL_BACK, State.FALLBACK)
 
