@@ -305,6 +305,8 @@ def capture_step_graph(ops: Sequence[tf.Operation], batch_size: int | None = Non
     _analyse(sg)
     if enter_frames:  # without loops every op runs in the step's own frame ("")
         _mark_frames(sg, enter_frames)
+        if loop_back_edges(sg):  # loops inside the step: their inputs reach the gradients around their back edges
+            _mark_backward(sg)
         sg.meta["loop_lists_sized"] = loop_lists.size_loop_lists(sg, _scalar_constants(ops))
         if order_loop_entries(sg):
             _analyse(sg)

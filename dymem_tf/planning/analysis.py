@@ -517,10 +517,14 @@ def descendants(graph: nx.DiGraph, seeds: Iterable[str], reverse: bool = False,
 
 
 def loop_back_edges(sg: "StepGraph") -> list[tuple[str, str]]:
-    """The back edges (``NextIteration`` -> ``Merge``) of the step's lowered loops, which ``sg.graph`` leaves out to
-    stay a DAG (meta ``"loop_back_edges"``, recorded at capture): with them, a loop's body reaches what the loop
-    leads to, as in the graph TF runs."""
-    return [(src, dst) for src, dst in sg.meta.get("loop_back_edges", ()) if src in sg.ops and dst in sg.ops]
+    """The back edges (``NextIteration`` -> ``Merge``) of the lowered loops that run inside the step's own frame,
+    which ``sg.graph`` leaves out to stay a DAG (meta ``"loop_back_edges"``, recorded at capture): with them, such a
+    loop's body reaches what the loop leads to within one step, as in the graph TF runs. The back edges of the loop
+    the step itself runs in (Keras' ``steps_per_execution``) lead to the next step and are left out; so are all of
+    them before the ops' frames are known (every op's frame "")."""
+    step = step_frame_depth(sg.ops.values())
+    return [(src, dst) for src, dst in sg.meta.get("loop_back_edges", ())
+            if src in sg.ops and dst in sg.ops and frame_depth(sg.ops[src].frame) > step]
 
 
 class Reachability:
