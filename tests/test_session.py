@@ -166,6 +166,27 @@ def test_a_placed_plan_that_runs_out_of_memory_is_refined_on_its_step_not_droppe
     assert session.state is State.FALLBACK and len(installed) == 1
 
 
+def test_a_fall_back_that_runs_out_of_memory_too_restores_the_variables_and_refuses_the_budget():
+    """ResNet-50 + Adam, batch 258 under 512 MiB: after the calibrated plan ran out of memory, the probe's plan ran
+    out in the next step (the pool held what the failed plan left) and fit ended with the variables half updated.
+    The fall-back's first call is guarded too: the variables are restored and the budget refused."""
+    model = cnn()
+    session = after_the_probe(model, 1 << 20, 1 << 20)
+    before = [v.numpy() for v in model.trainable_variables]
+
+    def out_of_memory(iterator):
+        for v in model.trainable_variables:
+            v.assign(v + 1.0)
+        raise tf.errors.ResourceExhaustedError(None, None, "OOM when allocating tensor")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(dymem_tf.BudgetTooSmallError, match="fell back to the least-memory plan"):
+            session._guarded_first_call(out_of_memory, None, out_of_memory)  # pylint: disable=protected-access
+    assert session.state is State.FALLBACK and model.train_function is out_of_memory
+    assert all(np.array_equal(a, v.numpy()) for a, v in zip(before, model.trainable_variables))
+
+
 def test_a_guarded_step_that_fails_otherwise_than_out_of_memory_restores_the_variables_and_raises():
     """An unexpected error of a guarded first step (the LSTM's least-memory plan under 7 MiB failed with an
     InvalidArgumentError after its updates could have run) leaves the variables as they were before it."""

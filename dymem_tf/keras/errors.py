@@ -56,9 +56,10 @@ def too_close(session, measured: int) -> planner.BudgetTooSmallError:
         min_peak_bytes=measured, budget_bytes=session.budget_bytes, suggested_batch=suggested)
 
 
-def measured_too_small(session, err) -> planner.BudgetTooSmallError:
+def measured_too_small(session, err, fallen_back: bool = False) -> planner.BudgetTooSmallError:
     """The refusal after the least-memory plan ran out of memory in its first step (variables restored): the plan
-    of the session's latest call, the probe's (None when the pass left that call's step unmodified)."""
+    of the session's latest call, the probe's (None when the pass left that call's step unmodified);
+    ``fallen_back``: in the step it trained again after a budgeted plan failed."""
     plan = session.last_result.plan
     predicted = int(plan.predicted.peak_bytes or 0) if plan is not None else 0
     persistent = session.request.persistent_bytes
@@ -70,14 +71,16 @@ def measured_too_small(session, err) -> planner.BudgetTooSmallError:
     if suggested is not None:
         suggested = max(min(suggested, batch - 1), 0)
     hint = batch_hint(batch, suggested)
+    when = ("training fell back to the least-memory plan after a budgeted plan failed, and that step ran out of "
+            "memory" if fallen_back else "the first step ran out of memory")
     if plan is None:  # the pass left the step unmodified: nothing could be swapped
         reasons = "; ".join(sorted({s.kind for s in session.skipped})) or "no plan"
         return planner.BudgetTooSmallError(
-            f"memory_budget {fmt(session.budget_bytes)} is too small: the first step ran out of memory, and Dymem "
+            f"memory_budget {fmt(session.budget_bytes)} is too small: {when}, and Dymem "
             f"left it unmodified ({reasons}), so no swapping could help. No variable was changed. Raise the "
             "budget or reduce the batch size.", budget_bytes=session.budget_bytes)
     error = planner.BudgetTooSmallError(
-        f"memory_budget {fmt(session.budget_bytes)} is too small: the first step ran out of memory even with every "
+        f"memory_budget {fmt(session.budget_bytes)} is too small: {when} even with every "
         f"tensor that can leave the device swapped out (predicted peak {fmt(predicted)}, of which "
         f"{fmt(plan.persistent_bytes)} weights and optimizer state that stay on the device; "
         f"{err.message.splitlines()[0] if err.message else ''}). No variable was changed. Raise the budget or "

@@ -336,7 +336,6 @@ class FitSession:
                 return self._fall_back(fallback)(iterator)
             measured, in_use, source = refined
             self._install_calibrated(measured, fallback, in_use, source, outcome="out_of_memory")
-            self._compact_kept_weights()
             return self.model.train_function(iterator)  # the refined plan's first step, guarded
         stats = self.own(devices.device_memory_stats())
         measured, in_use = (stats["peak_bytes_reserved"], stats["peak_bytes_in_use"]) if stats else (None, None)
@@ -379,9 +378,25 @@ class FitSession:
         return int(predicted.calibrated_peak_bytes), int(cal.persistent_group["block_size"])
 
     def _fall_back(self, fallback):
-        """Make the probe's train function the model's (it trains from now on) and return it."""
-        self.model.train_function = fallback
-        return fallback
+        """Make the plan known to fit (``fallback``) train from now on, its next call guarded, and return the
+        function that makes that call: the pool may still hold what the failed plan left (ResNet-50 + Adam, batch
+        258 under 512 MiB: the probe's plan ran out of memory in the step after a calibrated plan had); if it runs
+        out, its variables are restored and the budget is refused."""
+        session = self
+
+        def fallback_first_call(iterator):
+            session.model.train_function = fallback
+            snapshot = variables.VariableSnapshot(session.model)
+            try:
+                return fallback(iterator)
+            except tf.errors.ResourceExhaustedError as err:
+                snapshot.restore()
+                raise errors.measured_too_small(session, err, fallen_back=True) from err
+
+        fallback_first_call._dymem_wrapped = True  # pylint: disable=protected-access
+        fallback_first_call.dymem_step = getattr(fallback, "dymem_step", None)
+        self.model.train_function = fallback_first_call
+        return fallback_first_call
 
     def _carry_out(self, decision, measured: int | None, in_use: int | None, fallback) -> None:
         """Act on the controller's ``decision`` after a first step that trained (it measured ``measured``

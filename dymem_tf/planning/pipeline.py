@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from dymem_tf.planning import (backward_ordering, loop_lists, offload, planner, read_ordering, recompute,
+from dymem_tf.planning import (backward_ordering, first_step, loop_lists, offload, planner, read_ordering, recompute,
                                sequencing, update_deferral)
 from dymem_tf.planning.analysis import StepGraph
 from dymem_tf.planning.cost_model import CostModel
@@ -102,17 +102,30 @@ def sequence_for(step_graph: StepGraph, settings: PlanSettings, plan: Plan | Non
     given (its simulation bounds them), each contraction alone where the plan keeps a budget. The least-memory plan
     (the probe) is chained one op at a time: its simulation, which would bound the bands, is the least reliable of
     a step's plans, and in bands ResNet-50 64px, batch 258, SGD measured 506 MiB in its probe against 474 chained,
-    which left no slack under 512 MiB."""
+    which left no slack under 512 MiB. So is a budgeted plan whose step holds a buffer larger than the allowance
+    its placement keeps free (:func:`first_step.placed_allowance`): the executor's order inside a band places such
+    a buffer differently from step to step, and one misplaced is more than the allowance (ResNet-50 + Adam, batch
+    258 under 512 MiB, 64.5 MiB feature maps: a refined plan measured 494 MiB in its first step and ran out of
+    memory in its sixth)."""
     if settings.execution_order == "free" or settings.policy != "dymem":
         return sequencing.Sequence()
     sequence = sequencing.find_sequence(step_graph, onednn_later=settings.onednn_later)
     if not (sequence.ops and settings.execution_order == "planned" and plan is not None) or settings.least_memory:
         return sequence
     temporaries = settings.memory.held_during(step_graph) if settings.memory is not None else None
+    if settings.budget_bytes and _largest_buffer(step_graph, temporaries) > first_step.placed_allowance(
+            settings.budget_bytes):
+        return sequence  # chained one op at a time (see below)
     sim = simulate(step_graph, plan, settings.profile, timeline=False, temporaries=temporaries)
     budgeted = settings.budget_bytes is not None or settings.least_memory or settings.memory is not None
     bands = sequencing.find_bands(step_graph, sequence.ops, sim, contractions_alone=budgeted)
     return dataclasses.replace(sequence, bands=bands)
+
+
+def _largest_buffer(step_graph: StepGraph, temporaries: dict[str, int] | None) -> int:
+    """The bytes of the step's largest device buffer: a tensor that owns one, or an op's measured temporaries."""
+    tensors = (t.bytes for t in step_graph.tensors.values() if not t.persistent and t.alias_of is None)
+    return max(max(tensors, default=0), max((temporaries or {}).values(), default=0))
 
 
 def _adds_edges(settings: PlanSettings) -> bool:
