@@ -43,6 +43,17 @@ def after_the_probe(model, measured, in_use):
     return session
 
 
+def updates_then_fails(model, error, message):
+    """A train function that changes every trainable variable, then raises ``error(message)`` (a step that failed
+    after its updates ran)."""
+    def step(iterator):
+        for v in model.trainable_variables:
+            v.assign(v + 1.0)
+        raise error(None, None, message)
+
+    return step
+
+
 def unknown_width():
     """A step the pass leaves unmodified under a budget (conftest's :func:`unknown_width_model`)."""
     return unknown_width_model()
@@ -148,10 +159,7 @@ def test_a_placed_plan_that_runs_out_of_memory_is_refined_on_its_step_not_droppe
     monkeypatch.setattr(session, "_install_calibrated", install)
     before = [v.numpy() for v in model.trainable_variables]
 
-    def out_of_memory(iterator):
-        for v in model.trainable_variables:
-            v.assign(v + 1.0)
-        raise tf.errors.ResourceExhaustedError(None, None, "OOM when allocating tensor")
+    out_of_memory = updates_then_fails(model, tf.errors.ResourceExhaustedError, "OOM when allocating tensor")
 
     assert session._guarded_first_call(out_of_memory, None, lambda it: "fallback") == "refined"  # pylint: disable=protected-access
     assert installed == [(63 << 20, 58 << 20, State.CALIBRATED, "out_of_memory")]
@@ -174,10 +182,7 @@ def test_a_fall_back_that_runs_out_of_memory_too_restores_the_variables_and_refu
     session = after_the_probe(model, 1 << 20, 1 << 20)
     before = [v.numpy() for v in model.trainable_variables]
 
-    def out_of_memory(iterator):
-        for v in model.trainable_variables:
-            v.assign(v + 1.0)
-        raise tf.errors.ResourceExhaustedError(None, None, "OOM when allocating tensor")
+    out_of_memory = updates_then_fails(model, tf.errors.ResourceExhaustedError, "OOM when allocating tensor")
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -194,10 +199,7 @@ def test_a_guarded_step_that_fails_otherwise_than_out_of_memory_restores_the_var
     session = after_the_probe(model, 1 << 20, 1 << 20)
     before = [v.numpy() for v in model.trainable_variables]
 
-    def fails(iterator):
-        for v in model.trainable_variables:
-            v.assign(v + 1.0)
-        raise tf.errors.InvalidArgumentError(None, None, "cannot compute OptionalHasValue")
+    fails = updates_then_fails(model, tf.errors.InvalidArgumentError, "cannot compute OptionalHasValue")
 
     with pytest.raises(tf.errors.InvalidArgumentError, match="OptionalHasValue"):
         session._guarded_first_call(fails, None, lambda it: "fallback")  # pylint: disable=protected-access
