@@ -74,10 +74,9 @@ class PlanRequest:
 
     def cache_key(self) -> tuple:
         """What a plan made for this request depends on besides the graph and the settings: its budget, stage (and
-        the plan its calibration measured and how its step ended: a placed plan may be refined twice) and
-        batch sizes. A calibration's
-        measured figures are left out: a calibrated plan of the same graph, budget and stage is made once per
-        process (another ``fit``'s probe measures the same step again)."""
+        the plan its calibration measured and how its step ended: a placed plan may be refined twice) and batch
+        sizes. A calibration's measured figures are left out: a calibrated plan of the same graph, budget and stage
+        is made once per process (another ``fit``'s probe measures the same step again)."""
         headroom = None if self.calibration is not None else self.headroom
         cal = self.calibration
         source = (cal.source, cal.outcome) if cal is not None else None

@@ -138,8 +138,9 @@ class Calibration:
     #: how the measured step ended (:data:`OUTCOMES`): ``"ran"``; ``"out_of_memory"``: it needed more than the
     #: budget, so it is taken to have measured the budget (a bound from below) and its whole miss is carried, as on
     #: a refined plan's step; ``"under_used"``: a placed plan that held measured under its prediction by more than
-    #: the allowance (:func:`placed_plan_under_uses`), and what it left beyond the allowance is carried (a
-    #: placement residual below 0), so that the next plan keeps more
+    #: the allowance (:func:`placed_plan_under_uses`): the next plan is scaled by the measured ratio of bytes in use
+    #: below 1 (:func:`_scale`), with what that still leaves beyond the allowance carried as a residual below 0
+    #: (:func:`_residual`), so that it keeps more
     outcome: str = "ran"
 
     @classmethod
