@@ -499,8 +499,8 @@ def test_a_placed_plan_that_holds_with_room_to_spare_is_made_once_more_to_keep_m
         over.stepped(82 * MiB, 76 * MiB)
         over.stepped(98 * MiB, 92 * MiB, placed=(132 * MiB, 2 * MiB), swaps=True)
         assert report(over) == control.Decision(control.Action.FALL_BACK, control.State.FALLBACK)
-    # within the allowance, swapping nothing, or unplaced: it settles as before
-    near = 132 * MiB - allowance
+    # within UNDER_USE_ALLOWANCES allowances, swapping nothing, or unplaced: it settles as before
+    near = 132 * MiB - first_step.UNDER_USE_ALLOWANCES * allowance
     for args in ((near, 90 * MiB, (132 * MiB, 2 * MiB), True), (98 * MiB, 92 * MiB, (132 * MiB, 2 * MiB), False),
                  (98 * MiB, 92 * MiB, None, True)):
         fsc = control.FirstStepControl(budget)

@@ -25,7 +25,7 @@ out in one run and measured 175.9 MiB in another; falling back left 0.44 of the 
 refinement only where a plan is placed within its limit (else no plan fits: the fall-back), since each try skips a
 batch.
 
-A placed plan that holds but measured under its prediction by more than the allowance
+A placed plan that holds but measured under its prediction by more than three allowances
 (:func:`first_step.placed_plan_under_uses`) is made again once, calibrated on its step to keep more
 (``Action.USE_MORE``, a refinement); if that plan does not hold or runs out of memory, the plan that held trains
 (FALLBACK), not the probe's.
