@@ -115,7 +115,7 @@ def sequence_for(step_graph: StepGraph, settings: PlanSettings, plan: Plan | Non
     temporaries = settings.memory.held_during(step_graph) if settings.memory is not None else None
     if settings.budget_bytes and _largest_buffer(step_graph, temporaries) > first_step.placed_allowance(
             settings.budget_bytes):
-        return sequence  # chained one op at a time (see below)
+        return sequence  # chained one op at a time (see the docstring)
     sim = simulate(step_graph, plan, settings.profile, timeline=False, temporaries=temporaries)
     budgeted = settings.budget_bytes is not None or settings.least_memory or settings.memory is not None
     bands = sequencing.find_bands(step_graph, sequence.ops, sim, contractions_alone=budgeted)
