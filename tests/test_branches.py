@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dymem_tf.planning import branches
 from dymem_tf.planning.analysis import StepGraph
+from dymem_tf.planning.planner import make_plan
 from dymem_tf.planning.simulator import simulate
 
 from test_planner import MB, MS, TOY, _gated_step  # the tests folder is on sys.path (pytest's default import mode)
@@ -65,3 +66,45 @@ def test_only_a_branch_leaves_its_tensors_out():
     assert branches.uncounted_ops(sg) == {"half"}  # the false branch's value ties with relu's: left out
     plain = StepGraph.from_spec({"a": {"bytes": MB, "flops": MS}, "b": {"inputs": ["a"], "bytes": MB, "flops": MS}})
     assert branches.uncounted_ops(plain) == set()
+
+
+def test_a_merge_passes_on_the_buffer_of_the_branch_the_model_counts(monkeypatch):
+    assert branches.counted_merge_inputs(_cond(MB, MB)) == {"out": "t:0"}  # the false branch is lighter on a tie
+    assert branches.counted_merge_inputs(_cond(MB, 2 * MB)) == {"out": "f:0"}
+    # the true branch holds a conditional of its own: with it, it outweighs the false one
+    assert branches.counted_merge_inputs(_cond(MB, 2 * MB, nested=True)) == {"out": "m2:0", "m2": "tf:0"}
+    returned = StepGraph.from_spec({  # the false branch returns its input: it makes nothing, so it is the lighter
+        "x": {"bytes": MB, "type": "IteratorGetNext"}, "pred": {"inputs": ["x"], "bytes": 1, "flops": MS},
+        "sw": {"type": "Switch", "inputs": ["x", "pred"], "bytes": [MB, MB]},
+        "t": {"inputs": ["sw:1"], "bytes": MB, "flops": MS},
+        "out": {"type": "Merge", "inputs": ["sw:0", "t"], "bytes": MB, "flops": MS}})
+    assert branches.counted_merge_inputs(returned) == {"out": "t:0"}
+    assert branches.counted_merge_inputs(StepGraph.from_spec({"a": {"bytes": MB, "flops": MS}})) == {}
+    # TF's Merge outputs the taken branch's buffer: where the branch's value is read after the Merge too (here by
+    # the gradient g, as a branch's intermediate kept for its gradient is), the step holds one buffer, not two
+    def kept() -> StepGraph:
+        return StepGraph.from_spec({
+            "x": {"bytes": MB, "type": "IteratorGetNext"}, "pred": {"inputs": ["x"], "bytes": 1, "flops": MS},
+            "sw": {"type": "Switch", "inputs": ["x", "pred"], "bytes": [MB, MB]},
+            "t": {"inputs": ["sw:1"], "bytes": MB, "flops": MS}, "f": {"inputs": ["sw:0"], "bytes": MB, "flops": MS},
+            "out": {"type": "Merge", "inputs": ["t", "f"], "bytes": MB, "flops": MS},
+            "g": {"inputs": ["out", "t"], "backward": True, "bytes": MB, "flops": MS}})
+
+    peak = simulate(kept(), [], TOY, timeline=False).peak_bytes
+    with monkeypatch.context() as patch:
+        patch.setattr(branches, "counted_merge_inputs", lambda step_graph: {})
+        apart = simulate(kept(), [], TOY, timeline=False).peak_bytes
+    assert apart - peak == MB
+
+
+def test_a_branch_value_and_its_merge_are_freed_only_when_both_are_swapped():
+    sg = _gated_step(output_read_back=True)  # relu is kept for rgrad in an optional and, as out, for fgrad
+    plan = make_plan(sg, "dymem", profile=TOY, min_swap_bytes=1)
+    both = [s for s in plan.swaps if s.tensor in ("relu:0", "out:0")]
+    assert sorted(s.tensor for s in both) == ["out:0", "relu:0"]
+    peak = {name: simulate(sg, swaps, TOY, timeline=False).peak_bytes
+            for name, swaps in (("none", []), ("out", [s for s in both if s.tensor == "out:0"]),
+                                ("relu", [s for s in both if s.tensor == "relu:0"]), ("both", both))}
+    # one swap leaves the buffer to the readers of the other tensor; both free it (and add their swap-ins later)
+    assert peak["out"] == peak["relu"] == peak["none"]
+    assert peak["both"] <= peak["none"] - MB

@@ -114,12 +114,13 @@ def test_tensors_made_in_a_conditional_branch_are_not_swapped():
     assert make_plan(branch, "dymem", profile=TOY, min_swap_bytes=1).swap_for("a:0") is None
 
 
-def _gated_step(other_reader: bool = False, shared_output: bool = False) -> StepGraph:
+def _gated_step(other_reader: bool = False, shared_output: bool = False, output_read_back: bool = False) -> StepGraph:
     """A lowered ``cond`` as the pass sees it: ``relu`` (the taken branch's value) is returned by the ``Merge``
     ``out`` and kept for the gradient's branch in an optional (``wrap`` -> ``merge_opt`` -> the gradient's
     ``Switch`` -> ``get``), which ``rgrad`` reads late in the backward pass; the step peaks at ``w3`` (5 MB).
     ``other_reader``: ``w0`` reads the optional too; ``shared_output``: the other branch keeps its own value in the
-    same ``Merge`` (cond_v2 gives matching intermediates of both branches one output)."""
+    same ``Merge`` (cond_v2 gives matching intermediates of both branches one output); ``output_read_back``: the
+    gradient op ``fgrad`` reads ``out`` too (as the next convolution's filter gradient reads its input)."""
     chain = {f"w{i}": {"inputs": [f"w{i - 1}" if i else "out"], "bytes": 5 * MB if i == 3 else KB, "flops": MS}
              for i in range(6)}
     if other_reader:
@@ -140,6 +141,8 @@ def _gated_step(other_reader: bool = False, shared_output: bool = False) -> Step
         "bsw": {"type": "Switch", "inputs": ["merge_opt", "pred"], "bytes": [0, 0], "backward": True},
         "get": {"type": "OptionalGetValue", "inputs": ["bsw:1"], "bytes": MB, "backward": True},
         "rgrad": {"type": "ReluGrad", "inputs": ["gin", "get"], "backward": True, "bytes": MB, "flops": MS},
+        **({"fgrad": {"inputs": ["gin", "out"], "backward": True, "bytes": KB, "flops": MS}} if output_read_back
+           else {}),
     })
     for name in ("relu", "half", "wrap", "none", "get", "rgrad"):
         sg.ops[name].conditional = True

@@ -21,24 +21,27 @@ Level = tuple[str, int]
 def branch_paths(step_graph: StepGraph) -> dict[str, tuple[Level, ...]]:
     """Each op's lowered conditional branches, outermost first (``()`` outside every conditional): an op is in the
     branch of the deepest of its inputs; a ``Switch``'s output enters its branch, a ``Merge`` leaves it."""
-    ops, tensors = step_graph.ops, step_graph.tensors
+    ops = step_graph.ops
     paths: dict[str, tuple[Level, ...]] = {}
     for name in step_graph.execution_order():
         op = ops[name]
-        found = []
-        for t in op.inputs:
-            tensor = tensors.get(t)
-            if tensor is None or tensor.producer not in paths:
-                continue
-            path = paths[tensor.producer]
-            producer = ops[tensor.producer]
-            if producer.type == "Switch" and len(producer.inputs) > 1 and not in_loop_plumbing(step_graph, producer):
-                path = path + ((producer.inputs[1], _port(t)),)
-            found.append(path)
+        found = [path for t in op.inputs if (path := tensor_path(step_graph, paths, t)) is not None]
         found += [paths[c] for c in op.control_inputs if c in paths]
         joins = op.type == "Merge" and not in_loop_plumbing(step_graph, op)
         paths[name] = _common_prefix(found) if joins else max(found, key=len, default=())
     return paths
+
+
+def tensor_path(step_graph: StepGraph, paths: dict[str, tuple[Level, ...]], tensor: str) -> tuple[Level, ...] | None:
+    """The branch path ``tensor`` is made in (its producer's; a conditional ``Switch``'s output is in the branch it
+    enters), or None for a tensor whose producer has no path in ``paths``."""
+    info = step_graph.tensors.get(tensor)
+    if info is None or info.producer not in paths:
+        return None
+    path, producer = paths[info.producer], step_graph.ops[info.producer]
+    if producer.type == "Switch" and len(producer.inputs) > 1 and not in_loop_plumbing(step_graph, producer):
+        path = path + ((producer.inputs[1], _port(tensor)),)
+    return path
 
 
 def in_loop_plumbing(step_graph: StepGraph, op) -> bool:
@@ -58,14 +61,48 @@ def uncounted_ops(step_graph: StepGraph) -> set[str]:
     if not any(op.type == "Switch" for op in step_graph.ops.values()):
         return set()
     paths = branch_paths(step_graph)
+    light = _light_branches(step_graph, paths)
+    return {name for name, path in paths.items() if _in_light(path, light)}
+
+
+def counted_merge_inputs(step_graph: StepGraph) -> dict[str, str]:
+    """Each conditional ``Merge`` -> its input from the branch the simulator counts (the heavier): TF's kernel
+    outputs the buffer of the branch that ran, and the model runs that one. Empty without conditionals."""
+    if not any(op.type == "Switch" for op in step_graph.ops.values()):
+        return {}
+    paths = branch_paths(step_graph)
+    light = _light_branches(step_graph, paths)
+    out = {}
+    for op in step_graph.ops.values():
+        if op.type != "Merge" or in_loop_plumbing(step_graph, op) or _in_light(paths.get(op.name, ()), light):
+            continue
+        found = [t for t in op.inputs if (path := tensor_path(step_graph, paths, t)) is not None
+                 and len(path) > len(paths[op.name]) and not _in_light(path, light)]
+        if found:
+            out[op.name] = found[0]
+    return out
+
+
+def _light_branches(step_graph: StepGraph, paths: dict[str, tuple[Level, ...]]) -> set[tuple[Level, ...]]:
+    """The branch paths that make fewer bytes than the other branch of their conditional (:func:`_lighter`)."""
     weight: dict[tuple[Level, ...], int] = defaultdict(int)
     for name, path in paths.items():
         made = sum(step_graph.tensors[t].bytes for t in step_graph.ops[name].outputs
                    if not step_graph.tensors[t].persistent and step_graph.tensors[t].alias_of is None)
         for depth in range(1, len(path) + 1):
             weight[path[:depth]] += made
-    light = {path for path in weight if _lighter(path, weight)}
-    return {name for name, path in paths.items() if any(path[:d] in light for d in range(1, len(path) + 1))}
+    for name, path in paths.items():  # a branch that makes nothing (it returns its input) still is one
+        for t in step_graph.ops[name].inputs:
+            entered = tensor_path(step_graph, paths, t)
+            if entered is not None and len(entered) > len(path):
+                for depth in range(1, len(entered) + 1):
+                    weight.setdefault(entered[:depth], 0)
+    return {path for path in weight if _lighter(path, weight)}
+
+
+def _in_light(path: tuple[Level, ...], light: set[tuple[Level, ...]]) -> bool:
+    """Whether ``path`` lies in one of the ``light`` branches (or a branch nested in one)."""
+    return any(path[:d] in light for d in range(1, len(path) + 1))
 
 
 def _lighter(path: tuple[Level, ...], weight: dict) -> bool:

@@ -84,9 +84,9 @@ SOURCES = ("probe", "calibrated", "refined")
 #: How the step a calibration measured ended (see :attr:`Calibration.outcome`).
 OUTCOMES = ("ran", "out_of_memory", "under_used")
 #: The least ratio of measured to predicted bytes in use an under-used plan's calibration scales the next plan by
-#: (:func:`_scale`; others never scale below 1). GatedCNN 32px under 147 MiB: 0.70 (91.7 MiB in use, 130 predicted:
-#: the simulator holds each conditional's output beside the branch tensor it forwards). A plan made with a ratio
-#: that does not repeat is caught by its own guarded first step, and the plan that held trains instead.
+#: (:func:`_scale`; others never scale below 1). GatedCNN 32px under 147 MiB measured 0.70 while the simulator held
+#: each conditional's output beside the branch value it passes on (it now shares its buffer). A plan made with a
+#: ratio that does not repeat is caught by its own guarded first step, and the plan that held trains instead.
 MIN_UNDER_USED_RATIO = 0.5
 #: How many times a placed plan whose first step does not hold (:func:`placed_plan_holds`) is calibrated again on
 #: its own step before the probe's plan takes over. The second time the refined plan's miss is carried whole
@@ -317,9 +317,9 @@ def placed_plan_under_uses(measured: int, predicted: int, budget_bytes: int,
                            block_size: int = DEFAULT_BLOCK_SIZE) -> bool:
     """Whether a placed plan whose first step reserved ``measured`` bytes left far more of ``budget_bytes`` unused
     than its placement foresaw: it measured under its prediction ``predicted`` by more than
-    :data:`UNDER_USE_ALLOWANCES` times the :func:`placed_allowance`. GatedCNN 32px under 147 MiB: placed at 132 MiB,
-    measured 98 in its first step and 100 in later ones (the simulator holds a conditional's output beside the
-    branch tensor it forwards)."""
+    :data:`UNDER_USE_ALLOWANCES` times the :func:`placed_allowance`. GatedCNN 32px under 147 MiB, while the simulator
+    held a conditional's output beside the branch value it passes on: placed at 132 MiB, measured 98 in its first
+    step and 100 in later ones."""
     return int(predicted) - int(measured) > UNDER_USE_ALLOWANCES * placed_allowance(budget_bytes, block_size)
 
 

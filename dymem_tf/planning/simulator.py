@@ -9,9 +9,11 @@ Model (the planner's view of the runtime):
   when its trigger op has finished, the tensor's swap-out is done and the H2D channel is free.
 * A consumer of a swap-in waits (stalls the compute stream) until that copy is done.
 * Memory: a tensor is allocated when its producer starts and freed when its last consumer ends (an element-wise op
-  that is the last consumer of a same-sized input reuses that buffer, as TF's kernels do); aliases
-  (Identity, Reshape ... outputs) allocate nothing and keep their source's buffer alive for their consumers. A swapped tensor's
-  device buffer is freed when both its swap-out and its last original-tensor consumer are done; a swap-in allocates
+  that is the last consumer of a same-sized input reuses that buffer, as TF's kernels do, and a conditional's
+  ``Merge`` passes on the buffer of the branch that ran); aliases (Identity, Reshape ... outputs) allocate nothing
+  and keep their source's buffer alive for their consumers. A swapped tensor's device buffer (every swap of a
+  tensor in it done: a branch's value and its ``Merge`` share one) is freed when both its swap-outs and its last
+  original-tensor consumer are done; a swap-in allocates
   its buffer when the copy starts and frees it after its last consumer. Persistent bytes (weights, optimizer slots)
   are constant; variable reads alias them and add nothing.
 * A recomputation (:mod:`dymem_tf.planning.recompute`) copies nothing: its tensor's buffer is freed after its
@@ -280,12 +282,14 @@ class Simulator:
 
     def _forward_buffers(self, names, prod, last, size):
         """Model TF's buffer forwarding: an element-wise op whose input buffer dies at that op (it is the buffer's
-        last consumer) and has the output's size writes its output in place instead of allocating.
+        last consumer) and has the output's size writes its output in place instead of allocating; a conditional's
+        ``Merge`` always passes on the buffer of the branch that ran (here: the branch the model counts).
 
         The output then extends the input's buffer (one allocation from the first producer to the last consumer of
         the chain) and allocates nothing itself.
         """
         index = {n: i for i, n in enumerate(names)}
+        merges = branches.counted_merge_inputs(self.sg)
         root_of = list(range(len(names)))
         removed = [False] * len(names)
 
@@ -296,18 +300,19 @@ class Simulator:
 
         for p, op_name in enumerate(self.order):
             op = self.sg.ops[op_name]
-            if op.type not in FORWARDING_OP_TYPES:
+            merged = merges.get(op_name)
+            if op.type not in FORWARDING_OP_TYPES and merged is None:
                 continue
-            for out in op.outputs:
+            for out in op.outputs[:1] if merged else op.outputs:
                 oi = index.get(out)
                 if oi is None:
                     continue
-                for inp in op.inputs:
+                for inp in [merged] if merged else op.inputs:
                     src = index.get(self.sg.buffer_of(inp))
                     if src is None:
                         continue
                     ri = root(src)
-                    if ri != oi and size[ri] == size[oi] and last[ri] == p:
+                    if ri != oi and size[ri] == size[oi] and (merged or last[ri] == p):
                         last[ri] = max(last[ri], last[oi])
                         root_of[oi] = ri
                         removed[oi] = True
@@ -518,28 +523,15 @@ class Simulator:
         mem = _MemoryEvents(keep=np.ones(len(self.t_names), dtype=bool))
         rel_time, rel_key = [], []
         t_last = self._leaves_extended(swaps, recomputed)
-        for i, s in enumerate(swaps):
-            owner = self.buffer_root.get(s.tensor, s.tensor)
-            ti = self.t_index.get(owner)
-            if ti is None:  # zero-byte tensor: nothing to account
-                continue
+        for ti, group in self._swapped_buffers(swaps).items():
             mem.keep[ti] = False
-            if variable[i]:
+            group = [i for i in group if not variable[i]]
+            if not group:
                 continue  # in host memory from the step's start: no device buffer before its swap-in
             mem.mob_idx.append(ti)
-            mem.mob_group.append(_TRANSIENT if recomputed[i] else _MOBILE)
-            # The original serves every consumer that no swap-in feeds (forward_consumers in a consistent plan);
-            # a forwarded buffer lives on for the consumers of every tensor written into it.
-            fed = {c for si in s.swap_ins for c in si.consumers}
-            chain = []
-            for name in self.chain.get(owner, [owner]):
-                if self.sg.tensors[name].producer in fed:
-                    break  # written by an op that now reads the swap-in: not in the original buffer any more
-                chain.append(name)
-            users = [c for name in chain for c in self._buffer_users(name)]
-            fed |= self._optional_chain(s.optional_wrap)  # it holds the host copy: no longer the original
-            lf = max([int(self.t_prod[ti])] + [self.pos[c] for c in users if c not in fed])
-            rel_time.append(max(out_end[i], end[lf]))
+            mem.mob_group.append(_TRANSIENT if all(recomputed[i] for i in group) else _MOBILE)
+            lf = self._original_last_use(ti, [swaps[i] for i in group])
+            rel_time.append(max([end[lf]] + [out_end[i] for i in group]))
             rel_key.append(lf)
         keep = mem.keep
         tp, tl, tb = self.t_prod[keep], t_last[keep], self.t_bytes[keep]
@@ -562,6 +554,32 @@ class Simulator:
             mem.add(np.array(sched.in_start), in_free, sw[:, 0], sw[:, 1], 3, sw[:, 2],
                     np.array([_TRANSIENT if recomputed[x[0]] else _MOBILE for x in swap_ins], dtype=np.int64))
         return mem
+
+    def _swapped_buffers(self, swaps: Sequence[SwapDecision]) -> dict[int, list[int]]:
+        """Buffer index -> the indices of the swaps of tensors in it (a branch's value and the ``Merge`` passing it
+        on share one buffer; zero-byte tensors have none)."""
+        out: dict[int, list[int]] = {}
+        for i, s in enumerate(swaps):
+            ti = self.t_index.get(self.buffer_root.get(s.tensor, s.tensor))
+            if ti is not None:
+                out.setdefault(ti, []).append(i)
+        return out
+
+    def _original_last_use(self, ti: int, swaps: list[SwapDecision]) -> int:
+        """Position of the last op that reads buffer ``ti`` itself, not a swap-in of one of ``swaps`` (the swaps of
+        tensors in it): the original serves every consumer that no swap-in feeds, and a forwarded buffer lives on
+        for the consumers of every tensor written into it."""
+        owner = self.t_names[ti]
+        fed = {c for s in swaps for si in s.swap_ins for c in si.consumers}
+        chain = []
+        for name in self.chain.get(owner, [owner]):
+            if self.sg.tensors[name].producer in fed:
+                break  # written by an op that now reads the swap-in: not in the original buffer any more
+            chain.append(name)
+        users = [c for name in chain for c in self._buffer_users(name)]
+        for s in swaps:
+            fed |= self._optional_chain(s.optional_wrap)  # it holds the host copy: no longer the original
+        return max([int(self.t_prod[ti])] + [self.pos[c] for c in users if c not in fed])
 
     def _timeline(self, swaps, sched: _Schedule, mem: _MemoryEvents, curve: _MemoryCurve):
         """The dashboard's memory rows, the buffers live at the peak, and the allocations (allocation event, free
