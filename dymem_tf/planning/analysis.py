@@ -204,8 +204,8 @@ class StepGraph:
         ``spec`` maps op names, in program order, to dicts with optional keys: ``inputs`` (op names, meaning output
         0, or ``"op:k"``), ``control`` (op names), ``bytes`` (int or list of ints: one output each; default one
         output of 0 bytes, ``[]`` for none), ``shape`` (output 0's shape; default ``(bytes // 4,)``), ``dtype``,
-        ``backward`` (bool), ``phase`` (``"update"`` for optimizer ops; default from ``backward``), ``type``, ``keras_layer``, ``flops``, ``bytes_accessed`` (default: bytes of inputs
-        and outputs), ``persistent`` (outputs are variable reads) and ``alias`` (output k shares input k's buffer,
+        ``backward`` (bool), ``phase`` (``"update"`` for optimizer ops; default from ``backward``), ``type``,
+        ``keras_layer``, ``flops``, ``bytes_accessed`` (default: bytes of inputs and outputs), ``persistent`` (outputs are variable reads) and ``alias`` (output k shares input k's buffer,
         like Identity; default: :func:`aliased_input` of the type).
         """
         ops: list[OpInfo] = []
@@ -246,7 +246,8 @@ class StepGraph:
 
     def _require_layers(self) -> None:
         if not self.layers and self.ops:
-            raise RuntimeError("dependency layers are not computed yet: call dymem_tf.planning.analysis.analyse(step_graph)")
+            raise RuntimeError("dependency layers are not computed yet: call "
+                               "dymem_tf.planning.analysis.analyse(step_graph)")
 
     def execution_order(self) -> list[str]:
         """Ops layer by layer; inside a layer in program (insertion) order. The simulator's compute order."""
@@ -498,6 +499,13 @@ def descendants(graph: nx.DiGraph, seeds: Iterable[str], reverse: bool = False,
     """The seeds and every node reachable from them along the edges (``reverse``: against them) and the ``extra``
     edges (a lowered loop's back edges: :func:`loop_back_edges`); one linear walk over the adjacency (networkx's
     ``edge_dfs`` yields every edge as a tuple, 50x slower on a 30k-op step)."""
+    return reachable(adjacency_with(graph, extra, reverse), seeds)
+
+
+def adjacency_with(graph: nx.DiGraph, extra: Iterable[tuple[str, str]] = (), reverse: bool = False
+                   ) -> dict[str, list[str]]:
+    """Each node's successors (``reverse``: predecessors) in ``graph``, with the ``extra`` edges added (a copy of
+    the adjacency only where there are any)."""
     adjacency = predecessors_of(graph) if reverse else successors_of(graph)
     extra = list(extra)
     if extra:
@@ -506,6 +514,11 @@ def descendants(graph: nx.DiGraph, seeds: Iterable[str], reverse: bool = False,
             a, b = (dst, src) if reverse else (src, dst)
             if a in adjacency and b in adjacency:
                 adjacency[a].append(b)
+    return adjacency
+
+
+def reachable(adjacency: Mapping[str, Iterable[str]], seeds: Iterable[str]) -> set[str]:
+    """The seeds and every node reachable from them in ``adjacency`` (:func:`adjacency_with`)."""
     seen = set(seeds)
     stack = list(seen)
     while stack:

@@ -9,8 +9,8 @@ arithmetic is unchanged, so results stay bit-identical; only the temporaries' li
 """
 from __future__ import annotations
 
-from dymem_tf.planning.analysis import (StepGraph, analyse, descendants, loop_back_edges, no_autograph,
-                                       predecessors_of, successors_of)
+from dymem_tf.planning.analysis import (StepGraph, adjacency_with, analyse, descendants, loop_back_edges,
+                                       no_autograph, predecessors_of, reachable, successors_of)
 
 #: Ops producing fewer bytes than this are not worth an edge.
 MIN_DEFER_BYTES = 4096
@@ -61,11 +61,17 @@ def _path_check(sg: StepGraph):
     if not back:
         return paths.has_path
     looping = descendants(sg.graph, [src for src, _ in back], reverse=True)  # ops that reach a back edge
+    adjacency = adjacency_with(sg.graph, back)  # built once: a step has many anchors
+    reached: dict[str, set[str]] = {}
 
     def leads_to(src: str, dst: str) -> bool:
         if paths.has_path(src, dst):
             return True
-        return src in looping and dst in descendants(sg.graph, [src], extra=back)
+        if src not in looping:
+            return False
+        if src not in reached:
+            reached[src] = reachable(adjacency, [src])
+        return dst in reached[src]
 
     return leads_to
 
