@@ -165,7 +165,7 @@ class FirstStepControl:
                 return self._to(Action.KEEP, State.SETTLED)
             if self.used_more:  # the plan that held before it trains
                 return self._to(Action.FALL_BACK, State.FALLBACK)
-            if in_use and self.refinements < self._refinements_allowed(measured, placed):
+            if in_use and self._refinement_left(measured, placed):
                 self.refinements += 1  # calibrated again from this step's own fragmentation (and miss)
                 return self._to(Action.CALIBRATE, State.REFINED, self.state)
             return self._to(Action.FALL_BACK, State.FALLBACK)
@@ -174,15 +174,15 @@ class FirstStepControl:
     def _under_uses(self, measured: int | None, placed: tuple[int, int] | None) -> bool:
         """Whether a placed plan that held left room beyond its allowance (:func:`first_step.placed_plan_under_uses`)
         with a refinement left and none used for that yet."""
-        if measured is None or placed is None or self.used_more or self.refinements >= first_step.PLACED_REFINEMENTS:
+        if measured is None or placed is None or self.used_more or not self._refinement_left(measured, placed):
             return False
         return first_step.placed_plan_under_uses(measured, placed[0], self.budget_bytes, placed[1])
 
-    @staticmethod
-    def _refinements_allowed(measured: int | None, placed: tuple[int, int] | None) -> int:
-        """Refined plans a plan may be followed by: :data:`first_step.PLACED_REFINEMENTS` where it was placed and
-        measured, else one."""
-        return first_step.PLACED_REFINEMENTS if placed is not None and measured is not None else 1
+    def _refinement_left(self, measured: int | None, placed: tuple[int, int] | None) -> bool:
+        """Whether a plan may be refined once more: up to :data:`first_step.PLACED_REFINEMENTS` times where it was
+        placed and measured, else once."""
+        allowed = first_step.PLACED_REFINEMENTS if placed is not None and measured is not None else 1
+        return self.refinements < allowed
 
     def ran_out_of_memory(self, in_use: int | None = None, placed: tuple[int, int] | None = None) -> Decision:
         """A guarded first step ran out of memory (its variables are restored): the probe's refuses the budget; a
@@ -193,7 +193,7 @@ class FirstStepControl:
         if self.state is State.PROBE:
             return self._to(Action.REFUSE, State.REFUSED)
         if self.state in (State.CALIBRATED, State.REFINED) and in_use and placed is not None \
-                and self.refinements < first_step.PLACED_REFINEMENTS and not (self.used_more or self.ran_out):
+                and self._refinement_left(self.budget_bytes, placed) and not (self.used_more or self.ran_out):
             self.refinements, self.ran_out = self.refinements + 1, True
             return self._to(Action.CALIBRATE, State.REFINED, self.state)
         return self._to(Action.FALL_BACK, State.FALLBACK)
