@@ -459,6 +459,12 @@ def utilization_lines(results: list[dict], baseline: list[dict] | None = None) -
     lines = [f"- Steady peak (steps 3 on) / B, budgets of 64 MiB and more, runs that swapped: {figures(results)}"
              + (f"; the baseline run, every run counted as it recorded no bytes swapped: {figures(baseline)}."
                 if baseline else ".")]
+    bands = by_budget(results)
+    if bands:
+        lines.append("- The same runs by budget, beside the most a plan placed at its limit uses (1 - the placement's "
+                     "allowance of 3 pageblocks + 1.5% of B; the median over the band's runs): "
+                     + "; ".join(f"{label}: median {statistics.median(v):.3f}, lowest {min(v):.3f} over {len(v)} "
+                                 f"(ceiling {ceiling:.3f})" for label, ceiling, v in bands) + ".")
     if baseline:
         base = {(r["model"], run["fraction"]): run["auto"] for r in baseline for run in r.get("runs", [])}
         for r in results:
@@ -474,6 +480,33 @@ def utilization_lines(results: list[dict], baseline: list[dict] | None = None) -
                 lines.append(f"  - {r['model']} f={run['fraction']} (B {_mib(run['budget'])} MiB): steady peak / B "
                              f"{old_u / run['budget']:.3f} -> {now_u / run['budget']:.3f}{swapped}")
     return lines
+
+
+#: The budget bands :func:`by_budget` splits the swapping runs into (lower edges, MiB).
+BUDGET_BANDS = (64, 128, 256, 512)
+
+
+def by_budget(results: list[dict], block_size: int = 2 * MiB) -> list[tuple[str, float, list[float]]]:
+    """Steady peak / B of the runs that swapped, budgets of 64 MiB and more (:func:`utilization`'s ``"large"``), by
+    :data:`BUDGET_BANDS`: ``(label, ceiling, shares)`` per band with runs, where ``ceiling`` is the median over its
+    runs of the most a plan placed at its limit uses of the budget (1 -
+    :func:`dymem_tf.planning.first_step.placed_allowance` / B, GTBM's ``block_size``): under small budgets the
+    allowance's three pageblocks are a large share."""
+    from dymem_tf.planning import first_step
+
+    edges = [e * MiB for e in BUDGET_BANDS]
+    out = []
+    for k, low in enumerate(edges):
+        high = edges[k + 1] if k + 1 < len(edges) else None
+        runs = [run for r in results for run in r.get("runs", []) if run["auto"]["outcome"] == "trained"
+                and len(run["auto"]["peaks"]) >= 3 and run["auto"].get("swapped_bytes") != 0
+                and low <= run["budget"] and (high is None or run["budget"] < high)]
+        if runs:
+            label = f"{low // MiB}-{high // MiB} MiB" if high else f"{low // MiB} MiB and more"
+            ceiling = statistics.median(1 - first_step.placed_allowance(run["budget"], block_size) / run["budget"]
+                                        for run in runs)
+            out.append((label, ceiling, [max(_trained_peaks(run["auto"])) / run["budget"] for run in runs]))
+    return out
 
 
 def _trained_peaks(auto: dict) -> list[int]:

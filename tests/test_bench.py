@@ -370,6 +370,29 @@ def test_budget_reliability_cli_checks_its_arguments_and_renders_a_saved_run(tmp
 
 
 
+def test_budget_reliability_splits_utilization_by_budget():
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    import budget_reliability
+    from dymem_tf.planning import first_step
+
+    mib = 1 << 20
+
+    def run(budget, peak, swapped=mib, outcome="trained"):
+        return {"fraction": 0.5, "budget": budget * mib,
+                "auto": {"outcome": outcome, "peaks": [peak * mib] * 20, "swapped_bytes": swapped}}
+
+    results = [{"model": "m", "runs": [run(100, 90), run(120, 100), run(600, 590), run(90, 60, swapped=0),
+                                       run(50, 45), run(300, 0, outcome="refused")]}]
+    bands = budget_reliability.by_budget(results)
+    # swapped nothing (the budget did not bind), under 64 MiB, refused: left out
+    assert [(label, len(shares)) for label, _, shares in bands] == [("64-128 MiB", 2), ("512 MiB and more", 1)]
+    assert bands[0][2] == [0.9, 100 / 120] and bands[1][2] == [590 / 600]
+    ceiling = 1 - first_step.placed_allowance(600 * mib) / (600 * mib)
+    assert bands[1][1] == ceiling and bands[0][1] < ceiling  # three pageblocks weigh more in a small budget
+    line = budget_reliability.utilization_lines(results)[1]
+    assert "64-128 MiB: median 0.867, lowest 0.833 over 2" in line and "512 MiB and more: median 0.983" in line
+
+
 def test_budget_reliability_reports_identity_with_onednn_on_and_off():
     import sys
 
