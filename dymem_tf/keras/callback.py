@@ -27,7 +27,8 @@ class DymemCallback(keras.callbacks.Callback):
     Args:
         memory_budget: device bytes the step may use: ``"auto"`` (default: the device's memory; swap only when the
             step does not fit it), an int, a string such as ``"6GiB"`` or ``"512MiB"`` (plan for that budget from
-            the first step on), or ``None`` (no budget: swap every tensor worth swapping, for the least memory).
+            the first step on), or ``None`` (no budget: swap every tensor worth swapping, for the least memory;
+            nothing where all of them together would save less than one of GTBM's 2 MiB pageblocks).
         profile: cost-model profile the planner times copies and kernels with (``"cpu"``, ``"v100"``,
             ``"a100"``, ``"h100"``, ``"h200"``, ...) or a :class:`~dymem_tf.planning.device_profiles.DeviceProfile`;
             default: this machine's (a GPU no profile matches gets ``"a100"``, with a warning naming it).
@@ -58,7 +59,8 @@ class DymemCallback(keras.callbacks.Callback):
             for the budget from the model alone, with the fixed default headroom.
         defer_updates: run optimizer arithmetic that needs no gradient next to its gradient, and each variable's
             update after the users of its reads (:mod:`dymem_tf.planning.update_deferral`, ``read_ordering``).
-        min_swap_bytes: tensors smaller than this are never swapped.
+        min_swap_bytes: tensors smaller than this are never swapped; 0 swaps every candidate, also where all of
+            them save less than a pageblock under ``memory_budget=None``.
         swapin_ahead: for ``policy="tflms"``, how many topological levels ahead of its consumer a swap-in starts.
         device: the former name of ``profile``; still accepted, with a warning.
     """

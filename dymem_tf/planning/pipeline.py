@@ -47,6 +47,9 @@ class PlanSettings:
     #: trips do not fit the budget (dymem_tf.planning.recompute)
     recompute: bool = True
     least_memory: bool = False  # without a budget: the least-memory plan (the first step's probe)
+    #: without a budget (not least_memory): swap nothing where every candidate together lowers the predicted peak by
+    #: less than this (one of GTBM's pageblocks); not applied with ``min_swap_bytes`` 0, which swaps every candidate
+    min_peak_saving: int = planner.MIN_PEAK_SAVING
     #: kernel temporaries measured in a traced step of this graph (the first step's probe), or None
     memory: MeasuredMemory | None = None
     #: oneDNN's layout pass rewrites the graph after the plan is applied (the pass acted before it: several replicas,
@@ -270,7 +273,8 @@ def finish_plan(prepared: PreparedStep, settings: PlanSettings, memo: planner.Pl
         min_swap_bytes=settings.min_swap_bytes, swapin_ahead=settings.swapin_ahead, headroom=settings.headroom,
         least_memory=settings.least_memory,
         temporaries=settings.memory.held_during(graph) if settings.memory is not None else None, weights=weights,
-        recomputable=recomputable, memo=memo)
+        recomputable=recomputable, memo=memo,
+        min_peak_saving=settings.min_peak_saving if settings.min_swap_bytes > 0 else 0)
     if deferrals:
         plan.notes.append(f"{len(deferrals)} gradient-independent optimizer ops deferred to their gradients")
     if orderings:

@@ -90,6 +90,12 @@ GREEDY_STEP = 0.125
 #: (:func:`dymem_tf.first_step.calibrated_headroom`, never below the margin ``first_step.calibration_margin``
 #: derives from the simulator's error on that step).
 DEFAULT_HEADROOM = 0.1
+#: The least predicted saving for which a plan without a budget swaps at all (:func:`make_plan`'s
+#: ``min_peak_saving`` as the callback plans): GTBM's pageblock (2 MiB). GTBM reserves memory a pageblock at a time
+#: and keeps swapped tensors in a mobility group of their own, whose partly used block a smaller saving does not pay
+#: for: bench/model_zoo.py's LSTM swapped its loop's lists (predicted to save 0.1 MiB), and its step reserved 10 MiB
+#: where it reserves 8 without them, the same 3.9 MiB in use.
+MIN_PEAK_SAVING = 2 << 20
 
 
 class BudgetTooSmallError(ValueError):
@@ -852,7 +858,7 @@ def make_plan(step_graph: StepGraph, policy: str = "dymem", budget_bytes: int | 
               swapin_ahead: int | None = None, group_gap_layers: int = 3,
               headroom: float = 0.0, least_memory: bool = False,
               temporaries: Mapping[str, int] | None = None, weights: Sequence = (),
-              recomputable: Sequence = (), memo: PlannerMemo | None = None) -> Plan:
+              recomputable: Sequence = (), memo: PlannerMemo | None = None, min_peak_saving: int = 0) -> Plan:
     """Plan swaps for one training step.
 
     ``budget_bytes`` caps the predicted device peak (persistent bytes included); None swaps every candidate.
@@ -873,6 +879,9 @@ def make_plan(step_graph: StepGraph, policy: str = "dymem", budget_bytes: int | 
     tensors the backward pass can compute again (:func:`dymem_tf.planning.recompute.find_recomputable`), which the
     dymem policy may recompute instead of keeping or swapping them once hidden round trips fall short. ``memo``:
     reuse the planner of an earlier plan of the same inputs but budget and headroom (:class:`PlannerMemo`).
+    ``min_peak_saving`` (without a budget, not ``least_memory``): swap nothing unless every candidate together lowers
+    the predicted peak by at least this many bytes (the callback: one of GTBM's pageblocks, see
+    :data:`MIN_PEAK_SAVING`).
 
     Raises ValueError for an unknown policy or a budget below the persistent bytes, and
     :class:`BudgetTooSmallError` when no swap set of the policy fits the budget.
@@ -919,7 +928,8 @@ def make_plan(step_graph: StepGraph, policy: str = "dymem", budget_bytes: int | 
     if policy != "none":
         try:
             with stage("search"):
-                chosen, mode = _choose(pl, policy, target, persistent_bytes, base, batch_size, notes, least_memory)
+                chosen, mode = _choose(pl, policy, target, persistent_bytes, base, batch_size, notes, least_memory,
+                                       min_peak_saving)
         except BudgetTooSmallError as err:
             if not headroom:
                 raise
@@ -945,8 +955,22 @@ def make_plan(step_graph: StepGraph, policy: str = "dymem", budget_bytes: int | 
                           trigger_mode=mode, profile=cost.profile))
 
 
+def _worth_swapping(pl: _Planner, policy: str, cands: list[_Candidate], persistent: int, base: SimResult,
+                    notes: list[str], min_peak_saving: int) -> list[_Candidate]:
+    """``cands``, or none where all of them together lower the predicted peak of ``base`` (no swap) by less than
+    ``min_peak_saving`` bytes (:data:`MIN_PEAK_SAVING`)."""
+    if min_peak_saving <= 0 or not cands:
+        return cands
+    saved = base.peak_bytes - pl.run(pl.decisions(policy, cands, "queue"), persistent).peak_bytes
+    if saved >= min_peak_saving:
+        return cands
+    notes.append(f"nothing swapped: the {len(cands)} candidates together lower the predicted peak by {mib(saved)}, "
+                 f"less than {mib(min_peak_saving)}")
+    return []
+
+
 def _choose(pl: _Planner, policy: str, budget: int | None, persistent: int, base: SimResult,
-            batch_size: int | None, notes: list[str], least_memory: bool = False
+            batch_size: int | None, notes: list[str], least_memory: bool = False, min_peak_saving: int = 0
             ) -> tuple[list[_Candidate], TriggerMode]:
     """The swap set and dymem trigger mode: every candidate without a budget, else a greedy fit in stages that
     trade speed for memory (hidden copies first; then any eligible tensor; for dymem then later triggers) and, unless
@@ -963,7 +987,7 @@ def _choose(pl: _Planner, policy: str, budget: int | None, persistent: int, base
                          "their swap-ins next to the others")
         cands = hidden
     if budget is None:
-        return cands, "queue"
+        return _worth_swapping(pl, policy, cands, persistent, base, notes, min_peak_saving), "queue"
     if base.peak_bytes <= budget:
         notes.append("the step fits the budget without swapping")
         return [], "queue"
