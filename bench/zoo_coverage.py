@@ -27,6 +27,7 @@ section of saved results without running anything.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -124,7 +125,8 @@ def time_pass_and_plans(model, batch: int) -> dict:
     if collected.skipped:
         out["pass_skipped"] = f"{collected.skipped[0].kind}: {collected.skipped[0].reason}"
     request = step_pass.PlanRequest(persistent_bytes=traced.persistent_bytes, default_batch_size=batch)
-    least = _plan(traced, pipeline.PlanSettings(least_memory=True), request)
+    # the probe's request: the pass plans least memory for it (it sets least_memory from the request, not settings)
+    least = _plan(traced, pipeline.PlanSettings(), dataclasses.replace(request, probe=True))
     plain = _plan(traced, pipeline.PlanSettings(policy="none"), request)
     out["planned"] = not isinstance(least, str)
     if out["planned"]:
