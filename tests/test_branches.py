@@ -49,7 +49,7 @@ def test_the_lighter_branch_of_a_conditional_is_left_out_of_the_peak(monkeypatch
         assert branches.uncounted_ops(sg) == left_out
         peak = simulate(sg, [], TOY, timeline=False).peak_bytes
         with monkeypatch.context() as patch:  # the model before it knew branches: every op's tensors counted
-            patch.setattr(branches, "uncounted_ops", lambda step_graph: set())
+            patch.setattr(branches, "counted_branches", lambda step_graph: (set(), {}))
             # a graph of its own: a simulator's preparation is kept with the graph it was made for
             both = simulate(_cond(true_bytes, false_bytes), [], TOY, timeline=False).peak_bytes
         assert both - peak == min(true_bytes, false_bytes)
@@ -92,7 +92,8 @@ def test_a_merge_passes_on_the_buffer_of_the_branch_the_model_counts(monkeypatch
 
     peak = simulate(kept(), [], TOY, timeline=False).peak_bytes
     with monkeypatch.context() as patch:
-        patch.setattr(branches, "counted_merge_inputs", lambda step_graph: {})
+        counted = branches.counted_branches
+        patch.setattr(branches, "counted_branches", lambda step_graph: (counted(step_graph)[0], {}))
         apart = simulate(kept(), [], TOY, timeline=False).peak_bytes
     assert apart - peak == MB
 

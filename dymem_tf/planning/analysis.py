@@ -205,8 +205,9 @@ class StepGraph:
         0, or ``"op:k"``), ``control`` (op names), ``bytes`` (int or list of ints: one output each; default one
         output of 0 bytes, ``[]`` for none), ``shape`` (output 0's shape; default ``(bytes // 4,)``), ``dtype``,
         ``backward`` (bool), ``phase`` (``"update"`` for optimizer ops; default from ``backward``), ``type``,
-        ``keras_layer``, ``flops``, ``bytes_accessed`` (default: bytes of inputs and outputs), ``persistent`` (outputs are variable reads) and ``alias`` (output k shares input k's buffer,
-        like Identity; default: :func:`aliased_input` of the type).
+        ``keras_layer``, ``flops``, ``bytes_accessed`` (default: bytes of inputs and outputs), ``persistent``
+        (outputs are variable reads) and ``alias`` (output k shares input k's buffer, like Identity; default:
+        :func:`aliased_input` of the type).
         """
         ops: list[OpInfo] = []
         tensors: dict[str, TensorInfo] = {}

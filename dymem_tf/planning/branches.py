@@ -58,29 +58,30 @@ def uncounted_ops(step_graph: StepGraph) -> set[str]:
     """The ops of the lighter branch of every lowered conditional (fewer bytes of tensors made; the false branch on
     a tie), nested branches inside it included: the simulator leaves their tensors and temporaries out, since they
     never run in the same step as the other branch. Empty for a step without conditionals."""
-    if not any(op.type == "Switch" for op in step_graph.ops.values()):
-        return set()
-    paths = branch_paths(step_graph)
-    light = _light_branches(step_graph, paths)
-    return {name for name, path in paths.items() if _in_light(path, light)}
+    return counted_branches(step_graph)[0]
 
 
 def counted_merge_inputs(step_graph: StepGraph) -> dict[str, str]:
     """Each conditional ``Merge`` -> its input from the branch the simulator counts (the heavier): TF's kernel
     outputs the buffer of the branch that ran, and the model runs that one. Empty without conditionals."""
+    return counted_branches(step_graph)[1]
+
+
+def counted_branches(step_graph: StepGraph) -> tuple[set[str], dict[str, str]]:
+    """:func:`uncounted_ops` and :func:`counted_merge_inputs` of ``step_graph``, from one walk of its branches."""
     if not any(op.type == "Switch" for op in step_graph.ops.values()):
-        return {}
+        return set(), {}
     paths = branch_paths(step_graph)
     light = _light_branches(step_graph, paths)
-    out = {}
+    merges = {}
     for op in step_graph.ops.values():
         if op.type != "Merge" or in_loop_plumbing(step_graph, op) or _in_light(paths.get(op.name, ()), light):
             continue
         found = [t for t in op.inputs if (path := tensor_path(step_graph, paths, t)) is not None
                  and len(path) > len(paths[op.name]) and not _in_light(path, light)]
         if found:
-            out[op.name] = found[0]
-    return out
+            merges[op.name] = found[0]
+    return {name for name, path in paths.items() if _in_light(path, light)}, merges
 
 
 def _light_branches(step_graph: StepGraph, paths: dict[str, tuple[Level, ...]]) -> set[tuple[Level, ...]]:

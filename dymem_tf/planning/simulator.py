@@ -237,9 +237,9 @@ class Simulator:
             size.append(t.bytes)
         self.chain: dict[str, list[str]] = {}  # buffer owner -> tensors that reuse its buffer (itself first)
         self.buffer_root: dict[str, str] = {}  # forwarded tensor -> owner of the buffer it reuses
-        names, prod, last, size = self._forward_buffers(names, prod, last, size)
         # of two exclusive branches of a conditional only the heavier runs in the model: the other allocates nothing
-        self.uncounted = branches.uncounted_ops(step_graph)
+        self.uncounted, merges = branches.counted_branches(step_graph)
+        names, prod, last, size = self._forward_buffers(names, prod, last, size, merges)
         if self.uncounted:
             size = [0 if step_graph.tensors[n].producer in self.uncounted else b for n, b in zip(names, size)]
         self.t_names = names
@@ -280,16 +280,15 @@ class Simulator:
                 if not (static and self.sg.ops[c].type in METADATA_OP_TYPES)
                 and self.sg.ops[c].type not in GRAPPLER_REMOVED_OP_TYPES]
 
-    def _forward_buffers(self, names, prod, last, size):
+    def _forward_buffers(self, names, prod, last, size, merges: Mapping[str, str]):
         """Model TF's buffer forwarding: an element-wise op whose input buffer dies at that op (it is the buffer's
         last consumer) and has the output's size writes its output in place instead of allocating; a conditional's
         ``Merge`` always passes on the buffer of the branch that ran (here: the branch the model counts).
 
         The output then extends the input's buffer (one allocation from the first producer to the last consumer of
-        the chain) and allocates nothing itself.
+        the chain) and allocates nothing itself. ``merges``: :func:`branches.counted_merge_inputs`.
         """
         index = {n: i for i, n in enumerate(names)}
-        merges = branches.counted_merge_inputs(self.sg)
         root_of = list(range(len(names)))
         removed = [False] * len(names)
 
