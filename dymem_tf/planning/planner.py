@@ -928,8 +928,7 @@ def make_plan(step_graph: StepGraph, policy: str = "dymem", budget_bytes: int | 
     if policy != "none":
         try:
             with stage("search"):
-                chosen, mode = _choose(pl, policy, target, persistent_bytes, base, batch_size, notes, least_memory,
-                                       min_peak_saving)
+                chosen, mode = _choose(pl, policy, target, persistent_bytes, base, batch_size, notes, least_memory)
         except BudgetTooSmallError as err:
             if not headroom:
                 raise
@@ -942,6 +941,11 @@ def make_plan(step_graph: StepGraph, policy: str = "dymem", budget_bytes: int | 
     res = base
     if swaps:
         res = pl.run(swaps, persistent_bytes)
+        if budget_bytes is None and not least_memory and base.peak_bytes - res.peak_bytes < min_peak_saving:
+            notes.append(f"nothing swapped: the {len(swaps)} candidates together lower the predicted peak by "
+                         f"{mib(base.peak_bytes - res.peak_bytes)}, less than {mib(min_peak_saving)}")
+            swaps, res = [], base
+    if swaps:
         for s, stall in zip((si for s in swaps for si in s.swap_ins), (e.stall for e in res.swap_events)):
             s.predicted_stall_s = float(stall)
     predicted = dataclasses.replace(res.as_predicted(), no_swap_peak_bytes=int(base.peak_bytes),
@@ -955,22 +959,8 @@ def make_plan(step_graph: StepGraph, policy: str = "dymem", budget_bytes: int | 
                           trigger_mode=mode, profile=cost.profile))
 
 
-def _worth_swapping(pl: _Planner, policy: str, cands: list[_Candidate], persistent: int, base: SimResult,
-                    notes: list[str], min_peak_saving: int) -> list[_Candidate]:
-    """``cands``, or none where all of them together lower the predicted peak of ``base`` (no swap) by less than
-    ``min_peak_saving`` bytes (:data:`MIN_PEAK_SAVING`)."""
-    if min_peak_saving <= 0 or not cands:
-        return cands
-    saved = base.peak_bytes - pl.run(pl.decisions(policy, cands, "queue"), persistent).peak_bytes
-    if saved >= min_peak_saving:
-        return cands
-    notes.append(f"nothing swapped: the {len(cands)} candidates together lower the predicted peak by {mib(saved)}, "
-                 f"less than {mib(min_peak_saving)}")
-    return []
-
-
 def _choose(pl: _Planner, policy: str, budget: int | None, persistent: int, base: SimResult,
-            batch_size: int | None, notes: list[str], least_memory: bool = False, min_peak_saving: int = 0
+            batch_size: int | None, notes: list[str], least_memory: bool = False
             ) -> tuple[list[_Candidate], TriggerMode]:
     """The swap set and dymem trigger mode: every candidate without a budget, else a greedy fit in stages that
     trade speed for memory (hidden copies first; then any eligible tensor; for dymem then later triggers) and, unless
@@ -987,7 +977,7 @@ def _choose(pl: _Planner, policy: str, budget: int | None, persistent: int, base
                          "their swap-ins next to the others")
         cands = hidden
     if budget is None:
-        return _worth_swapping(pl, policy, cands, persistent, base, notes, min_peak_saving), "queue"
+        return cands, "queue"
     if base.peak_bytes <= budget:
         notes.append("the step fits the budget without swapping")
         return [], "queue"
