@@ -149,15 +149,19 @@ def _budget_run(build, fit, Peaks, budget: int, memory_budget, args) -> dict:
     from dymem_tf.planning import first_step
     from dymem_tf.planning.first_step_control import State
 
-    model, x, y = build(args.samples)
+    below = {"outcome": "below the model", "peaks": [], "steps_run": 0, "over_budget_steps": 0}
+    try:
+        model, x, y = build(args.samples)
+    except tf.errors.ResourceExhaustedError:  # a device of the budget's size cannot hold what Keras builds
+        return below
     state = {v.path: v.numpy() for v in list(model.variables) + list(getattr(model.optimizer, "variables", []))}
     start_in_use = int(allocator.memory_stats()["bytes_in_use"])  # the built model's variables
     if start_in_use >= budget:  # no device of this size could have held the model Keras built
-        return {"outcome": "below the model", "start_in_use": start_in_use, "peaks": [], "steps_run": 0,
-                "over_budget_steps": 0}
+        return {**below, "start_in_use": start_in_use}
     allocator.set_memory_limit(budget)
     cb, peaks = dymem_tf.DymemCallback(memory_budget=memory_budget, verbose=0), Peaks()
-    result = {"outcome": "trained", "start_in_use": start_in_use}
+    result = {"outcome": "trained", "start_in_use": start_in_use,
+              "block_size": int(allocator.memory_stats().get("block_size") or 0)}
     t0 = time.perf_counter()
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -210,11 +214,13 @@ def _value(model, path):
 
 
 # ----------------------------------------------------------------------------------------------- parent process
-def _run_child(name: str, args, *extra, onednn: str = "0") -> dict:
+def _run_child(name: str, args, *extra, onednn: str = "0", device: int | None = None) -> dict:
     """One phase of one model in a fresh interpreter (Keras keeps every model it built alive until exit, so each
-    measurement starts from an empty device), oneDNN off unless ``onednn`` is "1"; its RESULT, or
-    ``{"error": ...}``."""
-    env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS=onednn, TF_CPP_MIN_LOG_LEVEL="2", DYMEM_DEVICE_MEMORY_LIMIT="16GiB",
+    measurement starts from an empty device), oneDNN off unless ``onednn`` is "1", on a GTBM device of ``device``
+    bytes (default 16 GiB: a device of the budget's size has pageblocks in proportion, see docs/configuration.md);
+    its RESULT, or ``{"error": ...}``."""
+    env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS=onednn, TF_CPP_MIN_LOG_LEVEL="2",
+               DYMEM_DEVICE_MEMORY_LIMIT=str(device) if device else "16GiB",
                PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--steps", str(args.steps),
            "--samples", str(args.samples), "--identity-steps", str(args.identity_steps), *extra]
@@ -273,7 +279,8 @@ def run_model(name: str, args) -> dict:
             if mode == "none" and run["auto"]["outcome"] == "trained":
                 run[mode] = {"outcome": "not run", "peaks": [], "steps_run": 0, "over_budget_steps": 0}
                 continue  # None matters only where "auto" refused: was that a batch None could train?
-            run[mode] = _run_child(name, args, "--phase", "budget", "--mode", mode, "--budget-bytes", str(budget))
+            run[mode] = _run_child(name, args, "--phase", "budget", "--mode", mode, "--budget-bytes", str(budget),
+                                   device=budget)
             if "error" in run[mode]:
                 run[mode] = {"outcome": "error", "error": run[mode]["error"], "peaks": [], "steps_run": 0,
                              "over_budget_steps": 0}

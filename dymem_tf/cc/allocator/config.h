@@ -21,7 +21,7 @@ uint64_t BytesFromEnv(const char* name, uint64_t fallback, bool allow_zero = fal
 bool FlagFromEnv(const char* name, bool fallback);
 
 // Pageblock size for a pool of `limit` bytes: DYMEM_GTBM_BLOCK_SIZE, else 2 MiB halved (down to the page size)
-// until the limit holds at least 32 blocks. An invalid variable is reported on stderr and ignored.
+// until the limit holds at least 256 blocks. An invalid variable is reported on stderr and ignored.
 uint64_t BlockSizeFor(uint64_t limit);
 
 }  // namespace dymem
