@@ -253,9 +253,9 @@ def same_results(name: str, args, onednn: str) -> dict:
 
 def run_model(name: str, args) -> dict:
     """All phases of one model: same results (oneDNN off and on), the no-swap peak, and each budget with "auto" and
-    with None; with ``--identity-only`` the first alone."""
+    with None; with ``--identity-only`` the first alone, with ``--budgets-only`` all but the first."""
     out = {"model": name, "batch": BATCH[name]}
-    for onednn in ("0", "1"):
+    for onednn in () if getattr(args, "budgets_only", False) else ("0", "1"):
         result = same_results(name, args, onednn)
         if "error" in result:
             return {**out, "error": f"identity (oneDNN {'on' if onednn == '1' else 'off'}): {result['error']}"}
@@ -582,6 +582,8 @@ def main(argv=None) -> int:
     parser.add_argument("--identity-only", action="store_true",
                         help="only the bit-identity runs (oneDNN off and on), written to their own section and "
                              "docs/identity.json")
+    parser.add_argument("--budgets-only", action="store_true",
+                        help="skip the bit-identity runs (with --json: merge them from an --identity-only run)")
     parser.add_argument("--json", help="save the run to this file instead of docs/ and leave docs/benchmarks.md as "
                                        "it is (a run of a few models beside the saved full one)")
     parser.add_argument("--baseline", help="a saved JSON run whose steady peak / B and bytes swapped per step the "
@@ -618,6 +620,8 @@ def main(argv=None) -> int:
         print(section)
         write_section(os.path.join(REPO, "docs", "benchmarks.md"), section, *_markers(args))
         return 0
+    if args.budgets_only and not args.json:
+        parser.error("--budgets-only writes no report: give --json FILE (the identity columns would read as missing)")
     unknown = [m for m in args.models.split(",") if m not in BATCH]
     if unknown:
         parser.error(f"unknown models {unknown}; known: {', '.join(BATCH)}")
