@@ -9,7 +9,8 @@ Each measurement runs in a fresh interpreter (Keras keeps every model it built a
    weight
    compared bit for bit, with oneDNN's CPU kernels off and again with them on (``TF_ENABLE_ONEDNN_OPTS``).
 2. **No-swap peak** ``P0`` of a plain step and the persistent bytes ``W`` (weights and optimizer state).
-3. **Budgets** ``B = W + f * (P0 - W)`` for each fraction ``f``: the device is capped at ``B`` and the model trains
+3. **Budgets** ``B = W + f * (P0 - W)`` for each fraction ``f``: a GTBM device of ``B`` bytes (its pageblocks
+   in proportion: at least 256 of them, see docs/configuration.md; phases 1-2 run on a 16 GiB one) and the model trains
    ``--steps`` steps on ``--samples`` samples with ``memory_budget="auto"``; every run must either train with
    every step's measured peak <= B or be refused before its first update, never run out of memory after its first
    step. The same budget with ``memory_budget=None`` is run too: "auto" may refuse only where None fails as well.
@@ -140,7 +141,7 @@ def _child(name: str, args) -> dict:
 
 
 def _budget_run(build, fit, Peaks, budget: int, memory_budget, args) -> dict:
-    """One fit under a device capped at ``budget``: outcome, per-step peaks, predictions."""
+    """One fit on a device of ``budget`` bytes: outcome, per-step peaks, predictions."""
     import numpy as np
     import tensorflow as tf
 

@@ -3,7 +3,7 @@ passes, does the measured steady peak ever rise, or the bytes swapped per step e
 
 ``bench/budget_sweep.py`` answers this for the planner's predictions; here each budget trains. For each model
 (``bench/model_zoo.py`` at ``bench/budget_reliability.py``'s batch sizes), in fresh interpreters as
-budget_reliability runs them (oneDNN off, op determinism, the GTBM device capped at the budget,
+budget_reliability runs them (oneDNN off, op determinism, a GTBM device of the budget's size,
 ``memory_budget="auto"``):
 
 1. the plain step's peak ``P0`` (two steps, no Dymem);
@@ -40,7 +40,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 BEGIN, END = "<!-- measured-sweep:begin -->", "<!-- measured-sweep:end -->"
 MiB = 1 << 20
-BLOCK = 2 * MiB  # GTBM's pageblock: a plan's reserved peak moves in whole blocks from step to step
+BLOCK = 2 * MiB  # GTBM's default pageblock (a run records its own): a plan's reserved peak moves in whole blocks
 
 
 def budgets(p0: int, least: int, n: int) -> list[int]:
@@ -66,7 +66,8 @@ def broken(prev: dict, cur: dict, tolerance: int) -> list[str]:
     """How row ``cur`` (a smaller budget) breaks the rule against ``prev``: its steady peak higher by more than
     ``tolerance`` pageblocks, or fewer bytes swapped per step."""
     out = []
-    if prev["steady"] is not None and cur["steady"] is not None and cur["steady"] > prev["steady"] + tolerance * BLOCK:
+    block = int(cur.get("auto", {}).get("block_size") or BLOCK)  # the run's own pageblock (its device's size)
+    if prev["steady"] is not None and cur["steady"] is not None and cur["steady"] > prev["steady"] + tolerance * block:
         out.append(f"steady peak {cur['steady'] / MiB:.0f} > {prev['steady'] / MiB:.0f} MiB")
     if (prev.get("swapped_bytes") or 0) > (cur.get("swapped_bytes") or 0) and cur["outcome"] == "trained":
         out.append(f"swapped {(cur.get('swapped_bytes') or 0) / MiB:.1f} < {prev['swapped_bytes'] / MiB:.1f} MiB")
@@ -84,7 +85,8 @@ def sweep_model(name: str, args) -> dict:
         return {"model": name, "error": f"p0: {base['error']}"}
     p0, persistent = base["p0"], base["persistent"]
     low = -(-int(persistent + args.probe_fraction * (p0 - persistent)) // MiB) * MiB
-    probe_run = _run_child(name, child_args, "--phase", "budget", "--mode", "auto", "--budget-bytes", str(low))
+    probe_run = _run_child(name, child_args, "--phase", "budget", "--mode", "auto", "--budget-bytes", str(low),
+                           device=low)
     if "error" in probe_run or not probe_run.get("probe_measured"):
         return {"model": name, "p0": p0, "error": f"probe: {probe_run.get('error', probe_run.get('outcome'))}"}
     # the device must also hold the model as Keras built it, before fit (ResNet-50's weights: 90 MiB, more than
@@ -93,7 +95,8 @@ def sweep_model(name: str, args) -> dict:
                 -(-int(probe_run.get("start_in_use", 0)) // MiB) * MiB + BLOCK)
     rows = []
     for budget in budgets(p0, least, args.budgets):
-        auto = _run_child(name, child_args, "--phase", "budget", "--mode", "auto", "--budget-bytes", str(budget))
+        auto = _run_child(name, child_args, "--phase", "budget", "--mode", "auto", "--budget-bytes", str(budget),
+                          device=budget)
         if "error" in auto:
             auto = {"outcome": "error", "error": auto["error"][-300:], "peaks": []}
         row = {"budget": budget, "outcome": auto["outcome"], "steady": steady(auto),
@@ -119,7 +122,7 @@ def report(results: list[dict], args, seconds: float, commit: str) -> str:
     lines = [BEGIN, "## Monotone budgets, measured (issue 48)", "",
              f"`python bench/measured_sweep.py {' '.join(args.argv)}` at commit {commit or '?'} on this 2-core CPU "
              f"machine ({seconds / 60:.0f} min): {args.steps} steps on {args.samples} samples per budget, oneDNN off, "
-             "the GTBM device capped at the budget, `memory_budget=\"auto\"`. Budgets evenly spaced from the plain "
+             "a GTBM device of the budget's size, `memory_budget=\"auto\"`. Budgets evenly spaced from the plain "
              "peak P0 down to the least budget the least-memory plan's measured first step passes. *Steady* is the "
              "highest reserved peak of the trained plan's steps after its own first step; a row breaks the rule when "
              f"its steady peak is more than {args.tolerance} pageblock(s) above the row before (a larger budget) or "

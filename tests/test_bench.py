@@ -680,6 +680,8 @@ def test_measured_sweep_spaces_its_budgets_and_flags_a_rise_or_fewer_bytes_swapp
     assert ms.broken(row, dict(row, steady=82 * MiB, swapped_bytes=12 * MiB), 1) == []  # a block of jitter
     assert ms.broken(row, dict(row, steady=84 * MiB, swapped_bytes=12 * MiB), 1) == ["steady peak 84 > 80 MiB"]
     assert ms.broken(row, dict(row, steady=70 * MiB, swapped_bytes=8 * MiB), 1) == ["swapped 8.0 < 10.0 MiB"]
+    small = dict(row, steady=81 * MiB, auto={"block_size": 256 << 10})  # a run's own pageblock is its jitter
+    assert ms.broken(row, small, 1) == ["steady peak 81 > 80 MiB"]
     args = types.SimpleNamespace(argv=["--models", "m"], steps=6, samples=192, tolerance=1)
     rows = [dict(row, budget=100 * MiB, over_budget_steps=0, broken=[]),
             dict(row, budget=90 * MiB, steady=84 * MiB, over_budget_steps=0, broken=["steady peak 84 > 80 MiB"])]
