@@ -644,6 +644,8 @@ def test_a_placed_plan_keeps_pageblocks_and_a_share_of_the_budget_free_not_the_s
     allowance was measured on were within 2%), and nothing for a probe predicted over what it used."""
     assert first_step.placed_allowance(512 * MiB) == 6 * MiB + math.ceil(0.015 * 512 * MiB)
     assert first_step.placed_allowance(512 * MiB, block_size=1 * MiB) == 3 * MiB + math.ceil(0.015 * 512 * MiB)
+    # smaller blocks count as 1 MiB: a small device's reserved bytes follow its steps' variation in bytes in use
+    assert first_step.placed_allowance(96 * MiB, block_size=256 << 10) == 3 * MiB + math.ceil(0.015 * 96 * MiB)
     assert first_step.placed_allowance(10 * MiB) == 3 * MiB  # capped at MAX_HEADROOM / 2 of a tiny budget
     for budget in (64 * MiB, 512 * MiB, 2048 * MiB):
         within = first_step.placed_margin(budget, 100 * MiB, 101 * MiB)

@@ -104,6 +104,11 @@ PLACED_REFINEMENTS = 2
 #: momentum), so the step slack a plan without a placement keeps (:func:`step_slack`: 6% or 8 MiB) is not needed.
 PLACED_ALLOWANCE_BLOCKS = 3
 PLACED_ALLOWANCE_SHARE = 0.015
+#: The least pageblock the allowance counts: a device under 256 MiB has smaller blocks (at least 256 of them), whose
+#: reserved bytes follow the bytes in use, and DenseNet-121's later steps rose by 3.0-3.25 MiB of them above the
+#: first and the prediction (256 KiB blocks, under 95 and 125 MiB; its two threads run a band's ops in a different
+#: order each step); 2 MiB blocks absorbed that rise. 3 blocks of 1 MiB and 1.5% of 95 MiB leave it 1.2 MiB.
+PLACED_ALLOWANCE_LEAST_BLOCK = 1 << 20
 #: GTBM's pageblock (the live allocator's default; a calibration reads its own from the persistent group)
 DEFAULT_BLOCK_SIZE = 2 << 20
 
@@ -280,9 +285,10 @@ def calibration_margin(predicted_peak: int, measured_in_use: int = 0, budget_byt
 
 def placed_allowance(budget_bytes: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
     """Bytes of ``budget_bytes`` a placed calibrated plan keeps free for what its placement may miss
-    (:data:`PLACED_ALLOWANCE_BLOCKS` pageblocks of ``block_size`` and :data:`PLACED_ALLOWANCE_SHARE` of the
-    budget), at most :data:`MAX_HEADROOM` / 2 of it."""
-    allowance = PLACED_ALLOWANCE_BLOCKS * int(block_size) + math.ceil(PLACED_ALLOWANCE_SHARE * int(budget_bytes))
+    (:data:`PLACED_ALLOWANCE_BLOCKS` pageblocks of ``block_size``, at least :data:`PLACED_ALLOWANCE_LEAST_BLOCK`
+    each, and :data:`PLACED_ALLOWANCE_SHARE` of the budget), at most :data:`MAX_HEADROOM` / 2 of it."""
+    block = max(int(block_size), PLACED_ALLOWANCE_LEAST_BLOCK)
+    allowance = PLACED_ALLOWANCE_BLOCKS * block + math.ceil(PLACED_ALLOWANCE_SHARE * int(budget_bytes))
     return min(allowance, int(MAX_HEADROOM / 2 * int(budget_bytes)))
 
 
