@@ -93,15 +93,20 @@ def test_a_placed_calibration_predicts_what_its_own_step_measured_and_keeps_the_
                                              placed=probe).persistent_group is None
 
 
-def test_the_step_ratio_of_bytes_in_use_scales_the_steps_own_blocks():
+def test_the_probe_s_miss_adds_to_the_steps_own_blocks_and_a_refined_step_s_ratio_scales_them():
     group = placement.PersistentGroup(2 * MiB, 1 * MiB, 2 * MiB)
     probe = placement.Placement(40 * MiB, 40 * MiB, 0, 2 * MiB)
-    # 10% more in use than simulated over the persistent bytes (0): the step's blocks scale by 1.1
+    # 4 MiB (10%) more in use than simulated over the persistent bytes (0): the probe's miss, added in bytes
     cal = first_step.Calibration.from_probe(200 * MiB, 40 * MiB, 46 * MiB, 0, measured_in_use=44 * MiB,
                                             placed=probe, group=group)
-    assert cal.placement_residual_bytes == 0  # 2 + 1.1 * 40 = 46
+    assert cal.placement_residual_bytes == 0  # 2 + 40 + 4 = 46
     plan = placement.Placement(100 * MiB, 100 * MiB, 0, 2 * MiB)
-    assert first_step.placed_prediction(dataclasses.asdict(cal), plan) == 112 * MiB
+    assert first_step.placed_prediction(dataclasses.asdict(cal), plan) == 106 * MiB
+    # a calibrated plan's own step, measured 10% over: the next plan's step blocks scale by 1.1
+    again = first_step.Calibration.from_probe(200 * MiB, 40 * MiB, 46 * MiB, 0, measured_in_use=44 * MiB,
+                                              placed=probe, group=group, source="calibrated")
+    assert again.placement_residual_bytes == 0  # 2 + 1.1 * 40 = 46
+    assert first_step.placed_prediction(dataclasses.asdict(again), plan) == 112 * MiB
 
 
 def test_a_measurement_reports_the_placed_prediction_when_the_plan_has_one():
