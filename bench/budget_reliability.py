@@ -498,8 +498,8 @@ def by_budget(results: list[dict], block_size: int = 2 * MiB) -> list[tuple[str,
     """Steady peak / B of the runs that swapped, budgets of 64 MiB and more (:func:`utilization`'s ``"large"``), by
     :data:`BUDGET_BANDS`: ``(label, ceiling, shares)`` per band with runs, where ``ceiling`` is the median over its
     runs of the most a plan placed at its limit uses of the budget (1 -
-    :func:`dymem_tf.planning.first_step.placed_allowance` / B, GTBM's ``block_size``): under small budgets the
-    allowance's three pageblocks are a large share."""
+    :func:`dymem_tf.planning.first_step.placed_allowance` / B, with the pageblock each run recorded, else
+    ``block_size``): under small budgets the allowance's three pageblocks are a large share."""
     from dymem_tf.planning import first_step
 
     edges = [e * MiB for e in BUDGET_BANDS]
@@ -511,8 +511,9 @@ def by_budget(results: list[dict], block_size: int = 2 * MiB) -> list[tuple[str,
                 and low <= run["budget"] and (high is None or run["budget"] < high)]
         if runs:
             label = f"{low // MiB}-{high // MiB} MiB" if high else f"{low // MiB} MiB and more"
-            ceiling = statistics.median(1 - first_step.placed_allowance(run["budget"], block_size) / run["budget"]
-                                        for run in runs)
+            ceiling = statistics.median(
+                1 - first_step.placed_allowance(run["budget"], run["auto"].get("block_size") or block_size)
+                / run["budget"] for run in runs)
             out.append((label, ceiling, [max(_trained_peaks(run["auto"])) / run["budget"] for run in runs]))
     return out
 
@@ -645,7 +646,9 @@ def main(argv=None) -> int:
 
 
 def _render(results, args, seconds) -> str:
-    """The section ``args`` asks for."""
+    """The section ``args`` asks for (with ``--budgets-only``, which has no identity columns, its utilization lines)."""
+    if getattr(args, "budgets_only", False):
+        return "\n".join(utilization_lines(results, getattr(args, "baseline_results", None)))
     return identity_report(results, args, seconds) if getattr(args, "identity_only", False) \
         else report(results, args, seconds)
 

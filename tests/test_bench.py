@@ -2,9 +2,10 @@
 replay table on the MiniMalloc example instance. Fast: nothing here trains a model."""
 import json
 import os
-import types
+import statistics
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -391,6 +392,14 @@ def test_budget_reliability_splits_utilization_by_budget():
     assert bands[1][1] == ceiling and bands[0][1] < ceiling  # three pageblocks weigh more in a small budget
     line = budget_reliability.utilization_lines(results)[1]
     assert "64-128 MiB: median 0.867, lowest 0.833 over 2" in line and "512 MiB and more: median 0.983" in line
+    for r in results[0]["runs"]:  # runs on devices of their budget's size record smaller pageblocks
+        r["auto"]["block_size"] = 256 << 10
+    small = budget_reliability.by_budget(results)
+    assert small[0][1] == statistics.median(1 - first_step.placed_allowance(b * mib, 256 << 10) / (b * mib)
+                                            for b in (100, 120)) > bands[0][1]
+    # --budgets-only runs have no identity columns: their report is the utilization lines
+    args = types.SimpleNamespace(budgets_only=True, baseline_results=None)
+    assert budget_reliability._render(results, args, 1.0).startswith("- Steady peak (steps 3 on) / B")
 
 
 def test_budget_reliability_reports_identity_with_onednn_on_and_off():
