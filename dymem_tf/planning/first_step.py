@@ -173,7 +173,7 @@ class Calibration:
         else:
             margin = calibration_margin(predicted_peak, measured_in_use, budget_bytes)
         headroom = calibrated_headroom(budget_bytes, predicted_peak, measured_peak, persistent_bytes, margin,
-                                       measured_in_use, outcome, placeable and source == "probe" and outcome == "ran")
+                                       measured_in_use, outcome, _carries_in_bytes(source, outcome, placeable))
         cal = cls(int(budget_bytes), int(predicted_peak), int(measured_peak), int(persistent_bytes), headroom,
                   int(measured_in_use), margin, source, outcome=outcome)
         if placeable:
@@ -297,13 +297,13 @@ def placed_margin(budget_bytes: int, predicted_peak: int, measured_in_use: int,
     """Share of the budget a calibration with a placement keeps free: :func:`placed_allowance`, plus the bytes in
     use the simulator predicted too few of on the probe beyond :data:`MIN_MODEL_ERROR` of them (the allowance was
     measured on probes within it), as a share of the budget, at most :data:`MAX_MODEL_ERROR`. A probe predicted
-    over what it used keeps nothing more: the ratio of a calibration is never below 1 (:func:`_scale`).
+    over what it used keeps nothing more: a calibration never predicts a plan below its simulation (:func:`_scale`).
 
-    The miss is kept in bytes, not as the probe's share: the calibration's ratio (:func:`_scale`) already scales a
-    plan's step by the probe's error, and what is left uncertain is the probe's miss itself, not that miss grown to
-    the budget. Over the 39 placed calibrated runs of docs/budget_reliability_16_session4.json the steady peak came
-    within the allowance of the placed prediction, the four whose probes missed by more than 10% (GPT decoder,
-    transformer encoder; 47-66 MiB budgets, 10% of the budget kept for it) included, 0-2 MiB over."""
+    The miss is kept in bytes, not as the probe's share: the calibration already adds the probe's miss to a plan's
+    step (:func:`_in_bytes`), and what is left uncertain is that miss itself, not the miss grown to the budget.
+    Over the 39 placed calibrated runs of docs/budget_reliability_16_session4.json the steady peak came within the
+    allowance of the placed prediction, the four whose probes missed by more than 10% (GPT decoder, transformer
+    encoder; 47-66 MiB budgets, 10% of the budget kept for it) included, 0-2 MiB over."""
     missed = _missed(predicted_peak, measured_in_use) - MIN_MODEL_ERROR * max(int(measured_in_use), 0)
     extra = min(max(missed, 0.0) / max(int(budget_bytes), 1), MAX_MODEL_ERROR)
     return min(placed_allowance(budget_bytes, block_size) / max(int(budget_bytes), 1) + extra, MAX_HEADROOM)
@@ -405,8 +405,14 @@ def _in_bytes(calibration: Mapping[str, Any]) -> bool:
     runs of docs/budget_reliability_16_session4.json the calibrated plans' own bytes in use were predicted within
     +1.2 MiB (and over by up to 9.6), while the probes of the GPT decoder and the transformer encoder missed by 7-14%:
     scaled by that ratio, the transformer's plan under 66 MiB was placed at 61.3 MiB and measured 58.5."""
-    return (calibration.get("source", "probe") == "probe" and calibration.get("outcome", "ran") == "ran"
-            and bool(calibration.get("persistent_group")))
+    return _carries_in_bytes(calibration.get("source", "probe"), calibration.get("outcome", "ran"),
+                             bool(calibration.get("persistent_group")))
+
+
+def _carries_in_bytes(source: str, outcome: str, placed: bool) -> bool:
+    """:func:`_in_bytes` of a calibration measured on a ``source`` plan's step that ended with ``outcome``,
+    ``placed`` (with a persistent group) or not."""
+    return source == "probe" and outcome == "ran" and placed
 
 
 def _fields(calibration: "Calibration | Mapping[str, Any]") -> Mapping[str, Any]:
