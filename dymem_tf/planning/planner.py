@@ -860,8 +860,8 @@ class _Planner:
     def _smaller(self, policy: str, mode: TriggerMode, pool: list[_Candidate], chosen: list[_Candidate],
                  cand: _Candidate, res: SimResult, budget: int) -> list[_Candidate]:
         """The candidates of ``pool`` that could take ``cand``'s place in ``chosen`` (simulated without it in
-        ``res``) for fewer bytes, the :data:`DOWNSIZE_TRIES` smallest: not chosen, no recomputation nor a leaf of one chosen, at least
-        the bytes ``res``'s peak exceeds ``budget`` by, and off the device at that peak."""
+        ``res``) for fewer bytes, the :data:`DOWNSIZE_TRIES` smallest: not chosen, no recomputation nor a leaf of
+        one chosen, at least the bytes ``res``'s peak exceeds ``budget`` by, and off the device at that peak."""
         excess = res.peak_bytes - budget
         taken = {c.tensor for c in chosen}
         fits = sorted((c for c in pool if c.tensor not in taken and c.kind != "recompute"
