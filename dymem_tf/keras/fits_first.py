@@ -76,15 +76,31 @@ def _build_optimizer(model) -> bool | None:
     return not (unbuilt and optimizer.built)  # False: this build made the state (not one left to the first step)
 
 
-def _place_state(model, capacity: int) -> None:
+def _place_state(model) -> bool:
     """Move the state made in the host arena onto the device, packed with the weights
-    (:func:`~dymem_tf.keras.variables.compact_weights`). Done at the first call, once ``fit``'s iterator has made
-    its long-lived small tensors: made after the state, they would sit in the pageblocks above it and keep them
-    reserved after a plan offloads the state (U-Net under 53 MiB: one pageblock more at the probe's peak)."""
+    (:func:`~dymem_tf.keras.variables.compact_weights`); False when packing ran out of the device. Done at the
+    first call, once ``fit``'s iterator has made its long-lived small tensors: made after the state, they would sit
+    in the pageblocks above it and keep them reserved after a plan offloads the state (U-Net under 53 MiB: one
+    pageblock more at the probe's peak).
+
+    The estimate that let the state be placed counts bytes, not the pageblocks the other groups already hold:
+    DenseNet-121 32px + SGD on a 56 MiB device packed 53.5 MiB of variables and ran out. Then the weights the
+    packing left in host memory come back (they fitted before it) and the state stays where it is, in host memory
+    or on the device, for the plan for the device to offload (:meth:`FitSession.plan_for_device`); a weight that
+    does not come back stays in host memory, where reads see its value."""
     try:
         variables.compact_weights(model)
+        return True
     except tf.errors.ResourceExhaustedError:
-        raise errors.state_does_not_fit(capacity, variables.persistent_bytes(model)) from None
+        pass
+    from dymem_tf.ops import swap_ops
+
+    try:
+        with allocator.mobility("persistent"):
+            swap_ops.bring_back_variables(model.variables)
+    except tf.errors.ResourceExhaustedError:
+        pass
+    return False
 
 
 def one_batch(iterator, steps_per_execution):
@@ -153,7 +169,11 @@ def first_call_function(session, train_function, capacity: int, place_state: boo
                 with compat.new_gradients(session.gradient_keys):
                     _instantiate(plain[0], batch)
                 snapshot.restore(changed_only=True)  # ops that read no batch may have run (a seed's update)
-            _place_state(model, capacity)
+            if not _place_state(model):
+                session.say(f"dymem_tf: the optimizer's state did not fit the device's {errors.fmt(capacity)} "
+                            "next to the weights; the step is planned for the device with the state in host "
+                            "memory.")
+                return _planned_for_device(session, plain, batch() if batch else iterator)
         devices.reset_device_peaks()
         outputs = _run_or_none_if_out_of_memory(plain[0], batch() if batch else iterator, session.gradient_keys)
         if outputs is None:
@@ -162,11 +182,7 @@ def first_call_function(session, train_function, capacity: int, place_state: boo
             session.say(f"dymem_tf: the train step ran out of the device's {errors.fmt(capacity)} in its first "
                         f"step; the variables were put back{lost} and the step is planned for the device, "
                         "swapping what does not fit.")
-            plain.clear()
-            session.keras_function = None  # nothing holds it now: a new one is made when the session ends
-            gc.collect()  # the plain step's function and what its failed call left, before the probe is placed
-            session.plan_for_device()
-            return model.train_function(batch() if batch else iterator)
+            return _planned_for_device(session, plain, batch() if batch else iterator)
         stats = session.own(devices.device_memory_stats())
         measured = stats["peak_bytes_reserved"] if stats is not None else None
         margin = first_step.plain_step_margin(capacity, stats.get("largest_alloc_size") if stats else None)
@@ -187,3 +203,13 @@ def first_call_function(session, train_function, capacity: int, place_state: boo
 
     first_call._dymem_wrapped = True  # pylint: disable=protected-access
     return first_call
+
+
+def _planned_for_device(session, plain: list, iterator):
+    """Let the plain train function go (``plain``, with the Keras function that made it, and what a failed call
+    left), plan the step for the device and run the planned step on ``iterator``."""
+    plain.clear()
+    session.keras_function = None  # nothing holds it now: a new one is made when the session ends
+    gc.collect()  # the plain step's function and what its failed call left, before the probe is placed
+    session.plan_for_device()
+    return session.model.train_function(iterator)
