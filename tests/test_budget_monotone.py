@@ -206,3 +206,7 @@ def test_downsizing_moves_fewer_bytes_and_keeps_the_budget_and_the_speed(name, p
         assert pl.moved_bytes(kept) <= pl.moved_bytes(chosen)
         fewer += pl.moved_bytes(kept) < pl.moved_bytes(chosen)
     assert fewer >= 3
+    batch = MODELS[name][1]
+    notes = [n for k in range(1, 10) for n in plan(prep, persistent, batch, profile,
+                                                   plain - round(k * (plain - full) / 10)).notes]
+    assert any(n.startswith("downsized: ") for n in notes)  # make_plan downsizes too, and says so

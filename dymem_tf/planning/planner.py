@@ -1049,7 +1049,7 @@ def _choose(pl: _Planner, policy: str, budget: int | None, persistent: int, base
         if best.step_time_s > no_swap_time:
             notes.append(f"the greedy swap set stalls {best.step_time_s / base.step_time_s - 1:.2%} of the step "
                          "(modelled); not searched further")
-        return _downsized(pl, policy, best, relaxed, budget, persistent), best.mode  # nothing worth searching
+        return _downsized(pl, policy, best, relaxed, budget, persistent, notes), best.mode  # nothing worth searching
     # Adding tensors greedily can fall short or overshoot when the D2H channel is the bottleneck (a tensor added at
     # the peak only queues behind the others). Also start from the first whole pool that fits and drop what the
     # budget does not need; keep whichever plan is faster by more than the tolerance (the greedy one on a tie: a
@@ -1085,17 +1085,22 @@ def _choose(pl: _Planner, policy: str, budget: int | None, persistent: int, base
     if best.step_time_s > no_swap_time:
         notes.append(f"the budget needs swaps whose copies cannot all be hidden (stalls expected; swap set "
                      f"{best.how})")
-    return _downsized(pl, policy, best, relaxed, budget, persistent), best.mode
+    return _downsized(pl, policy, best, relaxed, budget, persistent, notes), best.mode
 
 
-def _downsized(pl: _Planner, policy: str, best: _Choice, pool: list[_Candidate], budget: int, persistent: int
-               ) -> list[_Candidate]:
+def _downsized(pl: _Planner, policy: str, best: _Choice, pool: list[_Candidate], budget: int, persistent: int,
+               notes: list[str]) -> list[_Candidate]:
     """``best``'s swap set with its swaps replaced by fewer bytes where the plan still fits, for dymem
-    (:meth:`_Planner.downsize`); the baselines keep their own rules."""
+    (:meth:`_Planner.downsize`; a note says what it saved); the baselines keep their own rules."""
     if policy != "dymem" or not best.swaps:
         return best.swaps
     res = pl.run(pl.decisions(policy, best.swaps, best.mode), persistent)
-    return pl.downsize(policy, best.mode, pool, best.swaps, budget, persistent, res)[0]
+    kept = pl.downsize(policy, best.mode, pool, best.swaps, budget, persistent, res)[0]
+    before, after = pl.moved_bytes(best.swaps), pl.moved_bytes(kept)
+    if after < before:
+        notes.append(f"downsized: {len(best.swaps)} -> {len(kept)} swaps, {mib(before)} -> "
+                     f"{mib(after)} off the device (smaller tensors at the peak in place of larger ones)")
+    return kept
 
 
 def suggested_batch(batch: int | None, budget_bytes: int, peak_bytes: int, persistent_bytes: int,
