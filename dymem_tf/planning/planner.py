@@ -151,12 +151,16 @@ class _Candidate:
 
 @dataclass(frozen=True)
 class _Choice:
-    """A swap set that fits the budget, its modelled step time, its trigger mode and how it was found."""
+    """A swap set that fits the budget, its simulation, its trigger mode and how it was found."""
 
-    step_time_s: float
+    res: SimResult
     swaps: list[_Candidate]
     mode: TriggerMode
     how: str
+
+    @property
+    def step_time_s(self) -> float:
+        return self.res.step_time_s
 
 
 class PlannerMemo:
@@ -1041,7 +1045,7 @@ def _choose(pl: _Planner, policy: str, budget: int | None, persistent: int, base
     for pool, mode in stages:
         chosen, res = pl.fit_budget(policy, mode, pool, chosen, budget, persistent, trail=trail)
         if res.peak_bytes <= budget:
-            best = _Choice(res.step_time_s, chosen, mode, "greedy")
+            best = _Choice(res, chosen, mode, "greedy")
             break
     no_swap_time = base.step_time_s * (1 + 1e-9)  # a plan this fast stalls nowhere
     fast = base.step_time_s * (1 + SEARCH_STALL_TOLERANCE)
@@ -1078,7 +1082,7 @@ def _choose(pl: _Planner, policy: str, budget: int | None, persistent: int, base
                 if best is not None and pruned.step_time_s >= best.step_time_s - margin:
                     break  # the greedy plan is as fast
             if best is None or pruned.step_time_s < best.step_time_s - margin:
-                best = _Choice(pruned.step_time_s, kept, mode, f"pruned from {len(pool)} candidates, then exchanged")
+                best = _Choice(pruned, kept, mode, f"pruned from {len(pool)} candidates, then exchanged")
             break
     if best is None:  # the least peak any stage reached
         raise _too_small(lowest.peak_bytes, budget, persistent, batch_size, len(relaxed), policy)
@@ -1094,8 +1098,7 @@ def _downsized(pl: _Planner, policy: str, best: _Choice, pool: list[_Candidate],
     (:meth:`_Planner.downsize`; a note says what it saved); the baselines keep their own rules."""
     if policy != "dymem" or not best.swaps:
         return best.swaps
-    res = pl.run(pl.decisions(policy, best.swaps, best.mode), persistent)
-    kept = pl.downsize(policy, best.mode, pool, best.swaps, budget, persistent, res)[0]
+    kept = pl.downsize(policy, best.mode, pool, best.swaps, budget, persistent, best.res)[0]
     before, after = pl.moved_bytes(best.swaps), pl.moved_bytes(kept)
     if after < before:
         notes.append(f"downsized: {len(best.swaps)} -> {len(kept)} swaps, {mib(before)} -> "
