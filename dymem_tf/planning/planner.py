@@ -81,9 +81,9 @@ SEARCH_STALL_TOLERANCE = 0.005
 #: adds (:meth:`_Planner.fit_budget`): a budget-independent step, so that every budget walks one chain of swap sets.
 GREEDY_STEP = 0.125
 
-#: Simulations the downsizing of a budgeted plan may spend (:meth:`_Planner.downsize`), and how many smaller
-#: candidates it tries in place of each swap: each trial simulates the whole step, and a placed plan's headroom
-#: search makes up to four plans.
+#: Simulations after which the downsizing of a budgeted plan takes up no further swap (:meth:`_Planner.downsize`;
+#: the swap it is on may add up to :data:`DOWNSIZE_TRIES` more), and how many smaller candidates it tries in place
+#: of each swap: each trial simulates the whole step, and a placed plan's headroom search makes up to four plans.
 DOWNSIZE_TRIALS = 24
 DOWNSIZE_TRIES = 3
 
@@ -840,7 +840,8 @@ class _Planner:
         that peak exceeds the budget by. The greedy search adds the largest tensors at the peak, so its last one
         may hold far more than the budget needs: MobileNetV2 32px under 67 MiB swapped a 3.4 MiB map where the
         plan without it was 0.1 MiB over (issue 48: plans between whole tensors). Recomputations are left as they
-        are (their leaves tie them to the other swaps). At most :data:`DOWNSIZE_TRIALS` simulations."""
+        are (their leaves tie them to the other swaps). No swap is taken up after :data:`DOWNSIZE_TRIALS`
+        simulations; each takes at most 1 + :data:`DOWNSIZE_TRIES`."""
         chosen = list(chosen)
         trials = 0
         for cand in sorted((c for c in chosen if c.kind != "recompute"), key=lambda c: (-c.bytes, -c.prod_pos)):
