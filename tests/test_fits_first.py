@@ -193,16 +193,19 @@ def test_weights_and_state_larger_than_the_device_are_offloaded_not_a_crash(pyth
     # Regression: the optimizer's build on the device ran out of memory midway, Keras had marked it built, and the
     # first step failed with "'Adam' object has no attribute '_momentums'". Now the step is planned for the device
     # with the state in host memory, and trains as a plain run on a device large enough does.
-    results = {}
-    for mode, limit in (("auto", "96MiB"), ("plain", "1GiB")):
-        proc = python_subprocess(WEIGHTS_OVER_DEVICE.replace("sys.argv[1]", repr(mode)),
-                                 env={"DYMEM_DEVICE_MEMORY_LIMIT": limit, "TF_ENABLE_ONEDNN_OPTS": "0"})
-        results[mode] = proc_result(proc)
-        if mode == "auto":
-            assert "do not fit the device" in proc.stdout, proc.stdout[-2000:]
-    assert results["auto"]["limit"] == 96 * 2**20
-    assert results["auto"]["loss"] == results["plain"]["loss"]
-    assert results["auto"]["weights"] == results["plain"]["weights"]
+    auto, plain, said = _auto_on_96_mib_and_plain(python_subprocess, WEIGHTS_OVER_DEVICE)
+    assert "do not fit the device" in said, said[-2000:]
+    assert auto["limit"] == 96 * 2**20
+    assert auto["loss"] == plain["loss"] and auto["weights"] == plain["weights"]
+
+
+def _auto_on_96_mib_and_plain(python_subprocess, script: str) -> tuple[dict, dict, str]:
+    """``script``'s results with ``memory_budget="auto"`` on a 96 MiB device and plain on a 1 GiB one, and what
+    the auto run printed."""
+    procs = {mode: python_subprocess(script.replace("sys.argv[1]", repr(mode)),
+                                     env={"DYMEM_DEVICE_MEMORY_LIMIT": limit, "TF_ENABLE_ONEDNN_OPTS": "0"})
+             for mode, limit in (("auto", "96MiB"), ("plain", "1GiB"))}
+    return proc_result(procs["auto"]), proc_result(procs["plain"]), procs["auto"].stdout
 
 
 def test_weights_and_state_within_the_step_slack_of_the_device_are_planned_for_before_the_state_is_packed(
@@ -216,17 +219,11 @@ def test_weights_and_state_within_the_step_slack_of_the_device_are_planned_for_b
     mib = 2**20
     variable_bytes = 30 * 3 * mib  # 30 x 1 MiB of weights with Adam's two slots each: 90 MiB, under the 96 MiB
     assert 96 * mib - first_step.slack_bytes(96 * mib) < variable_bytes < 96 * mib  # device, within its slack
-    script = WEIGHTS_OVER_DEVICE.replace("range(36)", "range(30)")
-    results = {}
-    for mode, limit in (("auto", "96MiB"), ("plain", "1GiB")):
-        proc = python_subprocess(script.replace("sys.argv[1]", repr(mode)),
-                                 env={"DYMEM_DEVICE_MEMORY_LIMIT": limit, "TF_ENABLE_ONEDNN_OPTS": "0"})
-        results[mode] = proc_result(proc)
-        if mode == "auto":
-            assert "leave less than the step's slack free of the device's" in proc.stdout, proc.stdout[-2000:]
-            assert "did not fit the device's" not in proc.stdout  # the state was never packed onto the device
-    assert results["auto"]["loss"] == results["plain"]["loss"]
-    assert results["auto"]["weights"] == results["plain"]["weights"]
+    auto, plain, said = _auto_on_96_mib_and_plain(python_subprocess,
+                                                  WEIGHTS_OVER_DEVICE.replace("range(36)", "range(30)"))
+    assert "leave less than the step's slack free of the device's" in said, said[-2000:]
+    assert "did not fit the device's" not in said  # the state was never packed onto the device
+    assert auto["loss"] == plain["loss"] and auto["weights"] == plain["weights"]
 
 
 def test_state_built_for_a_first_plain_step_leaves_no_pageblock_behind_when_offloaded():
