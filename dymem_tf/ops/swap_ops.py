@@ -1,7 +1,8 @@
 """Python wrappers of the ``DymemSwapOut`` / ``DymemSwapIn`` ops and of the variable offloading ops.
 
 ``swap_out(x)`` copies ``x`` to host memory and ``swap_in(host)`` copies it back to the device; the pair is an
-identity in value. ``offload_variable`` / ``bring_back_variable`` move a resource variable's value to host memory
+identity in value, as is ``swap_in_partial(*swap_out_partial(x, rows))``, which keeps ``x``'s first rows on the
+device. ``offload_variable`` / ``bring_back_variable`` move a resource variable's value to host memory
 and back (``DymemVariableSwapOut`` / ``DymemVariableSwapIn``, which the graph rewrite inserts around optimizer
 state). Both ops are stateful, so Grappler keeps them where the graph rewrite put them.
 """
@@ -53,6 +54,27 @@ def swap_in(host, name: str | None = None) -> tf.Tensor:
     host = tf.convert_to_tensor(host)
     _check_dtype("DymemSwapIn", host)
     return load_ops_library().dymem_swap_in(host, name=name)
+
+
+def swap_out_partial(x, keep_rows: int, name: str | None = None) -> tuple[tf.Tensor, tf.Tensor]:
+    """Copy all but the first ``keep_rows`` rows of ``x`` (along its first dimension) to host memory, and those
+    rows into a new device tensor (``DymemSwapOutPartial``; all rows when ``x`` has fewer); returns
+    ``(host, kept)``. Numeric and bool tensors of rank 1 or more; ``keep_rows`` at least 1."""
+    x = tf.convert_to_tensor(x)
+    if x.dtype.base_dtype not in SUPPORTED_DTYPES:
+        _check_dtype("DymemSwapOutPartial", x)
+        raise TypeError("DymemSwapOutPartial cannot split a variant tensor: swap it whole (swap_out)")
+    if int(keep_rows) < 1:
+        raise ValueError(f"keep_rows must be at least 1, got {keep_rows!r}: a swap that keeps nothing is swap_out")
+    return tuple(load_ops_library().dymem_swap_out_partial(x, keep_rows=int(keep_rows), name=name))
+
+
+def swap_in_partial(host, kept, name: str | None = None) -> tf.Tensor:
+    """The tensor :func:`swap_out_partial` split, in one new device buffer tagged MOBILE (``DymemSwapInPartial``):
+    ``kept``'s rows, then ``host``'s."""
+    host, kept = tf.convert_to_tensor(host), tf.convert_to_tensor(kept)
+    _check_dtype("DymemSwapInPartial", host)
+    return load_ops_library().dymem_swap_in_partial(host, kept, name=name)
 
 
 def variable_is_offloaded(variable) -> bool:
@@ -118,8 +140,21 @@ def _identity_gradient(op, grad):  # pylint: disable=unused-argument
     return grad
 
 
-for _op_type in ("DymemSwapOut", "DymemSwapIn"):
+def _partial_out_gradient(op, grad_host, grad_kept):
+    # the rows split, joined again: the kept rows come first
+    parts = [g if g is not None else tf.zeros_like(t) for g, t in ((grad_kept, op.outputs[1]), (grad_host, op.outputs[0]))]
+    return tf.concat(parts, axis=0)
+
+
+def _partial_in_gradient(op, grad):
+    rows = tf.shape(op.inputs[1])[0]
+    return grad[rows:], grad[:rows]
+
+
+for _op_type, _gradient in (("DymemSwapOut", _identity_gradient), ("DymemSwapIn", _identity_gradient),
+                            ("DymemSwapOutPartial", _partial_out_gradient),
+                            ("DymemSwapInPartial", _partial_in_gradient)):
     try:
-        tf.RegisterGradient(_op_type)(_identity_gradient)
+        tf.RegisterGradient(_op_type)(_gradient)
     except KeyError:  # already registered (module reloaded)
         pass

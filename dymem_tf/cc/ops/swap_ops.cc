@@ -9,6 +9,11 @@
 // on tensorflow/core/grappler/optimizers/gpu_swapping_kernels.cc; the pinned copies are charged to the host pool
 // (AllocateChargedTensor), so its byte limit and statistics cover them too.
 //
+// DymemSwapOutPartial / DymemSwapInPartial: a partial swap, for a tensor the budget has room for part of. The
+// swap-out keeps the first `keep_rows` rows on the device (a second, MOBILE output) and copies the others to host
+// memory; the swap-in copies both into one new buffer. Plain-bytes types only (no variant). The GPU kernels copy the
+// kept rows with the device context's same-device copy, beside the DMA of the others.
+//
 // TensorLists: a DT_VARIANT tensor whose elements hold TensorLists (a while loop's accumulators, what its gradient
 // loop pops) swaps element by element: DymemSwapOut's output holds new TensorLists (same element_shape,
 // element_dtype and max_num_elements) whose element tensors live in the host pool, DymemSwapIn's holds new ones
@@ -20,7 +25,11 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <functional>
+#include <memory>
+#include <mutex>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "host_pool.h"
@@ -91,6 +100,62 @@ REGISTER_OP("DymemSwapIn")
     .SetIsStateful()
     .SetShapeFn(SwapShape);
 // Copies a swapped-out tensor back into device memory, allocated as a MOBILE tensor when GTBM is the allocator.
+
+// The rows of a partial swap: `keep_rows` (at most the tensor's first dimension) stay on the device, the rest move.
+absl::Status PartialOutShape(tensorflow::shape_inference::InferenceContext* c) {
+  tensorflow::shape_inference::ShapeHandle x;
+  TF_RETURN_IF_ERROR(c->WithRankAtLeast(c->input(0), 1, &x));
+  tensorflow::shape_inference::ShapeHandle rest;
+  TF_RETURN_IF_ERROR(c->Subshape(x, 1, &rest));
+  tensorflow::shape_inference::ShapeHandle host, kept;
+  TF_RETURN_IF_ERROR(c->Concatenate(c->Vector(c->UnknownDim()), rest, &host));
+  TF_RETURN_IF_ERROR(c->Concatenate(c->Vector(c->UnknownDim()), rest, &kept));
+  c->set_output(0, host);
+  c->set_output(1, kept);
+  return absl::OkStatus();
+}
+
+// The whole tensor again: the kept rows, then the host's.
+absl::Status PartialInShape(tensorflow::shape_inference::InferenceContext* c) {
+  tensorflow::shape_inference::ShapeHandle host, kept, merged;
+  TF_RETURN_IF_ERROR(c->WithRankAtLeast(c->input(0), 1, &host));
+  TF_RETURN_IF_ERROR(c->WithRankAtLeast(c->input(1), 1, &kept));
+  tensorflow::shape_inference::DimensionHandle rows;
+  TF_RETURN_IF_ERROR(c->Add(c->Dim(kept, 0), c->Dim(host, 0), &rows));
+  TF_RETURN_IF_ERROR(c->ReplaceDim(kept, 0, rows, &merged));
+  tensorflow::shape_inference::ShapeHandle rest_host, rest_kept, rest;
+  TF_RETURN_IF_ERROR(c->Subshape(host, 1, &rest_host));
+  TF_RETURN_IF_ERROR(c->Subshape(merged, 1, &rest_kept));
+  TF_RETURN_IF_ERROR(c->Merge(rest_host, rest_kept, &rest));
+  TF_RETURN_IF_ERROR(c->Concatenate(c->Vector(c->Dim(merged, 0)), rest, &merged));
+  c->set_output(0, merged);
+  return absl::OkStatus();
+}
+
+#define DYMEM_PARTIAL_SWAP_TYPES \
+  "T: {half, bfloat16, float, double, int8, int16, int32, int64, uint8, uint16, uint32, uint64, complex64, " \
+  "complex128, bool}"
+
+REGISTER_OP("DymemSwapOutPartial")
+    .Input("x: T")
+    .Output("host: T")
+    .Output("kept: T")
+    .Attr(DYMEM_PARTIAL_SWAP_TYPES)
+    .Attr("keep_rows: int >= 1")
+    .SetIsStateful()
+    .SetShapeFn(PartialOutShape);
+// A partial swap-out: `x`'s first `keep_rows` rows (along its first dimension; all of them when it has fewer) are
+// copied into `kept`, MOBILE device memory, and the other rows to host memory (`host`, as DymemSwapOut's). The
+// planner keeps what the budget has room for of a tensor it must otherwise move whole.
+
+REGISTER_OP("DymemSwapInPartial")
+    .Input("host: T")
+    .Input("kept: T")
+    .Output("y: T")
+    .Attr(DYMEM_PARTIAL_SWAP_TYPES)
+    .SetIsStateful()
+    .SetShapeFn(PartialInShape);
+// The tensor a DymemSwapOutPartial split: `kept`'s rows, then `host`'s, in one new MOBILE device buffer.
 
 // ---------------------------------------------------------------------------------------------------------------
 // CPU kernels.
@@ -262,8 +327,96 @@ class DymemSwapInCpuOp : public OpKernel {
   }
 };
 
+// The rows of `x` a partial swap-out with `keep_rows` keeps on the device; InvalidArgument for a scalar.
+absl::Status KeptRows(const Tensor& x, int64_t keep_rows, int64_t* kept) {
+  if (x.dims() < 1) {
+    return absl::InvalidArgumentError("DymemSwapOutPartial splits a tensor along its first dimension: got a scalar");
+  }
+  *kept = std::min<int64_t>(keep_rows, x.dim_size(0));
+  return absl::OkStatus();
+}
+
+// `shape` with its first dimension set to `rows`.
+tensorflow::TensorShape WithRows(tensorflow::TensorShape shape, int64_t rows) {
+  shape.set_dim(0, rows);
+  return shape;
+}
+
+// The shape DymemSwapInPartial rebuilds from `host` and `kept`; InvalidArgument where they do not match.
+absl::Status WholeShape(const Tensor& host, const Tensor& kept, tensorflow::TensorShape* whole) {
+  if (host.dims() < 1 || host.dims() != kept.dims() || host.dtype() != kept.dtype()) {
+    return absl::InvalidArgumentError(absl::StrCat("DymemSwapInPartial: the host part ", host.shape().DebugString(),
+                                                   " and the kept part ", kept.shape().DebugString(),
+                                                   " are not rows of one tensor"));
+  }
+  for (int d = 1; d < host.dims(); ++d) {
+    if (host.dim_size(d) != kept.dim_size(d)) {
+      return absl::InvalidArgumentError(absl::StrCat("DymemSwapInPartial: the host part ",
+                                                     host.shape().DebugString(), " and the kept part ",
+                                                     kept.shape().DebugString(), " differ beyond their rows"));
+    }
+  }
+  *whole = WithRows(kept.shape(), kept.dim_size(0) + host.dim_size(0));
+  return absl::OkStatus();
+}
+
+class DymemSwapOutPartialCpuOp : public OpKernel {
+ public:
+  explicit DymemSwapOutPartialCpuOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("keep_rows", &keep_rows_));
+    GetMobilityHooks();
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& x = ctx->input(0);
+    OP_REQUIRES_OK(ctx, CheckSwappable("DymemSwapOutPartial", x.dtype()));
+    int64_t rows = 0;
+    OP_REQUIRES_OK(ctx, KeptRows(x, keep_rows_, &rows));
+    Tensor* kept = nullptr;
+    {
+      ScopedMobility mobile(kMobilityMobile);
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(1, WithRows(x.shape(), rows), &kept));
+    }
+    Tensor host;
+    OP_REQUIRES_OK(ctx, AllocateHostPoolTensor(x.dtype(), WithRows(x.shape(), x.dim_size(0) - rows), &host));
+    const absl::string_view src = x.tensor_data();
+    const size_t head = kept->tensor_data().size();
+    CopyBytes(ctx, static_cast<char*>(kept->data()), src.data(), head);
+    CopyBytes(ctx, static_cast<char*>(host.data()), src.data() + head, src.size() - head);
+    HostPool::Global()->RecordSwapOut(static_cast<int64_t>(src.size() - head));
+    ctx->set_output(0, host);
+  }
+
+ private:
+  int64_t keep_rows_ = 1;
+};
+
+class DymemSwapInPartialCpuOp : public OpKernel {
+ public:
+  explicit DymemSwapInPartialCpuOp(OpKernelConstruction* ctx) : OpKernel(ctx) { GetMobilityHooks(); }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& host = ctx->input(0);
+    const Tensor& kept = ctx->input(1);
+    OP_REQUIRES_OK(ctx, CheckSwappable("DymemSwapInPartial", host.dtype()));
+    tensorflow::TensorShape whole;
+    OP_REQUIRES_OK(ctx, WholeShape(host, kept, &whole));
+    Tensor* y = nullptr;
+    {
+      ScopedMobility mobile(kMobilityMobile);
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(0, whole, &y));
+    }
+    const absl::string_view head = kept.tensor_data(), tail = host.tensor_data();
+    CopyBytes(ctx, static_cast<char*>(y->data()), head.data(), head.size());
+    CopyBytes(ctx, static_cast<char*>(y->data()) + head.size(), tail.data(), tail.size());
+    HostPool::Global()->RecordSwapIn(static_cast<int64_t>(tail.size()));
+  }
+};
+
 REGISTER_KERNEL_BUILDER(Name("DymemSwapOut").Device(tensorflow::DEVICE_CPU), DymemSwapOutCpuOp);
 REGISTER_KERNEL_BUILDER(Name("DymemSwapIn").Device(tensorflow::DEVICE_CPU), DymemSwapInCpuOp);
+REGISTER_KERNEL_BUILDER(Name("DymemSwapOutPartial").Device(tensorflow::DEVICE_CPU), DymemSwapOutPartialCpuOp);
+REGISTER_KERNEL_BUILDER(Name("DymemSwapInPartial").Device(tensorflow::DEVICE_CPU), DymemSwapInPartialCpuOp);
 
 // ---------------------------------------------------------------------------------------------------------------
 // GPU kernels: the copies are asynchronous DMA through the device context; no device code, so no nvcc.
@@ -340,10 +493,137 @@ class DymemSwapInGpuOp : public AsyncOpKernel {
   }
 };
 
+// Calls `done` once both of a partial swap's two asynchronous copies have reported, with the first error seen.
+class TwoCopies {
+ public:
+  TwoCopies(OpKernelContext* ctx, tensorflow::AsyncOpKernel::DoneCallback done, std::function<void()> on_ok)
+      : ctx_(ctx), done_(std::move(done)), on_ok_(std::move(on_ok)) {}
+
+  // The callback of one of the two copies; the second to run finishes the op and deletes this.
+  tensorflow::StatusCallback Callback() {
+    return [this](const absl::Status& s) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (!s.ok() && status_.ok()) status_ = s;
+        if (++reported_ < 2) return;
+      }
+      if (status_.ok()) on_ok_();
+      ctx_->SetStatus(status_);
+      auto done = std::move(done_);
+      delete this;
+      done();
+    };
+  }
+
+  // The views of tensors the copies read or write; kept alive until the copies are done.
+  Tensor* Keep(const Tensor& t) {
+    views_.push_back(std::make_unique<Tensor>(t));
+    return views_.back().get();
+  }
+
+ private:
+  OpKernelContext* ctx_;
+  tensorflow::AsyncOpKernel::DoneCallback done_;
+  std::function<void()> on_ok_;
+  std::mutex mu_;
+  absl::Status status_;
+  int reported_ = 0;
+  std::vector<std::unique_ptr<Tensor>> views_;
+};
+
+class DymemSwapOutPartialGpuOp : public AsyncOpKernel {
+ public:
+  explicit DymemSwapOutPartialGpuOp(OpKernelConstruction* ctx) : AsyncOpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("keep_rows", &keep_rows_));
+    GetMobilityHooks();
+  }
+
+  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
+    const Tensor& x = ctx->input(0);
+    tensorflow::DeviceContext* device_context = ctx->op_device_context();
+    OP_REQUIRES_ASYNC(ctx, device_context != nullptr,
+                      absl::InternalError("DymemSwapOutPartial: the device has no device context"), done);
+    int64_t rows = 0;
+    OP_REQUIRES_OK_ASYNC(ctx, KeptRows(x, keep_rows_, &rows), done);
+    Tensor* kept = nullptr;
+    {
+      ScopedMobility mobile(kMobilityMobile);
+      OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(1, WithRows(x.shape(), rows), &kept), done);
+    }
+    tensorflow::AllocatorAttributes host_attr;
+    host_attr.set_on_host(true);
+    host_attr.set_gpu_compatible(true);
+    Tensor pinned;
+    OP_REQUIRES_OK_ASYNC(ctx,
+                         AllocateChargedTensor(HostPool::Global(), ctx->device()->GetAllocator(host_attr), x.dtype(),
+                                               WithRows(x.shape(), x.dim_size(0) - rows), &pinned),
+                         done);
+    ctx->set_output(0, pinned);
+    const int64_t moved = static_cast<int64_t>(pinned.TotalBytes());
+    auto* copies = new TwoCopies(ctx, std::move(done), [moved] { HostPool::Global()->RecordSwapOut(moved); });
+    Device* device = static_cast<Device*>(ctx->device());
+    if (kept->TotalBytes() == 0) {
+      copies->Callback()(absl::OkStatus());
+    } else {
+      device_context->CopyTensorInSameDevice(copies->Keep(x.Slice(0, rows)), device, kept, copies->Callback());
+    }
+    if (moved == 0) {
+      copies->Callback()(absl::OkStatus());
+    } else {
+      device_context->CopyDeviceTensorToCPU(copies->Keep(x.Slice(rows, x.dim_size(0))), "DymemSwapOutPartial",
+                                            device, ctx->mutable_output(0), copies->Callback());
+    }
+  }
+
+ private:
+  int64_t keep_rows_ = 1;
+};
+
+class DymemSwapInPartialGpuOp : public AsyncOpKernel {
+ public:
+  explicit DymemSwapInPartialGpuOp(OpKernelConstruction* ctx) : AsyncOpKernel(ctx) { GetMobilityHooks(); }
+
+  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
+    const Tensor& host = ctx->input(0);
+    const Tensor& kept = ctx->input(1);
+    OP_REQUIRES_ASYNC(ctx, ctx->input_alloc_attr(0).on_host(),
+                      absl::InternalError("DymemSwapInPartial: the host part must reside in host memory"), done);
+    tensorflow::DeviceContext* device_context = ctx->op_device_context();
+    OP_REQUIRES_ASYNC(ctx, device_context != nullptr,
+                      absl::InternalError("DymemSwapInPartial: the device has no device context"), done);
+    tensorflow::TensorShape whole;
+    OP_REQUIRES_OK_ASYNC(ctx, WholeShape(host, kept, &whole), done);
+    Tensor* y = nullptr;
+    {
+      ScopedMobility mobile(kMobilityMobile);
+      OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(0, whole, &y), done);
+    }
+    const int64_t moved = static_cast<int64_t>(host.TotalBytes());
+    auto* copies = new TwoCopies(ctx, std::move(done), [moved] { HostPool::Global()->RecordSwapIn(moved); });
+    Device* device = static_cast<Device*>(ctx->device());
+    const int64_t rows = kept.dim_size(0);
+    if (kept.TotalBytes() == 0) {
+      copies->Callback()(absl::OkStatus());
+    } else {
+      device_context->CopyTensorInSameDevice(&kept, device, copies->Keep(y->Slice(0, rows)), copies->Callback());
+    }
+    if (moved == 0) {
+      copies->Callback()(absl::OkStatus());
+    } else {
+      device_context->CopyCPUTensorToDevice(&host, device, copies->Keep(y->Slice(rows, whole.dim_size(0))),
+                                            copies->Callback());
+    }
+  }
+};
+
 // Not for variant: see the file's comment.
 REGISTER_KERNEL_BUILDER(
     Name("DymemSwapOut").Device(tensorflow::DEVICE_GPU).TypeConstraint("T", kGpuSwapTypes).HostMemory("host"),
     DymemSwapOutGpuOp);
+REGISTER_KERNEL_BUILDER(Name("DymemSwapOutPartial").Device(tensorflow::DEVICE_GPU).HostMemory("host"),
+                        DymemSwapOutPartialGpuOp);
+REGISTER_KERNEL_BUILDER(Name("DymemSwapInPartial").Device(tensorflow::DEVICE_GPU).HostMemory("host"),
+                        DymemSwapInPartialGpuOp);
 REGISTER_KERNEL_BUILDER(
     Name("DymemSwapIn").Device(tensorflow::DEVICE_GPU).TypeConstraint("T", kGpuSwapTypes).HostMemory("host"),
     DymemSwapInGpuOp);
