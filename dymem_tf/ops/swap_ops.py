@@ -142,7 +142,8 @@ def _identity_gradient(op, grad):  # pylint: disable=unused-argument
 
 def _partial_out_gradient(op, grad_host, grad_kept):
     # the rows split, joined again: the kept rows come first
-    parts = [g if g is not None else tf.zeros_like(t) for g, t in ((grad_kept, op.outputs[1]), (grad_host, op.outputs[0]))]
+    parts = [g if g is not None else tf.zeros_like(t)
+             for g, t in ((grad_kept, op.outputs[1]), (grad_host, op.outputs[0]))]
     return tf.concat(parts, axis=0)
 
 
