@@ -183,21 +183,27 @@ def test_after_a_step_that_ran_out_of_memory_only_a_plan_placed_within_the_limit
                 pass_._placed_plan(prep, settings, req)  # noqa: SLF001
 
 
+def _sweep(name: str, profile: str):
+    """(prepared step, persistent bytes, its planner at ``profile``, the hideable candidates, 9 budgets evenly
+    between the plain peak and the peak with every hideable candidate swapped)."""
+    prep, persistent, _ = prepared(name)
+    pl = planner._Planner(prep.graph, as_cost_model(profile), planner.DEFAULT_MIN_SWAP_BYTES, 1, 3, None,
+                          prep.weights, prep.recomputable)
+    hidden = pl.hideable(pl.candidates("dymem"))
+    plain = pl.run([], persistent).peak_bytes
+    full = pl.run(pl.decisions("dymem", hidden, "queue"), persistent).peak_bytes
+    return prep, persistent, pl, hidden, [plain - round(k * (plain - full) / 10) for k in range(1, 10)]
+
+
 @pytest.mark.parametrize("name, profile", [("cnn", "h200"), ("transformer", "a100")])
 def test_downsizing_moves_fewer_bytes_and_keeps_the_budget_and_the_speed(name, profile):
     """The greedy chain adds the largest tensors at the peak; its last may hold far more than the budget needs.
     Downsizing replaces such swaps by smaller ones (or drops them): at every budget of a sweep the plan fits, is no
     slower, and never moves more bytes than the greedy set, and on some budgets it moves fewer."""
-    prep, persistent, _ = prepared(name)
-    pl = planner._Planner(prep.graph, as_cost_model(profile), planner.DEFAULT_MIN_SWAP_BYTES, 1, 3, None,
-                          prep.weights, prep.recomputable)
+    prep, persistent, pl, hidden, budgets = _sweep(name, profile)
     pool = pl.candidates("dymem", relaxed=True)
-    hidden = pl.hideable(pl.candidates("dymem"))
-    plain = pl.run([], persistent).peak_bytes
-    full = pl.run(pl.decisions("dymem", hidden, "queue"), persistent).peak_bytes
     fewer = 0
-    for k in range(1, 10):
-        budget = plain - round(k * (plain - full) / 10)
+    for budget in budgets:
         chosen, res = pl.fit_budget("dymem", "queue", hidden, [], budget, persistent)
         assert res.peak_bytes <= budget
         kept, r = pl.downsize("dymem", "queue", pool, chosen, budget, persistent, res)
@@ -206,7 +212,33 @@ def test_downsizing_moves_fewer_bytes_and_keeps_the_budget_and_the_speed(name, p
         assert pl.moved_bytes(kept) <= pl.moved_bytes(chosen)
         fewer += pl.moved_bytes(kept) < pl.moved_bytes(chosen)
     assert fewer >= 3
-    batch = MODELS[name][1]
-    notes = [n for k in range(1, 10) for n in plan(prep, persistent, batch, profile,
-                                                   plain - round(k * (plain - full) / 10)).notes]
+    notes = [n for budget in budgets for n in plan(prep, persistent, MODELS[name][1], profile, budget).notes]
     assert any(n.startswith("downsized: ") for n in notes)  # make_plan downsizes too, and says so
+
+
+@pytest.mark.parametrize("name, profile", [("cnn", "h200"), ("transformer", "a100")])
+def test_partial_swaps_fill_the_room_whole_tensors_leave_and_the_plan_still_fits(name, profile):
+    """Between whole tensors a budgeted plan leaves room (issue 48); the fill keeps rows of its swapped feature
+    maps on the device: at every budget of a sweep the filled plan fits, is no slower, its simulation is its own,
+    it moves no more bytes, and on some budgets it keeps rows and comes closer to the budget. Every kept part is
+    some, not all, of a feature map's rows, in proportion."""
+    prep, persistent, pl, hidden, budgets = _sweep(name, profile)
+    filled = 0
+    for budget in budgets:
+        chosen, res = pl.fit_budget("dymem", "queue", hidden, [], budget, persistent)
+        swaps = pl.decisions("dymem", chosen, "queue")
+        res = pl.run(swaps, persistent)
+        out, r = pl.fill(swaps, budget, persistent, res)
+        assert r.peak_bytes <= budget and r.step_time_s <= res.step_time_s * (1 + 1e-9)
+        assert r.peak_bytes == pl.run(out, persistent).peak_bytes
+        assert sum(s.moved_bytes for s in out) <= sum(s.moved_bytes for s in swaps)
+        for s in out:
+            if s.kept_bytes:
+                rows = prep.graph.tensors[s.tensor].shape[0]
+                assert s.kind == "tensor" and 0 < s.keep_rows < rows and s.kept_bytes * rows == s.keep_rows * s.bytes
+        if any(s.kept_bytes for s in out):
+            filled += 1
+            assert r.peak_bytes > res.peak_bytes  # the kept rows use the room
+    assert filled >= 3
+    notes = [n for budget in budgets for n in plan(prep, persistent, MODELS[name][1], profile, budget).notes]
+    assert any(n.startswith("partial swaps: ") for n in notes)  # make_plan fills too, and says so

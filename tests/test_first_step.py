@@ -266,6 +266,7 @@ out["placed"] = cb.records[-1].plan.predicted.calibrated_peak_bytes
 measured = cb.records[-1].plan.measured
 out["measured"] = measured.peak_bytes if measured is not None else None
 out["prepared_once"] = cb.records[-1].step_graph is cb.records[0].step_graph
+out["kept"] = [sum(s.kept_bytes for s in r.plan.swaps) for r in cb.records]
 print("RESULT" + json.dumps(out), flush=True)
 """
 

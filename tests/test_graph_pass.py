@@ -111,12 +111,12 @@ def _seq(names, bands=None) -> str:
 _SEQADDED = _records("seqadded", {"chain": 0})
 
 
-def _relu_swap_plan(view, consumers=None, trigger=""):
+def _relu_swap_plan(view, consumers=None, trigger="", keep_rows=0):
     relu = [op for op in view.get_operations() if op.type == "Relu"][0]
     readers = consumers or [op.name for op in relu.outputs[0].consumers() if "gradient_tape/" in op.name]
     name = relu.name
     out = f"{name}/dymem_swap_out_0"
-    return (_records("out", {"producer": name, "port": 0, "swap_out": out})
+    return (_records("out", {"producer": name, "port": 0, "swap_out": out, "keep_rows": keep_rows})
             + _records("in", {"swap_out": out, "swap_in": f"{name}/dymem_swap_in_0_0", "trigger": trigger,
                               "consumers": ",".join(readers)}))
 
@@ -138,9 +138,31 @@ def test_a_plan_inserts_swap_ops_and_the_step_computes_the_same_values():
     assert swap_in.outputs[0].consumers() and swap_in.device
 
 
+def test_a_partial_swap_keeps_its_rows_on_the_device_and_the_step_computes_the_same_values():
+    """A plan that keeps rows of a swapped tensor (``keep_rows``) inserts DymemSwapOutPartial, whose kept rows and
+    host part both feed DymemSwapInPartial; the step's values are those of the step as compiled."""
+    base = _offered(lambda call: None)
+    rewritten = []
+
+    def apply(call):
+        rewritten.append(call.apply(_versioned(_relu_swap_plan(call.graph(), keep_rows=3))).view())
+
+    out = _offered(apply)
+    for a, b in zip(out, base):
+        np.testing.assert_array_equal(a, b)
+    ops = rewritten[0].get_operations()
+    (swap_out,) = [op for op in ops if op.type == "DymemSwapOutPartial"]
+    (swap_in,) = [op for op in ops if op.type == "DymemSwapInPartial"]
+    assert swap_out.get_attr("keep_rows") == 3 and not any(op.type in ("DymemSwapOut", "DymemSwapIn") for op in ops)
+    assert [t.op.name for t in swap_in.inputs] == [swap_out.name, swap_out.name]
+    assert [t.value_index for t in swap_in.inputs] == [0, 1]
+    assert swap_in.outputs[0].consumers() and swap_in.device
+
+
 @pytest.mark.parametrize("plan, fragment", [
     ("bogus line\n", "unknown record kind 'bogus line'"),
-    ("out\tno_such_node\t0\tx/dymem_swap_out_0\n", "no_such_node"),
+    ("out\tno_such_node\t0\tx/dymem_swap_out_0\t0\n", "no_such_node"),
+    ("out\tx\t0\tx/dymem_swap_out_0\t-1\n", "malformed"),
     ("in\tmissing_out\tx/in\t\tconsumer\n", "unknown swap-out"),
     ("seq\t0\tno_such_node\t0\n", "no_such_node"),
     ("seq\tnot_a_chain\tx\t0\n", "malformed"),
@@ -149,7 +171,7 @@ def test_a_plan_inserts_swap_ops_and_the_step_computes_the_same_values():
     ("seq\t0\tx\t1\nseq\t0\ty\t0\n", "malformed"),
     ("seq\t0\tx\t\n", "malformed"),
     ("seqadded\n", "a 'seqadded' record has 1 fields (chain), not 0"),
-    ("out\tx\t0\n", "a 'out' record has 3 fields (producer, port, swap_out), not 2"),
+    ("out\tx\t0\n", "a 'out' record has 4 fields (producer, port, swap_out, keep_rows), not 2"),
 ])
 def test_a_plan_that_does_not_fit_is_refused_and_the_graph_is_unchanged(plan, fragment):
     base = _offered(lambda call: None)
@@ -399,7 +421,7 @@ def test_encode_plan_names_the_swap_ops():
 
     decision = SwapDecision("a/Relu:1", "a/Relu", 64, 1, [], ["g"], [SwapIn("t", 3, ["g"], 4)])
     text = graph_pass.encode_plan([decision], [("x", "y")])
-    assert text.splitlines() == [plan_message.header(), "out\ta/Relu\t1\ta/Relu/dymem_swap_out_1",
+    assert text.splitlines() == [plan_message.header(), "out\ta/Relu\t1\ta/Relu/dymem_swap_out_1\t0",
                                  "in\ta/Relu/dymem_swap_out_1\ta/Relu/dymem_swap_in_1_0\tt\tg", "ctrl\tx\ty"]
 
 
@@ -596,7 +618,7 @@ def _every_kind_message(view) -> str:
         return record(kind, resource=w.name, port=0, name=name, **last)
 
     return plan_message.message([
-        record("out", producer=relu.name, port=0, swap_out=out),
+        record("out", producer=relu.name, port=0, swap_out=out, keep_rows=0),
         record("in", swap_out=out, swap_in=swap_in, trigger="", consumers=",".join(grads)),
         record("var", resource=m.name, port=0, evict="m/e", swap_in="m/i", swap_out="m/o", trigger="",
                consumers=",".join(m_users)),
@@ -660,7 +682,7 @@ def _every_kind_text() -> str:
     from dymem_tf.passes.plan_message import record
 
     return plan_message.message([
-        record("out", producer="a", port=1, swap_out="a/o"),
+        record("out", producer="a", port=1, swap_out="a/o", keep_rows=0),
         record("in", swap_out="a/o", swap_in="a/i", trigger="t", consumers="g1,g2"),
         record("ctrl", src="x", dst="y"),
         record("var", resource="m", port=0, evict="m/e", swap_in="m/i", swap_out="m/o", trigger="", consumers="u"),
@@ -680,7 +702,7 @@ def test_the_parser_reads_every_field_by_its_name_whatever_its_column():
     text = _every_kind_text()
     read = graph_pass.describe_plan(text)
     assert read.splitlines() == [
-        "out\tproducer=a\tport=1\tswap_out=a/o",
+        "out\tproducer=a\tport=1\tswap_out=a/o\tkeep_rows=0",
         "in\tswap_out=a/o\tswap_in=a/i\ttrigger=t\tconsumers=g1,g2",
         "var\tresource=m\tport=0\tevict=m/e\tswap_in=m/i\tswap_out=m/o\ttrigger=\tconsumers=u",
         "vin\tresource=w\tport=2\tname=w/in\tkeep_host=1",
@@ -706,24 +728,27 @@ def _declaring(records: str, version=None, **declarations) -> str:
     return "\t".join(head) + "\n" + records
 
 
-_SWAP_OUT = "out\t{r}\t0\t{r}/o\n"
+_SWAP_OUT = "out\t{r}\t0\t{r}/o\t0\n"
 
 
 @pytest.mark.parametrize("text, fragment", [
-    (_declaring(_SWAP_OUT, out=("source", "port", "swap_out")),  # a renamed field
+    (_declaring(_SWAP_OUT, out=("source", "port", "swap_out", "keep_rows")),  # a renamed field
      ("the plan message's 'out' records have the unknown field 'source' (this graph pass reads producer, port, "
-      "swap_out): the Python package and its native library come from different builds")),
-    (_declaring("out\t{r}\t0\t{r}/o\tx\n", out=("producer", "port", "swap_out", "extra")),
+      "swap_out, keep_rows): the Python package and its native library come from different builds")),
+    (_declaring("out\t{r}\t0\t{r}/o\t0\tx\n", out=("producer", "port", "swap_out", "keep_rows", "extra")),
      "'out' records have the unknown field 'extra'"),
-    (_declaring("out\t{r}\t{r}/o\n", out=("producer", "swap_out")), "'out' records lack the field 'port'"),
-    (_declaring(_SWAP_OUT, out=("producer", "port", "port")), "declares the field 'port' of 'out' records twice"),
+    (_declaring("out\t{r}\t{r}/o\t0\n", out=("producer", "swap_out", "keep_rows")),
+     "'out' records lack the field 'port'"),
+    (_declaring(_SWAP_OUT, out=("producer", "port", "port", "keep_rows")),
+     "declares the field 'port' of 'out' records twice"),
     (_declaring(_SWAP_OUT, bogus=("a", "b")),
      "header declares the unknown record kind 'bogus' (this graph pass reads out, in, ctrl,"),
     (_declaring(_SWAP_OUT, out=None), "plan line 2 is a 'out' record, a kind the message's header does not declare"),
     (_declaring("bogus\t{r}\n"), "plan line 2 has the unknown record kind 'bogus'"),
-    (_declaring("out\t{r}\t0\n"), "plan line 2: a 'out' record has 3 fields (producer, port, swap_out), not 2"),
-    (_declaring("out\t0\n", out=("port", "swap_out", "producer")),
-     "a 'out' record has 3 fields (port, swap_out, producer), not 1"),
+    (_declaring("out\t{r}\t0\n"),
+     "plan line 2: a 'out' record has 4 fields (producer, port, swap_out, keep_rows), not 2"),
+    (_declaring("out\t0\n", out=("port", "swap_out", "producer", "keep_rows")),
+     "a 'out' record has 4 fields (port, swap_out, producer, keep_rows), not 1"),
     (_declaring(_SWAP_OUT, version=3), "the plan message is version 3 and this graph pass reads version 4"),
     ("dymem-plan\t3\n" + _SWAP_OUT, "the plan message is version 3 and this graph pass reads version 4"),
     (_SWAP_OUT, "does not start with its version line (dymem-plan 4)"),

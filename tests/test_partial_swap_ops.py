@@ -122,3 +122,40 @@ def test_with_gtbm_the_kept_rows_are_mobile_and_the_moved_ones_off_the_budget():
     mobile = after["groups"]["mobile"]["in_use"] - before["groups"]["mobile"]["in_use"]
     assert 1 << 20 <= mobile < 2 << 20  # the 4 kept rows, not the 12 moved ones
     np.testing.assert_array_equal(swap_in_partial(host, kept).numpy(), x.numpy())
+
+
+def test_training_with_partial_swaps_is_bit_identical_to_plain_training():
+    """Under budgets between whole tensors (an MLP of 1 MiB feature maps; the plan made without calibration, so
+    it is the same each run) the planner keeps rows of a swapped feature map on the device, the graph pass inserts
+    the partial swap ops, and losses and weights are those of training without Dymem."""
+    import keras
+
+    import dymem_tf
+
+    tf.config.experimental.enable_op_determinism()
+
+    def build():
+        keras.utils.set_random_seed(0)
+        inp = keras.Input((256,))
+        h = inp
+        for _ in range(12):
+            h = keras.layers.Dense(256, activation="relu")(h)
+        model = keras.Model(inp, keras.layers.Dense(10)(h))
+        model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    rng = np.random.default_rng(0)
+    x, y = rng.random((4096, 256), dtype=np.float32), rng.integers(0, 10, 4096)
+    fit = dict(batch_size=1024, epochs=1, shuffle=False, verbose=0)
+    model = build()
+    plain = model.fit(x, y, **fit).history["loss"]
+    weights = [w.numpy() for w in model.weights]
+    for budget in ("12MiB", "20MiB"):
+        model = build()
+        cb = dymem_tf.DymemCallback(memory_budget=budget, calibrate=False, verbose=0)
+        assert model.fit(x, y, callbacks=[cb], **fit).history["loss"] == plain
+        assert all(np.array_equal(a, b.numpy()) for a, b in zip(weights, model.weights))
+        partial = [s for s in cb.plan.swaps if s.kept_bytes]
+        assert partial and any(n.startswith("partial swaps: ") for n in cb.plan.notes), cb.plan.notes
+        assert all(0 < s.keep_rows < 1024 and s.kept_bytes == s.keep_rows * 1024 for s in partial)

@@ -12,7 +12,7 @@ from dymem_tf.passes import plan_message
 def test_the_schema_gives_a_version_and_every_record_its_fields():
     schema = plan_message.schema()
     assert schema.version >= 4
-    assert schema.records["out"] == ("producer", "port", "swap_out")
+    assert schema.records["out"] == ("producer", "port", "swap_out", "keep_rows")
     assert schema.records["ctrl"] == ("src", "dst")
     assert schema.records["seqadded"] == ("chain",)
     assert {"out", "in", "ctrl", "var", "vin", "vkeep", "vout", "vread", "clone", "reroute", "seq",
@@ -21,7 +21,7 @@ def test_the_schema_gives_a_version_and_every_record_its_fields():
 
 def test_a_record_is_written_by_field_name_in_the_schemas_order():
     assert plan_message.record("ctrl", dst="b", src="a") == "ctrl\ta\tb"
-    assert plan_message.record("out", swap_out="x/o", port=1, producer="x") == "out\tx\t1\tx/o"
+    assert plan_message.record("out", swap_out="x/o", port=1, producer="x", keep_rows=2) == "out\tx\t1\tx/o\t2"
     empty = plan_message.record("in", swap_out="x/out", swap_in="x/in", trigger="", consumers="")
     assert empty == "in\tx/out\tx/in\t\t"  # empty fields stay
 

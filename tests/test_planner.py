@@ -166,7 +166,7 @@ def test_a_branch_value_kept_in_an_optional_is_swapped_through_it():
 
     records = encode_plan([s]).splitlines()[1:]  # after the version line
     out, swap_in = swap_out_name("relu:0"), swap_in_name("relu:0", 0)
-    assert records[:2] == [f"out\trelu\t0\t{out}", f"reroute\twrap\trelu\t0\t{out}"]
+    assert records[:2] == [f"out\trelu\t0\t{out}\t0", f"reroute\twrap\trelu\t0\t{out}"]
     assert records[-1] == f"reroute\trgrad\tget\t0\t{swap_in}"
     s.optional_wrap = ""  # without the optional's reroute nothing serves rgrad
     assert validate_plan(sg, plan)

@@ -149,6 +149,6 @@ def step_stats(plan, own) -> dict:
     except Exception:  # pylint: disable=broad-except  (the op library may be unavailable: stats are optional)
         pass
     if plan is not None:
-        stats["planned_swap_bytes"] = sum(s.bytes for s in plan.swaps)
+        stats["planned_swap_bytes"] = plan.swapped_bytes
         stats["modelled_stall_s"] = plan.predicted.stall_s
     return stats

@@ -355,7 +355,8 @@ def encode_plan(swaps, control_edges=(), resident=(), sequences=(), streamed_lis
                                 trigger=swap_in.trigger_op or "", consumers=",".join(swap_in.consumers)))
             continue
         out = swap_out_name(decision.tensor)
-        lines.append(record("out", producer=producer, port=port, swap_out=out))
+        lines.append(record("out", producer=producer, port=port, swap_out=out,
+                            keep_rows=getattr(decision, "keep_rows", 0)))
         wrap = getattr(decision, "optional_wrap", "")
         if wrap:  # a conditional's optional keeps the host copy for the gradient's branch
             lines.append(record("reroute", consumer=wrap, source=producer, port=port, target=out))
@@ -414,12 +415,12 @@ def _streamed_list_records(streamed) -> list[str]:
     for element, push in streamed.pushes:
         producer, port = split_tensor_name(element)
         out = swap_out_name(element)
-        lines.append(record("out", producer=producer, port=port, swap_out=out))
+        lines.append(record("out", producer=producer, port=port, swap_out=out, keep_rows=0))
         lines.append(record("reroute", consumer=push, source=producer, port=port, target=out))
     for pop, *readers in streamed.pops:
         element = f"{pop}:1"
         out = swap_out_name(element)
-        lines.append(record("out", producer=pop, port=1, swap_out=out))
+        lines.append(record("out", producer=pop, port=1, swap_out=out, keep_rows=0))
         lines.append(record("in", swap_out=out, swap_in=swap_in_name(element, 0), trigger="",
                             consumers=",".join(readers)))
     return lines

@@ -82,6 +82,11 @@ class SwapDecision:
 
     ``kind="recompute"``: ``tensor`` is not kept for ``backward_consumers`` but computed again for them, by
     copies of the ops in ``recompute`` (its one swap-in's trigger starts them); nothing is copied to host memory.
+
+    A *partial* swap (kind ``"tensor"``, ``keep_rows`` above 0) keeps the tensor's first ``keep_rows`` rows
+    (``kept_bytes``, along its first dimension) on the device between its swap-out and its swap-ins and moves only
+    the others (``DymemSwapOutPartial`` / ``DymemSwapInPartial``): the planner fills what a budget has room for
+    with part of a tensor it must otherwise move whole.
     """
 
     tensor: str
@@ -102,6 +107,13 @@ class SwapDecision:
     #: ``OptionalFromValue`` op that holds the swap-out's host copy instead; ``alias_reads`` then name the
     #: ``OptionalGetValue`` each swap-in consumer read the value from, and the rewrite feeds them the swap-in itself
     optional_wrap: str = ""
+    keep_rows: int = 0  # a partial swap: the first rows that stay on the device (0: the whole tensor moves)
+    kept_bytes: int = 0  # their bytes
+
+    @property
+    def moved_bytes(self) -> int:
+        """The bytes each copy moves: the tensor's, less the rows a partial swap keeps."""
+        return self.bytes - self.kept_bytes
 
 
 @dataclass
@@ -175,8 +187,8 @@ class Plan:
     # ------------------------------------------------------------------------------------------------ queries
     @property
     def swapped_bytes(self) -> int:
-        """Total bytes of the swapped tensors."""
-        return sum(s.bytes for s in self.swaps)
+        """Total bytes of the swapped tensors, less the rows partial swaps keep on the device."""
+        return sum(s.moved_bytes for s in self.swaps)
 
     @property
     def offloaded_variables(self) -> list[SwapDecision]:
@@ -287,8 +299,10 @@ class Plan:
         lines = [f"dymem_tf plan: policy={self.policy} device={self.device} batch={self.batch_size} "
                  f"dependency_layers={self.num_layers}"]
         offloaded, weights, maps = self.offloaded_variables, self.offloaded_weights, self.feature_maps
-        lines.append(f"  swapped tensors : {len(maps)} ({mib(sum(s.bytes for s in maps))}), "
-                     f"{sum(len(s.swap_ins) for s in maps)} swap-ins")
+        partial = [s for s in maps if s.kept_bytes]
+        kept = f", {len(partial)} in part ({mib(sum(s.kept_bytes for s in partial))} kept)" if partial else ""
+        lines.append(f"  swapped tensors : {len(maps)} ({mib(sum(s.moved_bytes for s in maps))}), "
+                     f"{sum(len(s.swap_ins) for s in maps)} swap-ins{kept}")
         if offloaded:
             lines.append(f"  offloaded state : {len(offloaded)} optimizer variables "
                          f"({mib(sum(s.bytes for s in offloaded))}) in host memory between their uses")

@@ -355,6 +355,9 @@ class Simulator:
             if t.variable != (s.kind in ("variable", "weight")):
                 raise ValueError(f"plan swaps {s.tensor!r} as a {s.kind}, but it is "
                                  f"{'a variable' if t.variable else 'a feature map'}")
+            if (s.keep_rows or s.kept_bytes) and not _partial_ok(s, t):
+                raise ValueError(f"plan keeps {s.keep_rows} rows ({s.kept_bytes} bytes) of {s.tensor!r} on the "
+                                 f"device: a partial swap keeps some, not all, of a feature map's rows")
             if s.kind == "variable" and (len(s.swap_ins) != 1 or set(s.swap_ins[0].consumers) != set(t.consumers)):
                 raise ValueError(f"variable {s.tensor!r} needs one swap-in before all of its uses")
             if s.kind == "weight":
@@ -492,7 +495,7 @@ class Simulator:
                 end = self.base_end[pos] + offset
                 st = max(end, d2h_free)
                 out_start[j] = st
-                out_end[j] = d2h_free = st + cost.copy_time(swaps[j].bytes, "d2h")
+                out_end[j] = d2h_free = st + cost.copy_time(swaps[j].moved_bytes, "d2h")
             else:
                 i, _k, nbytes, _tp, _c0, _c1 = swap_ins[j]
                 end = self.base_end[pos] + offset
@@ -502,7 +505,7 @@ class Simulator:
                     continue
                 st = max(end, h2d_free, 0.0 if variable[i] else out_end[i])
                 in_start[j] = st
-                in_end[j] = h2d_free = st + cost.copy_time(nbytes, "h2d")
+                in_end[j] = h2d_free = st + cost.copy_time(nbytes - swaps[i].kept_bytes, "h2d")
         # Offsets apply from each stalled op on: piecewise-constant shift of the base schedule.
         shift = np.zeros(len(self.order) + 1)
         prev = 0.0
@@ -552,7 +555,22 @@ class Simulator:
                                 for x, last in zip(swap_ins, last_in)])
             mem.add(np.array(sched.in_start), in_free, sw[:, 0], sw[:, 1], 3, sw[:, 2],
                     np.array([_TRANSIENT if recomputed[x[0]] else _MOBILE for x in swap_ins], dtype=np.int64))
+        partial = self._kept_rows(swaps, sched)
+        if partial:
+            _i, alloc, free, key_alloc, key_free, nbytes = (np.array(v) for v in zip(*partial))
+            mem.add(alloc, free, key_alloc, key_free, 1, nbytes.astype(np.int64), _MOBILE)
         return mem
+
+    def _kept_rows(self, swaps: Sequence[SwapDecision], sched: _Schedule) -> list[tuple]:
+        """``(swap index, allocated, freed, op position of each, bytes)`` of the rows each partial swap keeps on
+        the device: made by its swap-out once the producer is done, read by each of its swap-ins, the last of which
+        frees them once its copy is done."""
+        last: dict[int, int] = {}
+        for j, (i, *_rest) in enumerate(sched.swap_ins):
+            if swaps[i].kept_bytes > 0:
+                last[i] = j if i not in last or sched.in_end[j] > sched.in_end[last[i]] else last[i]
+        return [(i, sched.out_start[i], sched.in_end[j], self.pos[swaps[i].producer], sched.swap_ins[j][3],
+                 swaps[i].kept_bytes) for i, j in sorted(last.items())]
 
     def _swapped_buffers(self, swaps: Sequence[SwapDecision]) -> dict[int, list[int]]:
         """Buffer index -> the indices of the swaps of tensors in it (a branch's value and the ``Merge`` passing it
@@ -599,6 +617,8 @@ class Simulator:
                     for p, b in zip(self.tmp_pos.tolist(), self.tmp_bytes.tolist())]
         buffers += [PeakBuffer(swaps[i].tensor, int(nbytes), "transient" if sched.recomputed[i] else "mobile", k)
                     for i, k, nbytes, _tp, _c0, _c1 in sched.swap_ins]
+        buffers += [PeakBuffer(f"{swaps[i].tensor} (kept rows)", int(b), "mobile")
+                    for i, _a, _f, _p, _k, b in self._kept_rows(swaps, sched)]
         idx, pk, parts_d, parts_g = curve.order, curve.peak_index, mem.d, mem.g
         rank = np.empty(len(idx), dtype=np.int64)
         rank[idx] = np.arange(len(idx))
@@ -614,6 +634,13 @@ class Simulator:
         kept[adopts[keep]] = ADOPTED  # the next buffer of a variable the device keeps
         allocations = np.stack([alloc, free, np.concatenate(parts_d[0::2]), groups], axis=1).astype(np.int64)
         return rows, live, allocations
+
+
+def _partial_ok(s: SwapDecision, t) -> bool:
+    """Whether ``s``'s kept rows are some, not all, of feature map ``t``'s, their bytes in proportion."""
+    rows = t.shape[0] if t.shape and t.shape_known else 0
+    return (s.kind == "tensor" and not s.optional_wrap and 0 < s.keep_rows < rows
+            and s.kept_bytes * rows == s.keep_rows * s.bytes)
 
 
 @dataclass

@@ -226,7 +226,8 @@ bool OutputOf(const OutputRecord& record, int port, OutputRecord* out) {
 }
 
 // The output record of a node the plan added: a swap op's output is shaped like its data input, a copy's (named
-// "<op>/dymem_...") like the op it copies; other nodes get their types with unknown shapes.
+// "<op>/dymem_...") like the op it copies; other nodes (a partial swap's, whose outputs hold some of the rows)
+// get their types with unknown shapes.
 OutputRecord AddedRecord(const tensorflow::Node* n, const ShapeAnnotations& known) {
   OutputRecord record;
   const tensorflow::Edge* in = nullptr;

@@ -21,7 +21,7 @@
 
 DYMEM_PLAN_VERSION(4)
 
-DYMEM_PLAN_RECORD(out, "producer", "port", "swap_out")
+DYMEM_PLAN_RECORD(out, "producer", "port", "swap_out", "keep_rows")
 DYMEM_PLAN_RECORD(in, "swap_out", "swap_in", "trigger", "consumers")
 DYMEM_PLAN_RECORD(ctrl, "src", "dst")
 DYMEM_PLAN_RECORD(var, "resource", "port", "evict", "swap_in", "swap_out", "trigger", "consumers")

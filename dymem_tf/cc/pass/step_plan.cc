@@ -163,10 +163,13 @@ std::vector<std::string> List(const std::string& text) { return absl::StrSplit(t
 
 // Parses one `out` record; false on a malformed one.
 bool ParseOut(const Record& r, StepPlan* plan) {
-  constexpr Field kProducer("out", "producer"), kPort("out", "port"), kSwapOut("out", "swap_out");
+  constexpr Field kProducer("out", "producer"), kPort("out", "port"), kSwapOut("out", "swap_out"),
+      kKeepRows("out", "keep_rows");
   int port = 0;
+  int64_t keep_rows = 0;
   if (r[kProducer].empty() || r[kSwapOut].empty() || !ParseIndex(r[kPort], &port)) return false;
-  plan->swap_outs.push_back({r[kProducer], port, r[kSwapOut]});
+  if (!absl::SimpleAtoi(r[kKeepRows], &keep_rows) || keep_rows < 0) return false;
+  plan->swap_outs.push_back({r[kProducer], port, r[kSwapOut], keep_rows});
   return true;
 }
 
@@ -575,6 +578,10 @@ bool Validate(const StepPlan& plan, const NodeIndex& index, std::string* error) 
       *error = absl::StrCat("output ", r.port, " of '", r.producer, "' does not exist or cannot be swapped");
       return false;
     }
+    if (r.keep_rows > 0 && producer->output_type(r.port) == tensorflow::DT_VARIANT) {
+      *error = absl::StrCat("output ", r.port, " of '", r.producer, "' is a variant: it cannot be swapped in part");
+      return false;
+    }
     if (index.count(r.name) || !outs.insert(r.name).second) {
       *error = absl::StrCat("swap-out name '", r.name, "' is already taken");
       return false;
@@ -625,21 +632,47 @@ bool Validate(const StepPlan& plan, const NodeIndex& index, std::string* error) 
   return true;
 }
 
-// Adds one swap op named `name` of `type` reading `src:port`, placed like `like`; null with `error` on failure.
-Node* AddSwapNode(Graph* graph, const std::string& name, const char* type, Node* src, int port, Node* like,
-                  tensorflow::DataType dtype, std::string* error) {
+// Finishes `builder`'s swap node named `name` of `type` with type `dtype` on `like`'s device; null with `error`.
+Node* FinishSwapNode(tensorflow::NodeBuilder* builder, Graph* graph, const std::string& name, const char* type,
+                     Node* like, tensorflow::DataType dtype, std::string* error) {
   Node* node = nullptr;
-  absl::Status s = tensorflow::NodeBuilder(name, type)
-                       .Input(tensorflow::NodeBuilder::NodeOut(src, port))
-                       .Attr("T", dtype)
-                       .Device(like->assigned_device_name())
-                       .Finalize(graph, &node, /*consume=*/true);
+  absl::Status s = builder->Attr("T", dtype).Device(like->assigned_device_name()).Finalize(graph, &node, true);
   if (!s.ok()) {
     *error = absl::StrCat("could not add ", type, " '", name, "': ", s.message());
     return nullptr;
   }
   node->set_assigned_device_name(like->assigned_device_name());
   return node;
+}
+
+// Adds one swap op named `name` of `type` reading `src:port`, placed like `like`; null with `error` on failure.
+Node* AddSwapNode(Graph* graph, const std::string& name, const char* type, Node* src, int port, Node* like,
+                  tensorflow::DataType dtype, std::string* error) {
+  tensorflow::NodeBuilder builder(name, type);
+  builder.Input(tensorflow::NodeBuilder::NodeOut(src, port));
+  return FinishSwapNode(&builder, graph, name, type, like, dtype, error);
+}
+
+// Adds the swap-out of `record` (DymemSwapOutPartial where it keeps rows) reading `producer`; null with `error`.
+Node* AddSwapOut(Graph* graph, const SwapOutRecord& record, Node* producer, std::string* error) {
+  const tensorflow::DataType dtype = producer->output_type(record.port);
+  if (record.keep_rows == 0) {
+    return AddSwapNode(graph, record.name, "DymemSwapOut", producer, record.port, producer, dtype, error);
+  }
+  tensorflow::NodeBuilder builder(record.name, "DymemSwapOutPartial");
+  builder.Input(tensorflow::NodeBuilder::NodeOut(producer, record.port)).Attr("keep_rows", record.keep_rows);
+  return FinishSwapNode(&builder, graph, record.name, "DymemSwapOutPartial", producer, dtype, error);
+}
+
+// Adds a swap-in named `name` of the swap-out `out` of `record` (DymemSwapInPartial, reading its host and its kept
+// rows, where it keeps rows); null with `error` on failure.
+Node* AddSwapIn(Graph* graph, const std::string& name, const SwapOutRecord& record, Node* out, Node* producer,
+                std::string* error) {
+  const tensorflow::DataType dtype = producer->output_type(record.port);
+  if (record.keep_rows == 0) return AddSwapNode(graph, name, "DymemSwapIn", out, 0, producer, dtype, error);
+  tensorflow::NodeBuilder builder(name, "DymemSwapInPartial");
+  builder.Input(tensorflow::NodeBuilder::NodeOut(out, 0)).Input(tensorflow::NodeBuilder::NodeOut(out, 1));
+  return FinishSwapNode(&builder, graph, name, "DymemSwapInPartial", producer, dtype, error);
 }
 
 // Data inputs of `consumer` that read `src:port`, as input indices.
@@ -722,9 +755,7 @@ void Undo(Graph* graph, const UndoLog& log) {
 bool AddSwapOuts(const StepPlan& plan, const NodeIndex& index, Graph* graph, NodeIndex* added, UndoLog* log,
                  std::string* error) {
   for (const SwapOutRecord& r : plan.swap_outs) {
-    Node* producer = index.at(r.producer);
-    Node* out = AddSwapNode(graph, r.name, "DymemSwapOut", producer, r.port, producer,
-                            producer->output_type(r.port), error);
+    Node* out = AddSwapOut(graph, r, index.at(r.producer), error);
     if (out == nullptr) return false;
     log->added_nodes.push_back(out);
     (*added)[r.name] = out;
@@ -740,8 +771,7 @@ bool AddSwapIns(const StepPlan& plan, const NodeIndex& index, Graph* graph, Node
   for (const SwapInRecord& r : plan.swap_ins) {
     const SwapOutRecord& src = *outs.at(r.swap_out);
     Node* producer = index.at(src.producer);
-    Node* in = AddSwapNode(graph, r.name, "DymemSwapIn", added->at(r.swap_out), 0, producer,
-                           producer->output_type(src.port), error);
+    Node* in = AddSwapIn(graph, r.name, src, added->at(r.swap_out), producer, error);
     if (in == nullptr) return false;
     log->added_nodes.push_back(in);
     (*added)[r.name] = in;  // `clone` records may read it (copies of alias ops)
@@ -1117,7 +1147,8 @@ bool ParseStepPlan(const std::string& text, StepPlan* plan, std::string* error) 
 std::string DescribeStepPlan(const StepPlan& plan) {
   std::string out;
   for (const SwapOutRecord& r : plan.swap_outs) {
-    absl::StrAppend(&out, "out\tproducer=", r.producer, "\tport=", r.port, "\tswap_out=", r.name, "\n");
+    absl::StrAppend(&out, "out\tproducer=", r.producer, "\tport=", r.port, "\tswap_out=", r.name,
+                    "\tkeep_rows=", r.keep_rows, "\n");
   }
   for (const SwapInRecord& r : plan.swap_ins) {
     absl::StrAppend(&out, "in\tswap_out=", r.swap_out, "\tswap_in=", r.name, "\ttrigger=", r.trigger,

@@ -57,6 +57,7 @@ struct SwapOutRecord {
   std::string producer;
   int port = 0;
   std::string name;
+  int64_t keep_rows = 0;  // above 0: a partial swap (DymemSwapOutPartial) that keeps this many first rows
 };
 
 struct SwapInRecord {
