@@ -6,9 +6,10 @@ Checks, in order (each one a row of the report; one that raises is a failure, th
   ``tf.config.experimental.get_memory_info("CPU:0")``. Each GPU gets a row "GTBM serves GPU:<k>: yes/no (opt-in
   DYMEM_GTBM_GPU=1)" with the reason when not (on a machine without GPUs one row says what the opt-in did).
 * ``kernels``: the swap ops have a kernel for every visible device type.
-* ``round trip``: ``DymemSwapOut`` then ``DymemSwapIn`` gives back every bit, on every visible device, for every
-  dtype the ops accept. A dtype TensorFlow keeps in host memory on that device (int32 on a GPU) is never swapped
-  (the pass excludes it, :func:`dymem_tf.passes.graph_capture.in_host_memory`): its row says so.
+* ``round trip``: ``DymemSwapOut`` then ``DymemSwapIn`` (and the partial pair) gives back every bit, on every
+  visible device, for every dtype the ops accept. A dtype TensorFlow keeps in host memory on that device (int32 on
+  a GPU) is never swapped (the pass excludes it, :func:`dymem_tf.passes.graph_capture.in_host_memory`): its row
+  says so.
 * ``bandwidth`` (GPUs only): device-to-host and host-to-device rates of the swap ops, and how much of the copies a
   matmul running at the same time hides. On a CPU the row says it was skipped.
 * ``training``: a 3-step tiny training with op determinism, without and with swapping, gives identical losses and
@@ -111,6 +112,10 @@ def check_gtbm_gpus(devices: list[str]) -> list[Result]:
     return rows
 
 
+#: The swap ops a plan may insert on any device (whole and partial swaps of feature maps).
+SWAP_OPS = ("DymemSwapOut", "DymemSwapIn", "DymemSwapOutPartial", "DymemSwapInPartial")
+
+
 def check_kernels(devices: list[str]) -> list[Result]:
     from dymem_tf import compat
     from dymem_tf.memory.native import load_ops_library
@@ -119,12 +124,12 @@ def check_kernels(devices: list[str]) -> list[Result]:
     visible = {d.split(":")[0] for d in devices}
     rows = []
     for kind in ("CPU", "GPU"):
-        missing = [op for op in ("DymemSwapOut", "DymemSwapIn") if kind not in compat.registered_kernel_devices(op)]
+        missing = [op for op in SWAP_OPS if kind not in compat.registered_kernel_devices(op)]
         if kind in visible:
             if missing:
                 rows.append(Result("kernels", kind, FAIL, f"no {kind} kernel for {', '.join(missing)}"))
             else:
-                rows.append(Result("kernels", kind, OK, "DymemSwapOut and DymemSwapIn have kernels"))
+                rows.append(Result("kernels", kind, OK, f"{', '.join(SWAP_OPS)} have kernels"))
         else:
             rows.append(Result("kernels", kind, INFO, f"{'not compiled in' if missing else 'compiled in'}; not run "
                                                       f"(no {kind} visible)"))
@@ -161,6 +166,10 @@ def check_round_trip(device: str, shapes=((1031, 3), (0, 5))) -> Result:
                 x = tf.identity(source)
                 host = swap_ops.swap_out(x)
                 back = swap_ops.swap_in(host)
+                # a partial swap's two parts, joined again (its first rows kept on the device)
+                whole = swap_ops.swap_in_partial(*swap_ops.swap_out_partial(x, 7)) if shape[0] > 7 else back
+            if whole.numpy().tobytes() != source.numpy().tobytes():
+                wrong.append(f"{dtype.name}{list(shape)} (partial swap)")
             expected = source.numpy().tobytes()
             got = bytearray(back.numpy().tobytes())
             if corrupt and got:
