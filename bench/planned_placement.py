@@ -74,7 +74,7 @@ MATCHED, TEMPORARY, FORWARDED, DYMEM_EXTRA, OUTSIDE = ("matched", "temporary", "
 def planned_buffers(sg, plan, profile, temporaries=None) -> dict:
     """The simulated step of ``plan`` as named buffers: ``{"rows": (n, 4) int64 (lower, upper, bytes, group) in
     the simulated event order (``SimResult.allocations``), "keys": per row ("out", tensor) / ("in", tensor, k) /
-    ("tmp", op), "op": the node that allocates it live, "peak_bytes": the simulated peak}``.
+    ("tmp", op) / ("kept", tensor), "op": the node that allocates it live, "peak_bytes": the simulated peak}``.
 
     The rows' order is the simulator's own (kept tensors, swapped originals, kernel temporaries, swap-ins:
     ``Simulator._timeline``); its schedule and memory events are recomputed here to name them."""
@@ -91,6 +91,7 @@ def planned_buffers(sg, plan, profile, temporaries=None) -> dict:
     keys += [("out", sim.t_names[i]) for i in mem.mob_idx]
     keys += [("tmp", sim.order[p]) for p in sim.tmp_pos.tolist()]
     keys += [("in", swaps[i].tensor, k) for i, k, *_ in sched.swap_ins]
+    keys += [("kept", swaps[i].tensor) for i, *_ in sim._kept_rows(swaps, sched)]  # noqa: SLF001 -- partial swaps
     rows = np.asarray(result.allocations, dtype=np.int64).reshape(-1, 4)
     if len(keys) != len(rows):
         raise RuntimeError(f"{len(keys)} names for {len(rows)} simulated buffers: the simulator's row order changed")
@@ -101,6 +102,8 @@ def planned_buffers(sg, plan, profile, temporaries=None) -> dict:
             ops.append(sg.tensors[key[1]].producer)
         elif key[0] == "tmp":
             ops.append(None)  # one aggregate per op: no allocation of its own
+        elif key[0] == "kept":
+            ops.append(graph_pass.swap_out_name(key[1]))  # a partial swap-out allocates its kept rows
         else:
             s, k = by_tensor[key[1]], key[2]
             kind = getattr(s, "kind", "tensor")
