@@ -476,9 +476,10 @@ class FitSession:
         if measured and predicted:
             # the bytes the probe's plan kept on the device all step: optimizer state it offloads is not among them
             # (its prediction counts that state only while it is back on the device)
+            last = source is not State.PROBE and self.control.refinements >= first_step.PLACED_REFINEMENTS
             calibration = first_step.Calibration.from_probe(
                 self.budget_bytes, int(predicted), int(measured), record.plan.persistent_bytes, int(in_use or 0),
-                source=source.value, placed=placed, group=group, outcome=outcome)
+                source=source.value, placed=placed, group=group, outcome=outcome, last=last)
             request = dataclasses.replace(request, calibration=calibration, headroom=calibration.headroom)
         self.request = request
         xla.make_train_function_without_xla(self.model)

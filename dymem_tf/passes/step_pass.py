@@ -74,12 +74,13 @@ class PlanRequest:
 
     def cache_key(self) -> tuple:
         """What a plan made for this request depends on besides the graph and the settings: its budget, stage (and
-        the plan its calibration measured and how its step ended: a placed plan may be refined twice) and batch
-        sizes. A calibration's measured figures are left out: a calibrated plan of the same graph, budget and stage
-        is made once per process (another ``fit``'s probe measures the same step again)."""
+        the plan its calibration measured, how its step ended and whether it is a placed plan's last refinement: a
+        placed plan may be refined three times) and batch sizes. A calibration's measured figures are left out: a
+        calibrated plan of the same graph, budget and stage is made once per process (another ``fit``'s probe
+        measures the same step again)."""
         headroom = None if self.calibration is not None else self.headroom
         cal = self.calibration
-        source = (cal.source, cal.outcome) if cal is not None else None
+        source = (cal.source, cal.outcome, cal.last) if cal is not None else None
         return (self.budget_bytes, self.stage, source, headroom, self.persistent_bytes, self.default_batch_size,
                 self.observed_batch_size)
 

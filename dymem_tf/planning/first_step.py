@@ -25,9 +25,9 @@ the second leaves too little room:
    calibrated again from that step (``Calibration.source == "calibrated"``): the placement's
    fragmentation of a plan that holds most of the budget differs from the probe's, which held a fraction of it
    (ResNet-50 32px + SGD: 10 MiB at 38 MiB in use in the probe, 24 MiB at 190 MiB in the calibrated plan). The
-   plan made with it is guarded the same way; a placed one that does not hold either is calibrated once more on
-   its own step with its whole miss carried (:data:`PLACED_REFINEMENTS`), then training falls back to the probe's
-   plan.
+   plan made with it is guarded the same way; a placed one that does not hold either is calibrated twice more on
+   its own step with its whole miss carried, the last time one allowance lower (:data:`PLACED_REFINEMENTS`), then
+   training falls back to the probe's plan.
 
 A refusal is therefore based on a measurement: a budget is refused only when the least-memory plan did not fit.
 
@@ -89,11 +89,15 @@ OUTCOMES = ("ran", "out_of_memory", "under_used")
 #: ratio that does not repeat is caught by its own guarded first step, and the plan that held trains instead.
 MIN_UNDER_USED_RATIO = 0.5
 #: How many times a placed plan whose first step does not hold (:func:`placed_plan_holds`) is calibrated again on
-#: its own step before the probe's plan takes over. The second time the refined plan's miss is carried whole
+#: its own step before the probe's plan takes over. From the second time on the refined plan's miss is carried whole
 #: (no :data:`PLACEMENT_JITTER_BLOCKS` discounted): DenseNet-121 32px under 95 MiB placed its refined plan at 86.0
 #: MiB against a limit of 87.6 and measured 86 in one run, 88 in another, where falling back to the probe's plan
-#: left 0.53 of the budget used; a plan one block lower holds.
-PLACED_REFINEMENTS = 2
+#: left 0.53 of the budget used; a plan one block lower holds. The last time the plan is also made one allowance
+#: lower (:attr:`Calibration.last`): partial swaps place plans on their limit, and under 71 MiB DenseNet-121's
+#: calibrated and two refined plans, placed at 66.0-66.7 MiB against a limit of 66.9, measured 67.0-67.5 (in use
+#: 63.8 down to 63.0 MiB, the reserved bytes did not follow), each 0.1-0.6 MiB short of the 4.1 MiB allowance; the
+#: probe's plan then trained at 37 MiB, 132.9 MiB swapped per step.
+PLACED_REFINEMENTS = 3
 #: What a calibrated plan placed in GTBM's groups (:func:`placed_prediction`) may measure above the higher of its
 #: prediction and its first step in any later step: :data:`PLACED_ALLOWANCE_BLOCKS` pageblocks and
 #: :data:`PLACED_ALLOWANCE_SHARE` of the budget (:func:`placed_allowance`). The most seen: over the 38 calibrated runs
@@ -147,15 +151,20 @@ class Calibration:
     #: below 1 (:func:`_scale`), with what that still leaves beyond the allowance carried as a residual below 0
     #: (:func:`_residual`), so that it keeps more
     outcome: str = "ran"
+    #: the last refinement a placed plan gets (:data:`PLACED_REFINEMENTS`): one :func:`placed_allowance` more of the
+    #: budget is kept free, so that a plan whose placement keeps missing by less than that holds rather than the
+    #: probe's plan taking over
+    last: bool = False
 
     @classmethod
     def from_probe(cls, budget_bytes: int, predicted_peak: int, measured_peak: int, persistent_bytes: int,
                    measured_in_use: int = 0, source: str = "probe", placed: Any = None,
-                   group: Any = None, outcome: str = "ran") -> "Calibration":
+                   group: Any = None, outcome: str = "ran", last: bool = False) -> "Calibration":
         """The calibration of a measured first step (of the ``source`` plan), its margin derived from the
         simulator's error on that step; with that step's ``placed`` placement and the persistent ``group`` it
         found (:class:`~dymem_tf.memory.placement.Placement`, ``PersistentGroup``), the placement's error too.
-        ``outcome``: how that step ended (:attr:`outcome`; a probe's step ran, or the budget was refused)."""
+        ``outcome``: how that step ended (:attr:`outcome`; a probe's step ran, or the budget was refused);
+        ``last``: the plan made with it is a placed plan's last refinement (:attr:`last`)."""
         if source not in SOURCES:
             raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
         if outcome not in OUTCOMES:
@@ -170,12 +179,16 @@ class Calibration:
             margin = placed_allowance(budget_bytes, int(group.block_size)) / max(int(budget_bytes), 1)
         elif placeable:
             margin = placed_margin(budget_bytes, predicted_peak, measured_in_use, int(group.block_size))
+            if last:  # one allowance lower than the plans that missed it
+                margin = min(margin + placed_allowance(budget_bytes, int(group.block_size)) / max(int(budget_bytes), 1),
+                             MAX_HEADROOM)
         else:
             margin = calibration_margin(predicted_peak, measured_in_use, budget_bytes)
         headroom = calibrated_headroom(budget_bytes, predicted_peak, measured_peak, persistent_bytes, margin,
                                        measured_in_use, outcome, _carries_in_bytes(source, outcome, placeable))
         cal = cls(int(budget_bytes), int(predicted_peak), int(measured_peak), int(persistent_bytes), headroom,
-                  int(measured_in_use), margin, source, outcome=outcome)
+                  int(measured_in_use), margin, source, outcome=outcome,
+                  last=bool(last and placeable and outcome != "under_used"))
         if placeable:
             cal.persistent_group = dataclasses.asdict(group)
             cal.placement_residual_bytes = _residual(cal, placed, int(group.block_size))
@@ -198,7 +211,8 @@ class Calibration:
                   if self.measured_in_use_bytes else "")
         peak = "ran out of memory at" if self.outcome == "out_of_memory" else "measured peak"
         room = (", under its placement by more than the allowance: keeping more"
-                if self.outcome == "under_used" else "")
+                if self.outcome == "under_used" else ", the last refinement: one allowance more kept free"
+                if self.last else "")
         return (f"calibrated on the first step of the {self.source} plan: {peak} "
                 f"{self.measured_peak_bytes / mib:.1f} MiB{in_use}, predicted "
                 f"{self.predicted_peak_bytes / mib:.1f} MiB ({self.error:+.1%}){room}; planning with "
