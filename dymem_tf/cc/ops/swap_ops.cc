@@ -425,6 +425,15 @@ REGISTER_KERNEL_BUILDER(Name("DymemSwapInPartial").Device(tensorflow::DEVICE_CPU
 using tensorflow::AsyncOpKernel;
 using tensorflow::Device;
 
+// A tensor of `dtype` and `shape` in pinned host memory, so that a copy into it is a real asynchronous DMA, charged
+// to the host pool's limit and statistics, into `*out`.
+absl::Status AllocatePinned(OpKernelContext* ctx, DataType dtype, const tensorflow::TensorShape& shape, Tensor* out) {
+  tensorflow::AllocatorAttributes host_attr;
+  host_attr.set_on_host(true);
+  host_attr.set_gpu_compatible(true);
+  return AllocateChargedTensor(HostPool::Global(), ctx->device()->GetAllocator(host_attr), dtype, shape, out);
+}
+
 class DymemSwapOutGpuOp : public AsyncOpKernel {
  public:
   explicit DymemSwapOutGpuOp(OpKernelConstruction* ctx) : AsyncOpKernel(ctx) {}
@@ -436,15 +445,8 @@ class DymemSwapOutGpuOp : public AsyncOpKernel {
     tensorflow::DeviceContext* device_context = ctx->op_device_context();
     OP_REQUIRES_ASYNC(ctx, device_context != nullptr,
                       absl::InternalError("DymemSwapOut: the device has no device context"), done);
-    // Pinned host memory, so that the copy is a real asynchronous DMA, charged to the host pool's limit and stats.
-    tensorflow::AllocatorAttributes host_attr;
-    host_attr.set_on_host(true);
-    host_attr.set_gpu_compatible(true);
     Tensor pinned;
-    OP_REQUIRES_OK_ASYNC(ctx,
-                         AllocateChargedTensor(HostPool::Global(), ctx->device()->GetAllocator(host_attr), x.dtype(),
-                                               x.shape(), &pinned),
-                         done);
+    OP_REQUIRES_OK_ASYNC(ctx, AllocatePinned(ctx, x.dtype(), x.shape(), &pinned), done);
     ctx->set_output(0, pinned);
     Tensor* host = ctx->mutable_output(0);  // owned by the context until done() runs
     const int64_t bytes = static_cast<int64_t>(x.TotalBytes());
@@ -540,6 +542,8 @@ class DymemSwapOutPartialGpuOp : public AsyncOpKernel {
 
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
     const Tensor& x = ctx->input(0);
+    OP_REQUIRES_ASYNC(ctx, !ctx->input_alloc_attr(0).on_host(),
+                      absl::InternalError("DymemSwapOutPartial: the input must reside on the device"), done);
     tensorflow::DeviceContext* device_context = ctx->op_device_context();
     OP_REQUIRES_ASYNC(ctx, device_context != nullptr,
                       absl::InternalError("DymemSwapOutPartial: the device has no device context"), done);
@@ -550,13 +554,8 @@ class DymemSwapOutPartialGpuOp : public AsyncOpKernel {
       ScopedMobility mobile(kMobilityMobile);
       OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(1, WithRows(x.shape(), rows), &kept), done);
     }
-    tensorflow::AllocatorAttributes host_attr;
-    host_attr.set_on_host(true);
-    host_attr.set_gpu_compatible(true);
     Tensor pinned;
-    OP_REQUIRES_OK_ASYNC(ctx,
-                         AllocateChargedTensor(HostPool::Global(), ctx->device()->GetAllocator(host_attr), x.dtype(),
-                                               WithRows(x.shape(), x.dim_size(0) - rows), &pinned),
+    OP_REQUIRES_OK_ASYNC(ctx, AllocatePinned(ctx, x.dtype(), WithRows(x.shape(), x.dim_size(0) - rows), &pinned),
                          done);
     ctx->set_output(0, pinned);
     const int64_t moved = static_cast<int64_t>(pinned.TotalBytes());
