@@ -425,6 +425,19 @@ REGISTER_KERNEL_BUILDER(Name("DymemSwapInPartial").Device(tensorflow::DEVICE_CPU
 using tensorflow::AsyncOpKernel;
 using tensorflow::Device;
 
+// The device context that `op`'s copies go through, into `*out`; InternalError where its first input (`input`, in
+// words) is not where the kernel reads it (in host memory when `on_host`, else on the device) or there is none.
+absl::Status CopyContext(OpKernelContext* ctx, const char* op, const char* input, bool on_host,
+                         tensorflow::DeviceContext** out) {
+  if (ctx->input_alloc_attr(0).on_host() != on_host) {
+    return absl::InternalError(
+        absl::StrCat(op, ": ", input, " must reside ", on_host ? "in host memory" : "on the device"));
+  }
+  *out = ctx->op_device_context();
+  if (*out == nullptr) return absl::InternalError(absl::StrCat(op, ": the device has no device context"));
+  return absl::OkStatus();
+}
+
 // A tensor of `dtype` and `shape` in pinned host memory, so that a copy into it is a real asynchronous DMA, charged
 // to the host pool's limit and statistics, into `*out`.
 absl::Status AllocatePinned(OpKernelContext* ctx, DataType dtype, const tensorflow::TensorShape& shape, Tensor* out) {
@@ -440,11 +453,8 @@ class DymemSwapOutGpuOp : public AsyncOpKernel {
 
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
     const Tensor& x = ctx->input(0);
-    OP_REQUIRES_ASYNC(ctx, !ctx->input_alloc_attr(0).on_host(),
-                      absl::InternalError("DymemSwapOut: the input must reside on the device"), done);
-    tensorflow::DeviceContext* device_context = ctx->op_device_context();
-    OP_REQUIRES_ASYNC(ctx, device_context != nullptr,
-                      absl::InternalError("DymemSwapOut: the device has no device context"), done);
+    tensorflow::DeviceContext* device_context = nullptr;
+    OP_REQUIRES_OK_ASYNC(ctx, CopyContext(ctx, "DymemSwapOut", "the input", /*on_host=*/false, &device_context), done);
     Tensor pinned;
     OP_REQUIRES_OK_ASYNC(ctx, AllocatePinned(ctx, x.dtype(), x.shape(), &pinned), done);
     ctx->set_output(0, pinned);
@@ -470,11 +480,8 @@ class DymemSwapInGpuOp : public AsyncOpKernel {
 
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
     const Tensor& host = ctx->input(0);
-    OP_REQUIRES_ASYNC(ctx, ctx->input_alloc_attr(0).on_host(),
-                      absl::InternalError("DymemSwapIn: the input must reside in host memory"), done);
-    tensorflow::DeviceContext* device_context = ctx->op_device_context();
-    OP_REQUIRES_ASYNC(ctx, device_context != nullptr,
-                      absl::InternalError("DymemSwapIn: the device has no device context"), done);
+    tensorflow::DeviceContext* device_context = nullptr;
+    OP_REQUIRES_OK_ASYNC(ctx, CopyContext(ctx, "DymemSwapIn", "the input", /*on_host=*/true, &device_context), done);
     Tensor* y = nullptr;
     {
       ScopedMobility mobile(kMobilityMobile);
@@ -542,11 +549,9 @@ class DymemSwapOutPartialGpuOp : public AsyncOpKernel {
 
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
     const Tensor& x = ctx->input(0);
-    OP_REQUIRES_ASYNC(ctx, !ctx->input_alloc_attr(0).on_host(),
-                      absl::InternalError("DymemSwapOutPartial: the input must reside on the device"), done);
-    tensorflow::DeviceContext* device_context = ctx->op_device_context();
-    OP_REQUIRES_ASYNC(ctx, device_context != nullptr,
-                      absl::InternalError("DymemSwapOutPartial: the device has no device context"), done);
+    tensorflow::DeviceContext* device_context = nullptr;
+    OP_REQUIRES_OK_ASYNC(
+        ctx, CopyContext(ctx, "DymemSwapOutPartial", "the input", /*on_host=*/false, &device_context), done);
     int64_t rows = 0;
     OP_REQUIRES_OK_ASYNC(ctx, KeptRows(x, keep_rows_, &rows), done);
     Tensor* kept = nullptr;
@@ -585,11 +590,9 @@ class DymemSwapInPartialGpuOp : public AsyncOpKernel {
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
     const Tensor& host = ctx->input(0);
     const Tensor& kept = ctx->input(1);
-    OP_REQUIRES_ASYNC(ctx, ctx->input_alloc_attr(0).on_host(),
-                      absl::InternalError("DymemSwapInPartial: the host part must reside in host memory"), done);
-    tensorflow::DeviceContext* device_context = ctx->op_device_context();
-    OP_REQUIRES_ASYNC(ctx, device_context != nullptr,
-                      absl::InternalError("DymemSwapInPartial: the device has no device context"), done);
+    tensorflow::DeviceContext* device_context = nullptr;
+    OP_REQUIRES_OK_ASYNC(
+        ctx, CopyContext(ctx, "DymemSwapInPartial", "the host part", /*on_host=*/true, &device_context), done);
     tensorflow::TensorShape whole;
     OP_REQUIRES_OK_ASYNC(ctx, WholeShape(host, kept, &whole), done);
     Tensor* y = nullptr;
