@@ -91,7 +91,7 @@ def planned_buffers(sg, plan, profile, temporaries=None) -> dict:
     keys += [("out", sim.t_names[i]) for i in mem.mob_idx]
     keys += [("tmp", sim.order[p]) for p in sim.tmp_pos.tolist()]
     keys += [("in", swaps[i].tensor, k) for i, k, *_ in sched.swap_ins]
-    keys += [("kept", swaps[i].tensor) for i, *_ in sim._kept_rows(swaps, sched)]  # noqa: SLF001 -- partial swaps
+    keys += [("kept", swaps[i].tensor) for i in mem.kept_of]  # the kept rows of partial swaps
     rows = np.asarray(result.allocations, dtype=np.int64).reshape(-1, 4)
     if len(keys) != len(rows):
         raise RuntimeError(f"{len(keys)} names for {len(rows)} simulated buffers: the simulator's row order changed")

@@ -887,8 +887,9 @@ class _Planner:
         peak: the gated CNN's feature maps are all 16 MiB, and under 104 MiB its plan measured 92 (issue 48)."""
         swaps, caps = list(swaps), {}
         for _ in range(FILL_TRIALS):
-            (rows, row_bytes), k = max(((self._rows_of_room(s, budget, res, caps), k) for k, s in enumerate(swaps)),
-                                       default=((0, 0), 0))
+            away = _off_device_spans(res)
+            (rows, row_bytes), k = max(((self._rows_of_room(s, budget, res, away, caps), k)
+                                        for k, s in enumerate(swaps)), default=((0, 0), 0))
             if rows <= 0:
                 break
             s = swaps[k]
@@ -901,11 +902,11 @@ class _Planner:
                 caps[s.tensor] = rows // 2
         return swaps, res
 
-    def _rows_of_room(self, s: SwapDecision, budget: int, res: SimResult, caps: Mapping[str, int]
-                      ) -> tuple[int, int]:
+    def _rows_of_room(self, s: SwapDecision, budget: int, res: SimResult, away: Mapping[str, tuple[float, float]],
+                      caps: Mapping[str, int]) -> tuple[int, int]:
         """``(rows, bytes of one)`` of feature map ``s`` (swapped in ``res``'s plan) that fit the room ``budget``
-        leaves over the times its rows would be kept, from its swap-out's start to its last swap-in's end, and at
-        most its cap in ``caps``; (0, 0) where it cannot be swapped in part (not a feature map with known rows, or
+        leaves over the times its rows would be kept (``away``, :func:`_off_device_spans`), and at most its cap in
+        ``caps``; (0, 0) where it cannot be swapped in part (not a feature map with known rows, or
         one whose host copy a conditional's optional holds). A tensor sharing its buffer (a branch's value and the
         ``Merge`` passing it on) keeps rows of its own: the kept rows are a copy, not the shared buffer."""
         t = self.sg.tensors.get(s.tensor)
@@ -913,13 +914,13 @@ class _Planner:
                 or t.dtype in ("variant", "resource", "string") or res.memory_curve is None):
             return 0, 0
         rows = int(t.shape[0] or 0)
-        events = [e for e in res.swap_events if e.tensor == s.tensor]
-        if rows < 2 or not events:
+        if rows < 2 or s.tensor not in away:
             return 0, 0
         row_bytes = s.bytes // rows
         times, in_use = res.memory_curve
-        first = max(int(np.searchsorted(times, min(e.out_start for e in events), "right")) - 1, 0)
-        last = int(np.searchsorted(times, max(e.in_end for e in events), "right"))
+        start, end = away[s.tensor]
+        first = max(int(np.searchsorted(times, start, "right")) - 1, 0)
+        last = int(np.searchsorted(times, end, "right"))
         room = budget - int(in_use[first:max(last, first + 1)].max())
         fits = min(room // max(row_bytes, 1), rows - 1 - s.keep_rows, caps.get(s.tensor, rows))
         return (int(fits), row_bytes) if fits > 0 else (0, 0)
@@ -1156,6 +1157,16 @@ def _downsized(pl: _Planner, policy: str, best: _Choice, pool: list[_Candidate],
         notes.append(f"downsized: {len(best.swaps)} -> {len(kept)} swaps, {mib(before)} -> "
                      f"{mib(after)} off the device (smaller tensors at the peak in place of larger ones)")
     return kept
+
+
+def _off_device_spans(res: SimResult) -> dict[str, tuple[float, float]]:
+    """Per swapped tensor of ``res``'s plan, from its swap-out's start to its last swap-in's end: the time a partial
+    swap keeps its rows on the device."""
+    spans: dict[str, tuple[float, float]] = {}
+    for e in res.swap_events:
+        start, end = spans.get(e.tensor, (e.out_start, e.in_end))
+        spans[e.tensor] = (min(start, e.out_start), max(end, e.in_end))
+    return spans
 
 
 def _filled(pl: _Planner, swaps: list[SwapDecision], budget: int, persistent: int, res: SimResult,

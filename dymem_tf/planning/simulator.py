@@ -556,6 +556,7 @@ class Simulator:
             mem.add(np.array(sched.in_start), in_free, sw[:, 0], sw[:, 1], 3, sw[:, 2],
                     np.array([_TRANSIENT if recomputed[x[0]] else _MOBILE for x in swap_ins], dtype=np.int64))
         partial = self._kept_rows(swaps, sched)
+        mem.kept_of = [i for i, *_ in partial]
         if partial:
             _i, alloc, free, key_alloc, key_free, nbytes = (np.array(v) for v in zip(*partial))
             mem.add(alloc, free, key_alloc, key_free, 1, nbytes.astype(np.int64), _MOBILE)
@@ -617,8 +618,7 @@ class Simulator:
                     for p, b in zip(self.tmp_pos.tolist(), self.tmp_bytes.tolist())]
         buffers += [PeakBuffer(swaps[i].tensor, int(nbytes), "transient" if sched.recomputed[i] else "mobile", k)
                     for i, k, nbytes, _tp, _c0, _c1 in sched.swap_ins]
-        buffers += [PeakBuffer(f"{swaps[i].tensor} (kept rows)", int(b), "mobile")
-                    for i, _a, _f, _p, _k, b in self._kept_rows(swaps, sched)]
+        buffers += [PeakBuffer(f"{swaps[i].tensor} (kept rows)", swaps[i].kept_bytes, "mobile") for i in mem.kept_of]
         idx, pk, parts_d, parts_g = curve.order, curve.peak_index, mem.d, mem.g
         rank = np.empty(len(idx), dtype=np.int64)
         rank[idx] = np.arange(len(idx))
@@ -669,6 +669,7 @@ class _MemoryEvents:
     keep: np.ndarray  # per tensor: not swapped (its buffer lives from producer to last use)
     mob_idx: list[int] = field(default_factory=list)  # tensors swapped or recomputed, with their group
     mob_group: list[int] = field(default_factory=list)
+    kept_of: list[int] = field(default_factory=list)  # the swaps whose kept rows are a part (partial swaps), in order
     t: list[np.ndarray] = field(default_factory=list)
     k1: list[np.ndarray] = field(default_factory=list)
     k2: list[np.ndarray] = field(default_factory=list)
